@@ -1,0 +1,5 @@
+import sys
+
+from ember.cli.main import main
+
+sys.exit(main())

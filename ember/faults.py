@@ -1,0 +1,23 @@
+"""Named fault-injection points for crash tests: `EMBER_FAULT=name[@k]` SIGKILLs the process
+the k-th time (default the first) execution reaches `point(name)`. Unset, a point costs one
+dict lookup."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_hits: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    """Die here, by SIGKILL, if the environment asks for a fault at this point."""
+    spec = os.environ.get("EMBER_FAULT")
+    if not spec:
+        return
+    target, _, nth = spec.partition("@")
+    if target != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,278 @@
+"""Recipes: a TOML file mapped to typed dataclasses, one per section, validated before anything runs.
+
+Every field carries its documentation and its allowed range in `field(metadata=...)`, so the
+validator, `ember recipe --explain` and the docs test all read the same source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ember.errors import EmberError
+
+
+def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+            exclusive_min: bool = False, factory: bool = False) -> Any:
+    """A recipe field with its help text and allowed range."""
+    meta = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min}
+    if factory:
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = setting("builtin:tiny", "A local Hugging Face model folder, a .gguf file, or "
+                        "'builtin:tiny' (a tiny Llama-style model with a byte-level tokenizer).")
+
+
+@dataclass
+class MethodConfig:
+    kind: Literal["full", "lora"] = setting("full", "Full fine-tuning or LoRA adapters (peft).")
+    rank: int = setting(8, "LoRA rank r.", min=1)
+    alpha: float = setting(16.0, "LoRA alpha (scaling = alpha / rank).", min=0, exclusive_min=True)
+    dropout: float = setting(0.0, "LoRA dropout probability.", min=0, max=0.9)
+    target_modules: list[str] = setting(lambda: ["all-linear"], "Module names LoRA adapts; "
+                                        "['all-linear'] adapts every linear layer but the output head.",
+                                        factory=True)
+    export_merged: bool = setting(False, "LoRA: also write merged full weights to OUT/final/merged.")
+
+
+@dataclass
+class DataConfig:
+    files: list[str] = setting(list, "Training files: plain text (.txt, one document per file) or "
+                               "JSONL (.jsonl, one document per line). Relative to the recipe.",
+                               factory=True)
+    text_field: str = setting("text", "The JSONL field that holds a document's text.")
+    seq_len: int = setting(128, "Tokens per packed training sequence.", min=2)
+    workers: int = setting(0, "Data-loader worker processes (0 = load in the training process).",
+                           min=0, max=64)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = setting(3e-4, "AdamW peak learning rate.", min=0, exclusive_min=True)
+    beta1: float = setting(0.9, "AdamW beta1.", min=0, max=0.999999)
+    beta2: float = setting(0.95, "AdamW beta2.", min=0, max=0.999999)
+    eps: float = setting(1e-8, "AdamW epsilon.", min=0, exclusive_min=True)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", min=0)
+    grad_clip: float = setting(1.0, "Clip the global gradient norm to this value (0 = no clipping).",
+                               min=0)
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["cosine", "linear", "constant"] = setting("cosine", "Decay after warmup.")
+    warmup_steps: int = setting(0, "Steps of linear warmup from 0 to the peak learning rate.", min=0)
+    min_lr_ratio: float = setting(0.1, "Final learning rate as a share of the peak (cosine, linear).",
+                                  min=0, max=1)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = setting(100, "Optimizer steps in the whole run.", min=1)
+    micro_batch: int = setting(4, "Sequences per forward/backward pass.", min=1)
+    grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.", min=1)
+    seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0)
+    activation_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
+    device: str = setting("auto", "'auto' (the accelerator torch finds, else CPU), 'cpu', or a torch "
+                          "device such as 'cuda', 'cuda:1', 'xpu', 'npu', 'mps'.")
+    threads: int = setting(0, "CPU threads for torch (0 = all cores). Fixed for the whole run: "
+                           "bit-exact resume needs the same count.", min=0)
+    deterministic: bool = setting(True, "torch.use_deterministic_algorithms(True); see README.")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = setting(50, "Checkpoint every N optimizer steps (0 = off).", min=0)
+    every_seconds: float = setting(0.0, "Also checkpoint when this many seconds passed since the "
+                                   "last one (0 = off).", min=0)
+    keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
+                             "a newer one is committed.", min=1)
+
+
+@dataclass
+class PrecisionConfig:
+    mode: Literal["fp32", "bf16", "fp16"] = setting("fp32", "Compute precision: fp32, or bf16/fp16 "
+                                                    "autocast (fp16 uses a GradScaler).")
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON of the resolved recipe."""
+        return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
+
+# Keys that change how a run is operated, not what it computes: they may differ on resume.
+OPERATIONAL_KEYS = frozenset({
+    "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
+    "method.export_merged",
+})
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read a TOML recipe, apply `section.key=value` overrides, validate, resolve data paths."""
+    path = Path(path)
+    if not path.is_file():
+        raise EmberError(f"{path}: recipe file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise EmberError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise EmberError(f"{path}: not a UTF-8 text file") from None
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise EmberError(f"{path}: '{section}' must be a [section] table")
+        raw[section][key] = value
+    recipe = build_recipe(raw, source=str(path))
+    base = path.resolve().parent
+    recipe.data.files = [str((base / f).resolve()) for f in recipe.data.files]
+    if not recipe.model.path.startswith("builtin:"):
+        candidate = base / recipe.model.path
+        recipe.model.path = str(candidate.resolve()) if candidate.exists() else recipe.model.path
+    return recipe
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is read as TOML, else as a string."""
+    name, sep, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise EmberError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=200")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return section, key, value
+
+
+def build_recipe(raw: dict[str, Any], source: str) -> Recipe:
+    """Map a raw TOML dict onto the dataclasses; reject unknown keys, wrong types, bad ranges."""
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise EmberError(f"{source}: unknown section [{name}]{did_you_mean(name, SECTIONS)}; "
+                             f"sections are {', '.join(SECTIONS)}")
+        if not isinstance(value, dict):
+            raise EmberError(f"{source}: '{name}' must be a [{name}] table, got {value!r}")
+        sections[name] = build_section(SECTIONS[name], name, value, source)
+    recipe = Recipe(**sections)
+    check_recipe(recipe, source)
+    return recipe
+
+
+def build_section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{source}: [{section}] {key}"
+        if key not in fields:
+            raise EmberError(f"{source}: unknown key '{key}' in [{section}]"
+                             f"{did_you_mean(key, fields)}; known keys: {', '.join(fields)}")
+        kwargs[key] = check_value(where, value, hints[key], fields[key].metadata)
+    return cls(**kwargs)
+
+
+def check_value(where: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
+    """Type- and range-check one value against its annotation; return it normalised."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise EmberError(f"{where} = {value!r}: must be a list of {item_type.__name__}")
+        return [check_value(f"{where}[{i}]", v, item_type, {}) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise EmberError(f"{where} = {value!r}: must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EmberError(f"{where} = {value!r}: must be an integer")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EmberError(f"{where} = {value!r}: must be a number")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise EmberError(f"{where} = {value!r}: must be a finite number")
+    elif hint is str:
+        if not isinstance(value, str):
+            raise EmberError(f"{where} = {value!r}: must be a string")
+        return value
+    low, high = meta.get("min"), meta.get("max")
+    if low is not None and (value < low or (meta.get("exclusive_min") and value == low)):
+        bound = f"> {low}" if meta.get("exclusive_min") else f">= {low}"
+        raise EmberError(f"{where} = {value!r}: must be {bound}")
+    if high is not None and value > high:
+        raise EmberError(f"{where} = {value!r}: must be <= {high}")
+    return value
+
+
+def check_recipe(recipe: Recipe, source: str) -> None:
+    """Cross-field rules that no single field's range can express."""
+    if not recipe.data.files:
+        raise EmberError(f"{source}: [data] files is empty: name at least one .txt or .jsonl file")
+    if recipe.method.kind == "lora" and not recipe.method.target_modules:
+        raise EmberError(f"{source}: [method] target_modules is empty: name the modules LoRA "
+                         f"adapts, or use ['all-linear']")
+
+
+def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two resolved recipe dicts."""
+    keys = set()
+    for section in set(old) | set(new):
+        a, b = old.get(section, {}), new.get(section, {})
+        keys |= {f"{section}.{k}" for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    return sorted(keys)
+
+
+def explain() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) for every setting, in recipe order."""
+    rows = []
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            rows.append((f"{name}.{f.name}", type_name, json.dumps(default), f.metadata["help"]))
+    return rows
