@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 on bad usage
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         if args.command == "run":
             return cmd_run(args, console)
@@ -56,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub mid-run
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet fork warnings with workers
+    from transformers.utils import logging as hf_logging
+
     from ember.recipe import load_recipe
     from ember.train.job import prepare
     from ember.train.loop import train
 
+    hf_logging.disable_progress_bar()
     recipe = load_recipe(args.recipe, args.overrides)
     job = prepare(recipe, args.out, args.allow_recipe_change, console)
     return train(job)

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from rich.console import Console
 
+from ember import faults
 from ember.ckpt import contents
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK
@@ -92,6 +94,7 @@ def train_step(job: Job, data: Iterator[torch.Tensor]) -> StepResult:
             loss = model(input_ids=batch, labels=batch).loss
         # Every sequence has seq_len tokens, so the mean of micro-batch means is the step's mean.
         job.scaler.scale(loss / r.train.grad_accum).backward()
+        faults.point("train.micro_batch")
         loss_sum += loss.item()  # sync point on accelerators; the loss is logged every step
         tokens += batch.numel()
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
@@ -125,7 +128,7 @@ def summarize(job: Job, final: object, tokens: int, seconds: float) -> None:
     records = read_metrics(job.run.metrics_path)
     committed = job.store.committed()
     rate = f"{tokens / seconds:,.0f} tokens/s in this attempt" if seconds else "no steps in this attempt"
-    job.console.print(
+    Console(soft_wrap=True).print(
         f"completed {job.state.step} steps; loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
         f"{rate}\ncheckpoints: {', '.join(p.name for _, p in committed)} in {job.store.root}\n"
         f"final weights: {final}")

@@ -1,0 +1,106 @@
+"""Whole runs, interrupted and resumed, must end bit-for-bit where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (assert_same_result, losses, run_ember, start_ember, stop, wait_for_step,
+                           write_recipe)
+
+CONFIGS = {
+    "full": {},
+    "lora": {"method": {"kind": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1}},
+    "grad_accum": {"train": {"grad_accum": 3, "max_steps": 16}},
+    "workers": {"data": {"workers": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted runs, one per configuration, made on first use."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(f"baseline-{name}")
+            recipe = write_recipe(folder, **CONFIGS[name])
+            result = run_ember("run", recipe, "--out", folder / "run")
+            assert result.returncode == 0, result.stderr
+            cache[name] = folder / "run"
+        return cache[name]
+    return get
+
+
+def resume_to_end(recipe: Path, out: Path) -> None:
+    result = run_ember("run", recipe, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "resuming from" in result.stderr
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_sigkill_at_random_moments_resumes_bit_exact(name, baselines, tmp_path):
+    rng = random.Random(f"kills-{name}")
+    recipe = write_recipe(tmp_path, **CONFIGS[name])
+    out = tmp_path / "run"
+    accum = CONFIGS[name].get("train", {}).get("grad_accum", 1)
+    # Two kills mid-step (after the backward of a random micro-batch), one inside a checkpoint
+    # commit (files written, manifest not yet), each followed by a restart.
+    # The first kill lands after the step-5 checkpoint so that every restart has one to resume.
+    kills = [f"train.micro_batch@{rng.randint(6 * accum, 9 * accum)}",
+             f"ckpt.files_written@{rng.randint(1, 2)}",
+             f"train.micro_batch@{rng.randint(2, 8 * accum)}"]
+    for fault in kills:
+        result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": fault})
+        assert result.returncode == -signal.SIGKILL, (fault, result.stderr)
+    assert list((out / "checkpoints").glob("step-*"))
+    assert not list((out / "checkpoints").glob("corrupt-*"))  # a kill never leaves a torn commit
+    resume_to_end(recipe, out)
+    assert_same_result(out, baselines(name))
+    attempts = (out / "attempts.jsonl").read_text().splitlines()
+    assert len(attempts) == len(kills) + 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, tmp_path):
+    recipe = write_recipe(tmp_path, train={"max_steps": 400})
+    out = tmp_path / "run"
+    proc = start_ember("run", recipe, "--out", out)
+    wait_for_step(proc, out / "metrics.jsonl", 7)
+    assert stop(proc, sig) == 75, proc.stderr.read() if proc.stderr else ""
+    stopped_at = losses(out)[-1][0]
+    assert 7 <= stopped_at < 400
+    assert (out / "checkpoints" / f"step-{stopped_at:09d}").is_dir()  # checkpointed where it stopped
+    # The baseline for a 400-step schedule: uninterrupted, in the same test.
+    base = tmp_path / "base"
+    assert run_ember("run", recipe, "--out", base).returncode == 0
+    resume_to_end(recipe, out)
+    assert_same_result(out, base)
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest"])
+def test_damaged_newest_checkpoint_falls_back_and_still_ends_identical(damage, baselines, tmp_path):
+    recipe = write_recipe(tmp_path)
+    out = tmp_path / "run"
+    result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": "train.micro_batch@13"})
+    assert result.returncode == -signal.SIGKILL
+    newest = out / "checkpoints" / "step-000000010"
+    assert newest.is_dir() and (out / "checkpoints" / "step-000000005").is_dir()
+    target = newest / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    if damage == "flip_byte":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(bytes(data[: len(data) - 100]))
+    else:
+        (newest / "MANIFEST.json").unlink()
+    result = run_ember("run", recipe, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "step-000000010 is damaged" in result.stderr
+    assert "resuming from" in result.stderr and "step-000000005" in result.stderr
+    assert list((out / "checkpoints").glob("corrupt-step-000000010.*"))  # kept for inspection
+    assert_same_result(out, baselines("full"))

@@ -1,0 +1,87 @@
+"""Helpers to write tiny recipes and run `ember` for real in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+GENESIS = ROOT / "examples" / "data" / "genesis.jsonl"
+
+
+def write_recipe(folder: Path, text: str = "", **sections: dict) -> Path:
+    """A tiny-model recipe in `folder`; `sections` override keys, `text` is appended verbatim."""
+    base = {
+        "model": {"path": "builtin:tiny"},
+        "data": {"files": [str(GENESIS)], "seq_len": 32},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 3},
+        "train": {"max_steps": 24, "micro_batch": 4, "seed": 7, "threads": 1},
+        "checkpoint": {"every_steps": 5, "keep_last": 2},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "recipe.toml"
+    path.write_text("\n".join(lines) + "\n" + text)
+    return path
+
+
+def ember_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ember", *map(str, args)]
+
+
+def run_ember(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the CLI to completion in a child process."""
+    return subprocess.run(ember_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def start_ember(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(ember_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
+    """Block until the run logged `step` (or exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= step:
+            return
+        time.sleep(0.002)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
+    """Signal the child we started (by PID) and reap it."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    return proc.returncode
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_result(run: Path, baseline: Path) -> None:
+    """Per-step losses and final weights bit-for-bit equal to the uninterrupted baseline."""
+    assert losses(run) == losses(baseline)
+    files = sorted(p.name for p in (baseline / "final").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (run / "final").glob("*.safetensors"))
+    for f in files:
+        a, b = load_file(run / "final" / f), load_file(baseline / "final" / f)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{f}: {name}"
