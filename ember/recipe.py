@@ -266,6 +266,14 @@ def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(keys)
 
 
+def type_label(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is list:
+        return f"list[{typing.get_args(hint)[0].__name__}]"
+    return hint.__name__
+
+
 def explain() -> list[tuple[str, str, str, str]]:
     """(key, type, default, help) for every setting, in recipe order."""
     rows = []
@@ -273,6 +281,6 @@ def explain() -> list[tuple[str, str, str, str]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
-            rows.append((f"{name}.{f.name}", type_name, json.dumps(default), f.metadata["help"]))
+            rows.append((f"{name}.{f.name}", type_label(hints[f.name]), json.dumps(default),
+                         f.metadata["help"]))
     return rows

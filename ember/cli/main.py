@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
     recipe.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE")
+    recipe.add_argument("--markdown", action="store_true", help="list the settings as a Markdown table")
     return parser
 
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_recipe(args)
     except EmberError as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
+        return EXIT_ERROR
+    except OSError as e:  # e.g. a full disk while appending metrics: say what and where
+        console.print(f"[bold red]error:[/bold red] {escape(str(e))}; committed checkpoints are "
+                      f"intact: fix the cause and run the same command to resume", highlight=False)
         return EXIT_ERROR
     except KeyboardInterrupt:
         console.print("interrupted")
@@ -71,6 +76,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def cmd_recipe(args: argparse.Namespace) -> int:
     from ember.recipe import canonical_json, explain, load_recipe
     console = Console()
+    if args.recipe is None and args.markdown:
+        print("| setting | type | default | meaning |\n| --- | --- | --- | --- |")
+        for key, type_name, default, help_text in explain():
+            cells = [f"`{key}`", type_name.replace("|", "\\|"), f"`{default}`", help_text]
+            print("| " + " | ".join(cells) + " |")
+        return 0
     if args.recipe is None:
         table = Table("setting", "type", "default", "meaning", show_lines=False)
         for row in explain():

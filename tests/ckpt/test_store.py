@@ -1,0 +1,112 @@
+"""The commit protocol: atomic, verified, retained, and safe against kills and full disks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.ckpt.store import MANIFEST, CheckpointStore
+from ember.errors import EmberError
+
+
+def writer(payload: bytes):
+    def write(folder: Path) -> None:
+        (folder / "a.bin").write_bytes(payload)
+        (folder / "b.bin").write_bytes(payload[::-1])
+    return write
+
+
+def test_commit_writes_manifest_with_sizes_and_hashes_and_verifies(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    ck = store.save(3, writer(b"x" * 1000), meta={"k": 1})
+    assert ck.path.name == "step-000000003"
+    manifest = json.loads((ck.path / MANIFEST).read_text())
+    assert manifest["files"]["a.bin"]["bytes"] == 1000 and manifest["meta"] == {"k": 1}
+    assert store.verify(ck.path)["step"] == 3
+    assert not [p for p in store.root.iterdir() if p.name.startswith(".")]
+
+
+def test_retention_keeps_the_newest_and_deletes_only_after_commit(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    for step in (1, 2, 3, 4):
+        store.save(step, writer(bytes([step]) * 10), meta={})
+    assert [s for s, _ in store.committed()] == [3, 4]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_file", "no_manifest", "bad_manifest"])
+def test_damaged_newest_is_quarantined_and_the_previous_is_used(tmp_path, damage):
+    store = CheckpointStore(tmp_path / "ck", keep_last=3)
+    store.save(1, writer(b"one" * 100), meta={})
+    newest = store.save(2, writer(b"two" * 100), meta={}).path
+    target = newest / "a.bin"
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[10] ^= 0x80
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-1])
+    elif damage == "missing_file":
+        target.unlink()
+    elif damage == "no_manifest":
+        (newest / MANIFEST).unlink()
+    else:
+        (newest / MANIFEST).write_text("{not json")
+    warnings = []
+    ck = store.load_latest(warnings.append)
+    assert ck is not None and ck.step == 1
+    assert len(warnings) == 1 and "step-000000002 is damaged" in warnings[0]
+    assert [p.name.split(".")[0] for p in store.root.glob("corrupt-*")] == ["corrupt-step-000000002"]
+
+
+def test_sweep_removes_uncommitted_and_retired_folders_only(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    store.save(1, writer(b"a"), meta={})
+    (store.root / ".tmp-step-000000002.123").mkdir()
+    (store.root / ".del-step-000000000").mkdir()
+    assert sorted(store.sweep()) == [".del-step-000000000", ".tmp-step-000000002.123"]
+    assert [s for s, _ in store.committed()] == [1]
+
+
+KILL_SCRIPT = """
+import sys
+from pathlib import Path
+from ember.ckpt.store import CheckpointStore
+store = CheckpointStore(Path(sys.argv[1]), keep_last=1)
+for step in (1, 2):
+    store.save(step, lambda d: (d / "w.bin").write_bytes(bytes([step]) * 4096), meta={})
+"""
+
+
+@pytest.mark.parametrize("fault", ["ckpt.files_written@2", "ckpt.manifest_written@2",
+                                   "ckpt.renamed@2", "ckpt.retired@1"])
+def test_kill_inside_commit_never_loses_the_committed_checkpoint(tmp_path, fault):
+    root = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(root)],
+                          env={**os.environ, "EMBER_FAULT": fault}, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    store = CheckpointStore(root, keep_last=1)
+    store.sweep()
+    ck = store.load_latest(pytest.fail)  # nothing found damaged
+    committed_second = fault in ("ckpt.renamed@2", "ckpt.retired@1")
+    assert ck is not None and ck.step == (2 if committed_second else 1)
+    assert (ck.path / "w.bin").read_bytes() == bytes([ck.step]) * 4096
+
+
+def test_full_disk_during_checkpoint_leaves_the_previous_one_intact(small_disk):
+    store = CheckpointStore(small_disk("1m") / "ck", keep_last=1)
+    store.save(1, writer(b"a" * 200_000), meta={})
+    with pytest.raises(EmberError) as info:
+        store.save(2, writer(b"b" * 600_000), meta={})
+    message = str(info.value)
+    assert "checkpoint at step 2 could not be written" in message
+    assert "No space left on device" in message and "step-000000001, is intact" in message
+    assert "free disk space" in message
+    assert [s for s, _ in store.committed()] == [1]
+    assert store.verify(store.root / "step-000000001")
+    assert not [p for p in store.root.iterdir() if p.name.startswith(".tmp")]  # space given back
