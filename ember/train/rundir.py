@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,8 +59,21 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "torch_config": torch.__config__.show().splitlines()[:3],
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("CUBLAS_", "CUDA_", "OMP_", "MKL_", "HF_", "PYTORCH_", "EMBER_"))},
-        "argv": sys.argv,
+        "argv": sys.argv, "cwd": os.getcwd(), "ember_source": _source_revision(),
     }
+
+
+def _source_revision() -> str | None:
+    """The git commit of ember's own source (plus '-dirty'), when it runs from a checkout."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return rev.stdout.strip() or None
 
 
 class RunDir:

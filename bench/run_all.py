@@ -1,0 +1,11 @@
+"""Run every benchmark in turn and print its figures (nothing is asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+for script in ("loop_overhead.py", "checkpoint.py", "resume.py"):
+    print(f"\n=== {script}", flush=True)
+    subprocess.run([sys.executable, str(HERE / script)], check=True)
