@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from transformers.utils import logging as hf_logging  # noqa: E402
+
 from ember.ckpt.state import seed_all  # noqa: E402
 from ember.recipe import build_recipe  # noqa: E402
 from ember.train.data import make_loader  # noqa: E402
@@ -86,6 +88,7 @@ def main() -> None:
         cfg.num_attention_heads, cfg.num_key_value_heads = 8, 4
         return cfg
     model_mod.tiny_config = bigger
+    hf_logging.disable_progress_bar()
     home = Path(tempfile.mkdtemp(prefix="ember-bench-"))
     os.environ["EMBER_HOME"] = str(home)
     results: dict[str, list[float]] = {"bare": [], "ember": [], "ember_nondeterministic": []}

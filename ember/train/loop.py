@@ -128,7 +128,7 @@ def summarize(job: Job, final: object, tokens: int, seconds: float) -> None:
     records = read_metrics(job.run.metrics_path)
     committed = job.store.committed()
     rate = f"{tokens / seconds:,.0f} tokens/s in this attempt" if seconds else "no steps in this attempt"
-    Console(soft_wrap=True).print(
+    Console(soft_wrap=True, quiet=job.console.quiet).print(
         f"completed {job.state.step} steps; loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
         f"{rate}\ncheckpoints: {', '.join(p.name for _, p in committed)} in {job.store.root}\n"
         f"final weights: {final}")

@@ -3,8 +3,6 @@ otherwise (logs, CI, tests)."""
 
 from __future__ import annotations
 
-import sys
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -27,8 +25,8 @@ class ProgressDisplay:
             self.bar.update(self.task, completed=step, loss=f"{loss:.4f}",
                             tok_s=f"{tokens_per_second:,.0f}")
         elif step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s",
-                  file=sys.stderr, flush=True)
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  "
+                               f"{tokens_per_second:,.0f} tok/s", highlight=False)
 
     def note(self, message: str) -> None:
         self.console.print(message)
