@@ -55,7 +55,7 @@ def bare_step_times(steps: int, home: Path) -> list[float]:
     raw = json.loads(json.dumps(CONFIG))
     raw["train"].update(max_steps=steps)
     recipe = build_recipe(raw, "bench")
-    job = prepare(recipe, Path(tempfile.mkdtemp(dir=home)), False, Console(quiet=True))
+    job = prepare(recipe, Path(tempfile.mkdtemp(dir=home)), False, Console(quiet=True), ledger_path=False)
     model, opt, sched = job.model, job.optimizer, job.scheduler
     data = iter(make_loader(job.batches(), steps, workers=0, pin=False))
     times = []

@@ -6,6 +6,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for script in ("loop_overhead.py", "checkpoint.py", "resume.py"):
+for script in ("loop_overhead.py", "accounting.py", "checkpoint.py", "resume.py"):
     print(f"\n=== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

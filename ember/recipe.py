@@ -107,6 +107,19 @@ class PrecisionConfig:
 
 
 @dataclass
+class CostConfig:
+    device_hour_price: float = setting(0.0, "Price of one accelerator (or the CPU machine) per hour; "
+                                       "0 = take it from $EMBER_HOME/machine.toml, else unknown.", min=0)
+    devices: int = setting(0, "Devices the price applies to (0 = the devices the run uses).", min=0)
+    watts: float = setting(0.0, "Power draw of the machine while training, in watts (0 = machine.toml).",
+                           min=0)
+    energy_price_kwh: float = setting(0.0, "Price of one kWh (0 = machine.toml).", min=0)
+    currency: str = setting("", "Currency of the prices ('' = machine.toml, else USD).")
+    peak_tflops: float = setting(0.0, "Peak dense TFLOP/s of one device at the run's precision, "
+                                 "for MFU (0 = ember's table, or a measured peak on CPU).", min=0)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -116,6 +129,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -130,7 +144,8 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
     "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
-    "method.export_merged",
+    "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
+    "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops",
 })
 
 
@@ -273,6 +288,12 @@ def type_label(hint: Any) -> str:
     if typing.get_origin(hint) is list:
         return f"list[{typing.get_args(hint)[0].__name__}]"
     return hint.__name__
+
+
+def get_dotted(d: dict[str, Any], dotted: str) -> Any:
+    """d["section"]["key"] for "section.key", None if absent."""
+    section, key = dotted.split(".", 1)
+    return d.get(section, {}).get(key)
 
 
 def explain() -> list[tuple[str, str, str, str]]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import socket
+import sqlite3
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,10 +21,16 @@ from ember.ckpt.state import RunState, seed_all
 from ember.ckpt.store import CheckpointStore
 from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
+from ember.ledger import store as ledger_store
+from ember.ledger.manifest import build_manifest
+from ember.ledger.store import Ledger, NullLedger
+from ember.metrics.flops import architecture_of, flops_per_token
+from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_peak
+from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
 from ember.train.model import ModelBundle, load_model, trainable_parameters
-from ember.train.rundir import RunDir, environment
+from ember.train.rundir import RunDir, read_metrics
 from ember.train.schedule import lr_factor
 
 
@@ -38,6 +47,8 @@ class Job:
     state: RunState
     tokens_path: Path
     console: Console
+    ledger: Ledger | NullLedger
+    started: float  # process start: the attempt's wall-clock begins here, imports included
 
     @property
     def model(self) -> torch.nn.Module:
@@ -49,9 +60,12 @@ class Job:
         return PackedBatches(self.tokens_path, d.seq_len, t.micro_batch, t.seed, self.state.cursor)
 
 
-def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console) -> Job:
-    """Open the run folder, build model, data and optimizer, and resume if a checkpoint exists."""
-    started = time.time()
+def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
+            recipe_file: Path | None = None, ledger_path: Path | None | bool = None) -> Job:
+    """Open the run folder, build model, data and optimizer, and resume if a checkpoint exists.
+
+    `ledger_path`: None for the default ledger, a path, or False for no accounting."""
+    started = process_start_time()
     warn = functools.partial(_warn, console)
     run = RunDir.open(out, recipe, allow_change, warn)
     device = pick_device(recipe.train.device)
@@ -66,7 +80,12 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console) -> 
                          f"{bundle.max_positions} positions; lower it")
     bundle.model.to(device)
     fingerprint = data_fingerprint(recipe.data.files, bundle.tokenizer)
-    _record_inputs(run, bundle, fingerprint, threads, allow_change, warn)
+    manifest = build_manifest(recipe_file or Path("."), device, threads, recipe.train.seed,
+                              recipe.train.deterministic)
+    manifest["data_fingerprint"] = fingerprint
+    _record_inputs(run, bundle, fingerprint, threads, manifest, allow_change, warn)
+    run.record["performance"] = performance(bundle, recipe, device, threads)
+    run.save_record()
     tokens_path = tokenize(recipe.data, bundle.tokenizer, fingerprint)
 
     opt = recipe.optimizer
@@ -78,13 +97,57 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console) -> 
     scaler = torch.amp.GradScaler(device.type, enabled=recipe.precision.mode == "fp16")
     store = CheckpointStore(run.ckpt_dir, recipe.checkpoint.keep_last)
     store.sweep()
+    ledger = open_ledger(ledger_path, run, recipe, warn)
     job = Job(recipe, run, device, bundle, optimizer, scheduler, scaler, store,
-              RunState(recipe_digest=recipe.digest()), tokens_path, console)
+              RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started)
+    t0 = time.time()
     resumed = restore(job, warn)
     lost = run.rewind_metrics(job.state.step)
-    run.start_attempt({"resumed_from_step": job.state.step if resumed else None,
-                       "lost_steps": lost, "setup_seconds": round(time.time() - started, 3)})
+    resumed_from = job.state.step if resumed else None
+    if isinstance(ledger, Ledger):
+        ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
+                    os.getpid(), device_label(device), resumed_from)
+        if resumed:
+            ledger.event("restore", t0, time.time(), step=job.state.step)
+    run.start_attempt({"resumed_from_step": resumed_from, "lost_steps": lost,
+                       "setup_seconds": round(time.time() - started, 3)})
     return job
+
+
+def open_ledger(path: Path | None | bool, run: RunDir, recipe: Recipe, warn: Any) -> Ledger | NullLedger:
+    """Register the run and close the attempts that died without saying; a no-op if disabled."""
+    if path is False:
+        return NullLedger()
+    con = ledger_store.connect(path or None)  # a newer schema or a non-database: refuse, clearly
+    last_seen: dict[int, float] = {}
+    for name in ("metrics.jsonl", "metrics.lost.jsonl"):
+        for r in read_metrics(run.path / name):
+            last_seen[r["attempt"]] = max(last_seen.get(r["attempt"], 0.0), r["time"])
+    try:
+        ledger_store.register_run(con, run.record["id"], run.path, run.path.name, recipe.digest(),
+                                  run.record.get("manifest", {}), recipe.train.max_steps)
+        ledger_store.close_dead_attempts(con, run.record["id"], last_seen)
+    except sqlite3.OperationalError as e:  # busy past the timeout: train anyway, say so
+        warn(f"ledger busy or unwritable ({e}); this attempt runs without accounting")
+        return NullLedger()
+    return Ledger(con, run.record["id"], run.attempt, warn)
+
+
+def performance(bundle: ModelBundle, recipe: Recipe, device: torch.device, threads: int) -> dict[str, Any]:
+    """FLOPs per token and the peak to divide by: what MFU needs, recorded once per attempt."""
+    flops = flops_per_token(architecture_of(bundle.model, recipe.data.seq_len))
+    if recipe.cost.peak_tflops:
+        peak = Peak(recipe.cost.peak_tflops * 1e12, "recipe [cost] peak_tflops")
+    elif device.type == "cpu":
+        peak = measured_cpu_peak(threads)
+    else:
+        peak = lookup_peak(device_name(device), recipe.precision.mode)
+    return {"flops_per_token": flops.total, "flops_formula": flops.formula, "peak_flops": peak.flops,
+            "peak_source": peak.source, "device_name": device_name(device), "devices": 1}
+
+
+def device_label(device: torch.device) -> str:
+    return f"{device_name(device)} x1"
 
 
 def restore(job: Job, warn: Any) -> bool:
@@ -107,7 +170,7 @@ def restore(job: Job, warn: Any) -> bool:
 
 
 def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: int,
-                   allow_change: bool, warn: Any) -> None:
+                   manifest: dict[str, Any], allow_change: bool, warn: Any) -> None:
     """Record model and data identity once; refuse a resume over changed data."""
     old = run.record.get("data_fingerprint")
     if old is not None and old != fingerprint:
@@ -117,10 +180,9 @@ def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: 
                              f"another --out, or pass --allow-recipe-change")
         warn("continuing over changed data (recorded in run.json)")
         run.record["recipe_changes"].append({"time": time.time(), "data_fingerprint": [old, fingerprint]})
-    if old != fingerprint or "environment" not in run.record:
+    if old != fingerprint or "manifest" not in run.record:
         run.record.update(data_fingerprint=fingerprint, model=bundle.source, threads=threads,
-                          environment=environment())
-        run.save_record()
+                          manifest=manifest)
 
 
 def _warn(console: Console, message: str) -> None:

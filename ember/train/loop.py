@@ -17,6 +17,7 @@ from ember.train.data import make_loader
 from ember.train.job import Job
 from ember.train.model import save_final, trainable_parameters
 from ember.train.progress import ProgressDisplay
+from ember.metrics.report import build_report, compact, summary_line
 from ember.train.rundir import MetricsLog
 from ember.train.signals import StopRequest
 
@@ -44,6 +45,7 @@ def train(job: Job) -> int:
     last_save_time = time.monotonic()
     attempt_tokens, attempt_seconds = 0, 0.0
     job.model.train()
+    job.ledger.event("startup", job.started, time.time(), step=state.step)
     try:
         while state.step < r.train.max_steps and not stop.requested:
             t0 = time.perf_counter()
@@ -73,10 +75,14 @@ def train(job: Job) -> int:
         metrics.close()
         del data  # shuts down loader workers
     if stop.requested:
+        job.ledger.finish("interrupted", stop.signal_name)
         job.console.print(f"{stop.signal_name}: checkpoint at step {state.step} committed; run the "
                           f"same command to resume")
         return EXIT_INTERRUPTED
+    t0 = time.time()
     final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method))
+    job.ledger.event("final_save", t0, time.time(), step=state.step)
+    job.ledger.finish("completed")
     summarize(job, final, attempt_tokens, attempt_seconds)
     return EXIT_OK
 
@@ -114,21 +120,29 @@ def train_step(job: Job, data: Iterator[torch.Tensor]) -> StepResult:
 
 def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
     """Commit a durable checkpoint of the current state (metrics first: history survives with it)."""
+    t0 = time.time()
     metrics.sync()
     job.state.capture_rng(job.device)
     s = job.state
-    job.store.save(s.step, lambda folder: contents.write_files(
+    ck = job.store.save(s.step, lambda folder: contents.write_files(
         folder, job.model, job.optimizer, job.scheduler, job.scaler, s),
         meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
               "recipe_digest": s.recipe_digest, "attempt": job.run.attempt})
+    t1 = time.time()  # synchronous today: training was blocked until the commit was durable
+    job.ledger.event("checkpoint", t0, t1, step=s.step)
+    job.ledger.checkpoint(s.step, str(ck.path), sum(f["bytes"] for f in ck.manifest["files"].values()),
+                          blocked=t1 - t0, durable=t1 - t0)
 
 
 def summarize(job: Job, final: object, tokens: int, seconds: float) -> None:
-    from ember.train.rundir import read_metrics
-    records = read_metrics(job.run.metrics_path)
+    """Print the run's outcome and figures; store them in the ledger for `ember runs`."""
+    out = Console(soft_wrap=True, quiet=job.console.quiet)
     committed = job.store.committed()
     rate = f"{tokens / seconds:,.0f} tokens/s in this attempt" if seconds else "no steps in this attempt"
-    Console(soft_wrap=True, quiet=job.console.quiet).print(
-        f"completed {job.state.step} steps; loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
-        f"{rate}\ncheckpoints: {', '.join(p.name for _, p in committed)} in {job.store.root}\n"
-        f"final weights: {final}")
+    report = build_report(job.run.path, getattr(job.ledger, "con", None))
+    loss = report["loss"]
+    out.print(f"completed {job.state.step} steps; loss {loss['first']:.4f} -> {loss['last']:.4f}; {rate}")
+    out.print(summary_line(report))
+    out.print(f"checkpoints: {', '.join(p.name for _, p in committed)} in {job.store.root}\n"
+              f"final weights: {final}")
+    job.ledger.summary(compact(report))

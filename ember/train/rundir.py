@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+import secrets
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ember import __version__
 from ember.ckpt.store import fsync_dir, fsync_file
 from ember.errors import EmberError
-from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes
+from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes, get_dotted as _get
 
 RUN_FILE = "run.json"
-PACKAGES = ("torch", "transformers", "peft", "safetensors", "numpy", "tokenizers", "accelerate")
 
 
 def write_durable(path: Path, text: str) -> None:
@@ -41,39 +36,6 @@ def write_durable(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def environment() -> dict[str, Any]:
-    """The parts of a run's environment people usually leave out of their notes."""
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    import torch
-    return {
-        "ember": __version__, "python": sys.version.split()[0], "packages": versions,
-        "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(), "torch_config": torch.__config__.show().splitlines()[:3],
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("CUBLAS_", "CUDA_", "OMP_", "MKL_", "HF_", "PYTORCH_", "EMBER_"))},
-        "argv": sys.argv, "cwd": os.getcwd(), "ember_source": _source_revision(),
-    }
-
-
-def _source_revision() -> str | None:
-    """The git commit of ember's own source (plus '-dirty'), when it runs from a checkout."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists():
-        return None
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return rev.stdout.strip() or None
 
 
 class RunDir:
@@ -98,7 +60,8 @@ class RunDir:
         else:
             path.mkdir(parents=True, exist_ok=True)
             fsync_dir(path.parent)  # the run folder itself survives a power cut
-            run.record = {"created": time.time(), "recipe": recipe.to_dict(),
+            run.record = {"id": f"{path.name}-{secrets.token_hex(3)}", "created": time.time(),
+                          "recipe": recipe.to_dict(),
                           "recipe_digest": recipe.digest(), "recipe_changes": []}
             write_durable(record_path, json.dumps(run.record, indent=1))
         run.attempt = run._count_attempts() + 1
@@ -189,11 +152,6 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
-
-
-def _get(d: dict[str, Any], dotted: str) -> Any:
-    section, key = dotted.split(".", 1)
-    return d.get(section, {}).get(key)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

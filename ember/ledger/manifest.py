@@ -1,0 +1,77 @@
+"""The reproducibility manifest: what it takes to re-run a run, including the parts people
+usually leave out (the uncommitted diff, every package version, numerics-affecting variables)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember import __version__
+
+NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "NVIDIA_TF32_OVERRIDE",
+                "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
+                "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "PYTHONHASHSEED")
+
+
+def git_state(folder: Path) -> dict[str, Any] | None:
+    """Commit, and a hash of the uncommitted diff, of the git work tree holding `folder`."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.decode(errors="replace") if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None:
+        return None
+    diff = git("diff", "HEAD", "--binary") or ""
+    untracked = git("ls-files", "--others", "--exclude-standard") or ""
+    return {"root": top.strip(), "commit": (git("rev-parse", "HEAD") or "").strip() or None,
+            "dirty": bool(diff or untracked),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+            "untracked_files": len(untracked.splitlines())}
+
+
+def devices(device: torch.device) -> dict[str, Any]:
+    if device.type == "cpu":
+        return {"type": "cpu", "count": 1, "names": [platform.processor() or platform.machine()]}
+    module = torch.get_device_module(device.type)
+    count = module.device_count()
+    return {"type": device.type, "count": count,
+            "names": [module.get_device_name(i) for i in range(count)]}
+
+
+def build_manifest(recipe_file: Path, device: torch.device, threads: int, seed: int,
+                   deterministic: bool) -> dict[str, Any]:
+    cuda = getattr(torch.version, "cuda", None)
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "ember": __version__,
+        "ember_source": git_state(Path(__file__).resolve().parent),
+        "recipe_file": str(recipe_file.resolve()),
+        "recipe_git": git_state(recipe_file.resolve().parent),
+        "python": sys.version,
+        "torch": {"version": torch.__version__, "cuda": cuda, "cudnn": cudnn,
+                  "hip": getattr(torch.version, "hip", None), "git": torch.version.git_version},
+        "packages": sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                            if d.metadata["Name"]}),
+        "platform": platform.platform(), "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(), "devices": devices(device),
+        "seed": seed, "threads": threads,
+        "determinism": {"use_deterministic_algorithms": deterministic,
+                        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32},
+        "env": {k: os.environ[k] for k in NUMERICS_ENV if k in os.environ},
+        "argv": sys.argv, "cwd": os.getcwd(),
+    }

@@ -1,0 +1,122 @@
+"""Accountable runs end to end: a run killed twice and resumed, its report, compare and repro."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.helpers import run_ember, write_recipe
+
+
+def report(out, *extra):
+    result = run_ember("report", out, "--json", *extra)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory):
+    """One run: SIGKILLed mid-step twice (losing steps each time), then resumed to the end."""
+    tmp = tmp_path_factory.mktemp("killed")
+    recipe = write_recipe(tmp, train={"max_steps": 30}, checkpoint={"every_steps": 10},
+                          cost={"device_hour_price": 3.6})
+    out = tmp / "run"
+    lifetimes = []
+    for fault in ("train.micro_batch@17", "train.micro_batch@14", None):
+        t0 = time.time()
+        result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": fault} if fault else {})
+        lifetimes.append(time.time() - t0)
+        assert result.returncode == (-signal.SIGKILL if fault else 0), result.stderr
+    return out, lifetimes
+
+
+def test_buckets_sum_to_the_wall_clock_and_lost_progress_is_the_recomputed_steps(killed_twice):
+    out, lifetimes = killed_twice
+    r = report(out)
+    g = r["goodput"]
+    assert r["run"]["status"] == "completed" and r["run"]["attempts"] == 3
+    assert [a["outcome"] for a in r["attempts"]] == ["killed", "killed", "completed"]
+    # Killed at step 17 with a checkpoint at 10: 6 steps lost (11-16); then resumed from 10 and
+    # killed at micro-batch 14 = step 24 with a checkpoint at 20: 3 steps lost (21-23).
+    lost = [json.loads(line) for line in (out / "metrics.lost.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lost] == [11, 12, 13, 14, 15, 16, 21, 22, 23]
+    assert g["lost_steps"] == 9
+    assert g["buckets"]["wasted_progress"] == pytest.approx(sum(x["step_seconds"] for x in lost))
+    assert sum(g["buckets"].values()) == pytest.approx(g["wall_seconds"], rel=0.01)
+    # The attempts' wall-clock matches what the test measured around the processes, less the
+    # second or so a killed process spends between its last record and its death.
+    assert g["wall_seconds"] <= sum(lifetimes)
+    assert g["wall_seconds"] >= 0.8 * sum(lifetimes)
+    assert g["buckets"]["other"] >= -0.01 * g["wall_seconds"]
+    assert g["buckets"]["checkpoint_restore"] > 0 and g["buckets"]["program_startup"] > 0
+    kept = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in kept] == list(range(1, 31))
+    assert g["buckets"]["productive"] == pytest.approx(
+        sum(x["step_seconds"] - x["data_wait_seconds"] for x in kept), rel=1e-6)
+    c = r["cost"]
+    assert c["completed"] and c["total"] == pytest.approx(g["wall_seconds"] / 3600 * 3.6)
+    assert r["mfu"]["value"] > 0 and r["mfu"]["peak_source"].startswith("measured")
+    assert r["where_time_goes"][0]["bucket"] == "program_startup"
+
+
+def test_report_plots_and_runs_table(killed_twice, tmp_path):
+    out, _ = killed_twice
+    r = report(out, "--plots", tmp_path / "plots")
+    assert sorted(p.rsplit("/", 1)[1] for p in r["plots"]) == ["attempts.png", "goodput.png",
+                                                                 "loss.png", "step_time.png"]
+    assert all((tmp_path / "plots" / n).stat().st_size > 5000 for n in ("loss.png", "attempts.png"))
+    runs = run_ember("runs")
+    assert runs.returncode == 0 and r["run"]["id"][:6] in runs.stdout
+    text = run_ember("report", r["run"]["id"])  # by run id, human output
+    assert text.returncode == 0 and "wasted_progress" in text.stdout and "p99" in text.stdout
+
+
+def test_compare_identical_perturbed_and_changed(tmp_path):
+    base = write_recipe(tmp_path / "a", train={"max_steps": 8})
+    runs = {}
+    for name, extra in {"a": [], "b": [], "seed": ["--set", "train.seed=8"],
+                        "lr": ["--set", "optimizer.lr=0.002"]}.items():
+        runs[name] = tmp_path / f"run-{name}"
+        assert run_ember("run", base, "--out", runs[name], *extra).returncode == 0
+
+    def compare(x, y, *extra):
+        result = run_ember("compare", runs[x], runs[y], "--json", *extra)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    same = compare("a", "b")
+    assert same["verdict"] == "identical" and same["weights_equal"] and same["first_differing_step"] is None
+    seed = compare("a", "seed")
+    assert seed["verdict"] == "diverged" and seed["first_differing_step"] == 1
+    assert seed["recipe_changes"] == {"train.seed": [7, 8]}
+    lr = compare("a", "lr", "--tolerance", "10")
+    assert lr["verdict"] == "close" and lr["recipe_changes"] == {"optimizer.lr": [0.001, 0.002]}
+    assert lr["first_differing_step"] == 2  # step 1's loss is computed before the first update
+
+
+def test_repro_reruns_from_the_record_and_finds_it_identical(tmp_path):
+    recipe = write_recipe(tmp_path, train={"max_steps": 6})
+    assert run_ember("run", recipe, "--out", tmp_path / "orig").returncode == 0
+    result = run_ember("repro", tmp_path / "orig", "--out", tmp_path / "again")
+    assert result.returncode == 0, result.stderr
+    assert "verdict: identical" in result.stdout
+
+
+def test_report_bad_inputs(tmp_path):
+    assert "no such run folder" in run_ember("report", tmp_path / "nope").stderr or \
+        "neither a run folder" in run_ember("report", tmp_path / "nope").stderr
+    (tmp_path / "foreign").mkdir()
+    result = run_ember("report", tmp_path / "foreign")
+    assert result.returncode == 1 and "not an ember run folder" in result.stderr
+    recipe = write_recipe(tmp_path, train={"max_steps": 4})
+    out = tmp_path / "run"
+    assert run_ember("run", recipe, "--out", out).returncode == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a torn last line, as a crash mid-write leaves
+    before = (out / "metrics.jsonl").read_bytes()
+    r = report(out)
+    assert any("torn last line" in n for n in r["notes"]) and r["run"]["steps"] == 4
+    assert (out / "metrics.jsonl").read_bytes() == before  # nothing rewritten
