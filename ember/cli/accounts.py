@@ -178,3 +178,73 @@ def _to_toml(recipe: dict[str, dict[str, Any]]) -> str:
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    """Duty cycle per device over a period, and the cost of that work rented, reserved or owned."""
+    import datetime as dt
+    import time
+    import tomllib
+
+    from ember.metrics.capacity import DeviceUse, MachinePrices, options
+    from ember.paths import ember_home
+
+    con = ledger_store.connect(args.ledger)
+    now = time.time()
+    since = None
+    if args.since:
+        try:
+            since = dt.datetime.fromisoformat(args.since).timestamp()
+        except ValueError:
+            raise EmberError(f"--since {args.since!r}: not a date; use e.g. 2026-11-01 or "
+                             f"2026-11-01T08:00") from None
+    use: dict[str, list[float]] = {}
+    starts = []
+    for row in ledger_store.all_runs(con):
+        rows = ledger_store.attempts(con, row["id"])
+        share = _goodput_share(row, con)
+        for a in rows:
+            end = a.end or a.last_seen or a.start
+            lo = max(a.start, since) if since else a.start
+            overlap = max(0.0, min(end, now) - lo)
+            starts.append(a.start)
+            held = use.setdefault(f"{a.host}: {a.devices}", [0.0, 0.0])
+            held[0] += overlap * share
+            held[1] += overlap * (1 - share)
+    if not use:
+        out.print("no attempts in the ledger for that period")
+        return 0
+    period = now - (since or min(starts))
+    cfg_path = ember_home() / "machine.toml"
+    cfg = tomllib.loads(cfg_path.read_text()).get("capacity", {}) if cfg_path.is_file() else {}
+    try:
+        prices = MachinePrices(**cfg)
+    except TypeError as e:
+        raise EmberError(f"{cfg_path}: [capacity] {e}; keys are on_demand_hour, reserved_hour, "
+                         f"hardware_price, lifetime_years, watts, energy_price_kwh, currency") from None
+    out.print(f"period: {period / 3600:.2f} h ({'since ' + args.since if since else 'since the first attempt'})")
+    for device, (productive, badput) in sorted(use.items()):
+        u = DeviceUse(device, period, productive, badput)
+        out.print(f"[bold]{device}[/bold]: duty cycle {u.duty_cycle:.1%} (productive "
+                  f"{productive / period:.1%}, badput {badput / period:.1%}, idle {u.idle_seconds / period:.1%})")
+        opts = options(u, prices)
+        for o in opts:
+            even = f"; break-even duty cycle {o.break_even_duty_cycle:.1%}" if o.break_even_duty_cycle else ""
+            out.print(f"  {o.name:10s} {o.cost:12.2f} {prices.currency}  = {o.arithmetic}{even}",
+                      highlight=False, markup=False)
+        if not opts:
+            out.print(f"  set prices under [capacity] in {cfg_path} to compare renting, reserving "
+                      f"and owning", highlight=False, markup=False)
+    return 0
+
+
+def _goodput_share(row: Any, con: Any) -> float:
+    """Productive share of a run's held time: from its summary, else from a fresh report."""
+    if row["summary"]:
+        g = json.loads(row["summary"]).get("goodput")
+        if g is not None:
+            return g
+    try:
+        return (build_report(Path(row["path"]), con).get("goodput") or {}).get("goodput") or 0.0
+    except EmberError:
+        return 0.0  # the run folder is gone: count its time as badput

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--tolerance", type=float, default=1e-3)
     add_ledger_args(repro)
 
+    capacity = sub.add_parser("capacity", help="duty cycle per device; rent, reserve or own")
+    capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
+    add_ledger_args(capacity)
+
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
     recipe.add_argument("--set", dest="overrides", action="append", default=[],
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_recipe(args)
         from ember.cli import accounts
         return {"runs": accounts.cmd_runs, "report": accounts.cmd_report,
-                "compare": accounts.cmd_compare, "repro": accounts.cmd_repro}[args.command](args)
+                "compare": accounts.cmd_compare, "repro": accounts.cmd_repro,
+                "capacity": accounts.cmd_capacity}[args.command](args)
     except EmberError as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
         return EXIT_ERROR

@@ -120,3 +120,17 @@ def test_report_bad_inputs(tmp_path):
     r = report(out)
     assert any("torn last line" in n for n in r["notes"]) and r["run"]["steps"] == 4
     assert (out / "metrics.jsonl").read_bytes() == before  # nothing rewritten
+
+
+def test_capacity_reports_duty_cycle_and_prices(killed_twice, ember_home):
+    (ember_home / "machine.toml").write_text(
+        "[capacity]\non_demand_hour = 2.5\nreserved_hour = 1.6\nhardware_price = 30000\n"
+        "watts = 700\nenergy_price_kwh = 0.15\n")
+    try:
+        result = run_ember("capacity")
+        assert result.returncode == 0, result.stderr
+        assert "duty cycle" in result.stdout and "break-even duty cycle 64.0%" in result.stdout
+        bad = run_ember("capacity", "--since", "last week")
+        assert bad.returncode == 1 and "not a date" in bad.stderr
+    finally:
+        (ember_home / "machine.toml").unlink()
