@@ -20,9 +20,10 @@ from ember.errors import EmberError
 
 
 def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-            exclusive_min: bool = False, factory: bool = False) -> Any:
-    """A recipe field with its help text and allowed range."""
-    meta = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min}
+            exclusive_min: bool = False, factory: bool = False, key: str | None = None) -> Any:
+    """A recipe field with its help text and allowed range; `key` when the TOML name is not a
+    Python identifier (checkpoint.async)."""
+    meta = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "key": key}
     if factory:
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -98,6 +99,8 @@ class CheckpointConfig:
                                    "last one (0 = off).", min=0)
     keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
                              "a newer one is committed.", min=1)
+    async_: bool = setting(True, "Two-phase checkpoints: training blocks only for a snapshot into "
+                           "host memory; a background thread makes it durable.", key="async")
 
 
 @dataclass
@@ -132,7 +135,12 @@ class Recipe:
     cost: CostConfig = field(default_factory=CostConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """{section: {key: value}} under the TOML names."""
+        out = {}
+        for name, values in dataclasses.asdict(self).items():
+            fields = dataclasses.fields(getattr(self, name))
+            out[name] = {toml_key(f): values[f.name] for f in fields}
+        return out
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON of the resolved recipe."""
@@ -144,9 +152,14 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
     "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
+    "checkpoint.async",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
     "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops",
 })
+
+
+def toml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
 
 
 def canonical_json(obj: Any) -> str:
@@ -208,7 +221,7 @@ def build_recipe(raw: dict[str, Any], source: str) -> Recipe:
 
 
 def build_section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {toml_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
@@ -216,7 +229,8 @@ def build_section(cls: type, section: str, values: dict[str, Any], source: str) 
         if key not in fields:
             raise EmberError(f"{source}: unknown key '{key}' in [{section}]"
                              f"{did_you_mean(key, fields)}; known keys: {', '.join(fields)}")
-        kwargs[key] = check_value(where, value, hints[key], fields[key].metadata)
+        f = fields[key]
+        kwargs[f.name] = check_value(where, value, hints[f.name], f.metadata)
     return cls(**kwargs)
 
 
@@ -303,6 +317,6 @@ def explain() -> list[tuple[str, str, str, str]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            rows.append((f"{name}.{f.name}", type_label(hints[f.name]), json.dumps(default),
+            rows.append((f"{name}.{toml_key(f)}", type_label(hints[f.name]), json.dumps(default),
                          f.metadata["help"]))
     return rows

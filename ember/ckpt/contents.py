@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,49 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def write_files(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: Any, scaler: Any, state: RunState) -> None:
+@dataclass
+class Snapshot:
+    """Host-memory copies of everything a checkpoint holds, taken between two steps."""
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def _to_host(x: Any, copy: bool, pinned: dict[str, torch.Tensor], key: str) -> Any:
+    """Tensors to CPU: copied (training goes on mutating them), into reused pinned buffers for
+    accelerator tensors so the device-to-host copy is asynchronous."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            buf = pinned.get(key)
+            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                buf = pinned[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            return buf.copy_(x, non_blocking=True)
+        return x.detach().clone() if copy else x.detach()
+    if isinstance(x, dict):
+        return {k: _to_host(v, copy, pinned, f"{key}/{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_host(v, copy, pinned, f"{key}/{i}") for i, v in enumerate(x))
+    return x
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+             state: RunState, copy: bool, pinned: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    """Capture the training state. `copy=False` (synchronous saves) references live CPU tensors."""
+    pinned = {} if pinned is None else pinned
+    snap = Snapshot(_to_host(trainable_state(model), copy, pinned, "w"),
+                    _to_host(optimizer.state_dict(), copy, pinned, "o"),
+                    _to_host({"run_state": state.to_dict(), "scheduler": scheduler.state_dict(),
+                              "scaler": scaler.state_dict()}, copy, pinned, "x"))
+    if any(t.is_pinned() for t in snap.weights.values()):
+        torch.accelerator.synchronize()  # the non-blocking copies must land before a writer reads them
+    return snap
+
+
+def write_snapshot(folder: Path, snap: Snapshot) -> None:
     """Write the checkpoint files into `folder` (the store fsyncs and checksums them)."""
-    save_file({k: v.cpu() for k, v in trainable_state(model).items()}, folder / MODEL_FILE)
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
-    torch.save({"run_state": state.to_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict()}, folder / STATE_FILE)
+    save_file(snap.weights, folder / MODEL_FILE)
+    torch.save(snap.optimizer, folder / OPTIMIZER_FILE)
+    torch.save(snap.extra, folder / STATE_FILE)
 
 
 def read_files(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

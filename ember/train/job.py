@@ -8,7 +8,7 @@ import socket
 import sqlite3
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from rich.markup import escape
 from ember.ckpt import contents
 from ember.ckpt.state import RunState, seed_all
 from ember.ckpt.store import CheckpointStore
+from ember.ckpt.writer import CheckpointWriter
 from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
 from ember.ledger import store as ledger_store
@@ -49,6 +50,8 @@ class Job:
     console: Console
     ledger: Ledger | NullLedger
     started: float  # process start: the attempt's wall-clock begins here, imports included
+    writer: CheckpointWriter
+    pinned: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host buffers
 
     @property
     def model(self) -> torch.nn.Module:
@@ -99,7 +102,8 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
     store.sweep()
     ledger = open_ledger(ledger_path, run, recipe, warn)
     job = Job(recipe, run, device, bundle, optimizer, scheduler, scaler, store,
-              RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started)
+              RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started,
+              CheckpointWriter(store, background=recipe.checkpoint.async_))
     t0 = time.time()
     resumed = restore(job, warn)
     lost = run.rewind_metrics(job.state.step)

@@ -70,6 +70,10 @@ def train(job: Job) -> int:
                 save_checkpoint(job, metrics, result.loss)
                 last_save_time = time.monotonic()
     finally:
+        t0 = time.time()
+        job.writer.wait()  # a pending persist completes before the process goes, on every path
+        job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
+        record_persisted(job)
         display.close()
         stop.restore()
         metrics.close()
@@ -119,19 +123,32 @@ def train_step(job: Job, data: Iterator[torch.Tensor]) -> StepResult:
 
 
 def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
-    """Commit a durable checkpoint of the current state (metrics first: history survives with it)."""
+    """Snapshot the state (blocking) and hand it to the writer, which makes it durable.
+
+    The metrics up to this step are fsynced first, so the loss history is durable before any
+    checkpoint that covers it commits."""
     t0 = time.time()
+    job.writer.wait()  # one persist in flight at most: a due checkpoint waits (checkpoint time)
+    record_persisted(job)
     metrics.sync()
     job.state.capture_rng(job.device)
     s = job.state
-    ck = job.store.save(s.step, lambda folder: contents.write_files(
-        folder, job.model, job.optimizer, job.scheduler, job.scaler, s),
-        meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
-              "recipe_digest": s.recipe_digest, "attempt": job.run.attempt})
-    t1 = time.time()  # synchronous today: training was blocked until the commit was durable
-    job.ledger.event("checkpoint", t0, t1, step=s.step)
-    job.ledger.checkpoint(s.step, str(ck.path), sum(f["bytes"] for f in ck.manifest["files"].values()),
-                          blocked=t1 - t0, durable=t1 - t0)
+    snap = contents.snapshot(job.model, job.optimizer, job.scheduler, job.scaler, s,
+                             copy=job.writer.background, pinned=job.pinned)
+    t1 = time.time()
+    job.writer.submit(s.step, snap, meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
+                                          "recipe_digest": s.recipe_digest,
+                                          "attempt": job.run.attempt}, blocked=t1 - t0)
+    job.ledger.event("checkpoint", t0, time.time(), step=s.step,
+                     detail={"background": job.writer.background})
+
+
+def record_persisted(job: Job) -> None:
+    """Ledger rows for the persists that finished: bytes, seconds blocked, seconds to durable."""
+    for p in job.writer.completed():
+        ck = p.checkpoint
+        job.ledger.checkpoint(ck.step, str(ck.path), sum(f["bytes"] for f in ck.manifest["files"].values()),
+                              blocked=p.blocked, durable=p.durable - p.submitted + p.blocked)
 
 
 def summarize(job: Job, final: object, tokens: int, seconds: float) -> None:

@@ -21,7 +21,8 @@ def report(out, *extra):
 def killed_twice(tmp_path_factory):
     """One run: SIGKILLed mid-step twice (losing steps each time), then resumed to the end."""
     tmp = tmp_path_factory.mktemp("killed")
-    recipe = write_recipe(tmp, train={"max_steps": 30}, checkpoint={"every_steps": 10},
+    # Synchronous checkpoints: which steps are lost must not depend on a background persist's pace.
+    recipe = write_recipe(tmp, train={"max_steps": 30}, checkpoint={"every_steps": 10, "async": False},
                           cost={"device_hour_price": 3.6})
     out = tmp / "run"
     lifetimes = []

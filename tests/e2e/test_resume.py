@@ -47,12 +47,12 @@ def test_sigkill_at_random_moments_resumes_bit_exact(name, baselines, tmp_path):
     recipe = write_recipe(tmp_path, **CONFIGS[name])
     out = tmp_path / "run"
     accum = CONFIGS[name].get("train", {}).get("grad_accum", 1)
-    # Two kills mid-step (after the backward of a random micro-batch), one inside a checkpoint
-    # commit (files written, manifest not yet), each followed by a restart.
-    # The first kill lands after the step-5 checkpoint so that every restart has one to resume.
-    kills = [f"train.micro_batch@{rng.randint(6 * accum, 9 * accum)}",
-             f"ckpt.files_written@{rng.randint(1, 2)}",
-             f"train.micro_batch@{rng.randint(2, 8 * accum)}"]
+    # A kill right after the first commit (so every restart has a checkpoint: persists run in
+    # the background and may lag the steps), one mid-step (after the backward of a random
+    # micro-batch), one inside a commit (files written, manifest not yet); a restart after each.
+    kills = ["ckpt.renamed@1",
+             f"train.micro_batch@{rng.randint(2, 8 * accum)}",
+             f"ckpt.files_written@{rng.randint(1, 2)}"]
     for fault in kills:
         result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": fault})
         assert result.returncode == -signal.SIGKILL, (fault, result.stderr)
@@ -83,7 +83,7 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest"])
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_identical(damage, baselines, tmp_path):
-    recipe = write_recipe(tmp_path)
+    recipe = write_recipe(tmp_path, checkpoint={"async": False})  # both commits done by the kill
     out = tmp_path / "run"
     result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": "train.micro_batch@13"})
     assert result.returncode == -signal.SIGKILL
