@@ -35,27 +35,30 @@ class Snapshot:
     extra: dict[str, Any]
 
 
-def _to_host(x: Any, copy: bool, pinned: dict[str, torch.Tensor], key: str) -> Any:
-    """Tensors to CPU: copied (training goes on mutating them), into reused pinned buffers for
-    accelerator tensors so the device-to-host copy is asynchronous."""
+def _to_host(x: Any, copy: bool, buffers: dict[str, torch.Tensor], key: str) -> Any:
+    """Tensors to host memory. Copies go into buffers kept from the previous snapshot (fresh
+    allocations would page-fault gigabytes each time), pinned for accelerator tensors so the
+    device-to-host copy is asynchronous. copy=False references live CPU tensors (synchronous
+    saves, where training waits anyway)."""
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            buf = pinned.get(key)
-            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                buf = pinned[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            return buf.copy_(x, non_blocking=True)
-        return x.detach().clone() if copy else x.detach()
+        if x.device.type == "cpu" and not copy:
+            return x.detach()
+        buf = buffers.get(key)
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = buffers[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type != "cpu")
+        return buf.copy_(x.detach(), non_blocking=x.device.type != "cpu")
     if isinstance(x, dict):
-        return {k: _to_host(v, copy, pinned, f"{key}/{k}") for k, v in x.items()}
+        return {k: _to_host(v, copy, buffers, f"{key}/{k}") for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_host(v, copy, pinned, f"{key}/{i}") for i, v in enumerate(x))
+        return type(x)(_to_host(v, copy, buffers, f"{key}/{i}") for i, v in enumerate(x))
     return x
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-             state: RunState, copy: bool, pinned: dict[str, torch.Tensor] | None = None) -> Snapshot:
-    """Capture the training state. `copy=False` (synchronous saves) references live CPU tensors."""
-    pinned = {} if pinned is None else pinned
+             state: RunState, copy: bool, buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    """Capture the training state. The caller must not reuse `buffers` while a persist of the
+    previous snapshot is in flight (the writer's wait() comes first)."""
+    pinned = {} if buffers is None else buffers
     snap = Snapshot(_to_host(trainable_state(model), copy, pinned, "w"),
                     _to_host(optimizer.state_dict(), copy, pinned, "o"),
                     _to_host({"run_state": state.to_dict(), "scheduler": scheduler.state_dict(),

@@ -51,7 +51,7 @@ class Job:
     ledger: Ledger | NullLedger
     started: float  # process start: the attempt's wall-clock begins here, imports included
     writer: CheckpointWriter
-    pinned: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host buffers
+    snapshot_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host memory
 
     @property
     def model(self) -> torch.nn.Module:
