@@ -61,7 +61,8 @@ def main() -> None:
 
     def ember_commit() -> None:
         state.step += 1
-        store.save(state.step, lambda d: contents.write_files(d, model, opt, sched, scaler, state), {})
+        snap = contents.snapshot(model, opt, sched, scaler, state, copy=False)  # the synchronous path
+        store.save(state.step, lambda d: contents.write_snapshot(d, snap), {})
 
     def plain_save(fsync: bool) -> None:
         path = work / "plain.pt"

@@ -1,6 +1,7 @@
 """Named fault-injection points for crash tests: `EMBER_FAULT=name[@k]` SIGKILLs the process
-the k-th time (default the first) execution reaches `point(name)`. Unset, a point costs one
-dict lookup."""
+the k-th time (default the first) execution reaches `point(name)`. With `EMBER_FAULT_ONCE=FILE`
+the fault fires only while FILE does not exist, and creates it first: one crash across restarts.
+Unset, a point costs one dict lookup."""
 
 from __future__ import annotations
 
@@ -20,4 +21,10 @@ def point(name: str) -> None:
         return
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] == int(nth or 1):
+        once = os.environ.get("EMBER_FAULT_ONCE")
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
         os.kill(os.getpid(), signal.SIGKILL)

@@ -90,6 +90,10 @@ class TrainConfig:
     threads: int = setting(0, "CPU threads for torch (0 = all cores). Fixed for the whole run: "
                            "bit-exact resume needs the same count.", min=0)
     deterministic: bool = setting(True, "torch.use_deterministic_algorithms(True); see README.")
+    restarts: int = setting(0, "Supervise the run: restart after a crash, up to this many crashes "
+                            "within an hour (0 = no supervision; `--restarts` overrides).", min=0)
+    restart_backoff_seconds: float = setting(2.0, "First wait before a restart; doubles with each "
+                                             "crash, up to 5 minutes.", min=0)
 
 
 @dataclass
@@ -152,7 +156,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
     "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
-    "checkpoint.async",
+    "checkpoint.async", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
     "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops",
 })

@@ -21,10 +21,12 @@ from ember.ckpt.store import Checkpoint, CheckpointStore
 
 
 def _lower_priority() -> None:
-    """Run this thread (and the hashing threads it starts, which inherit it) at nice 19, so on a
-    machine whose cores all train, the persist yields to the steps instead of halving them."""
+    """Run this thread (and the hashing threads it starts, which inherit it) at nice 10, so on a
+    machine whose cores all train, the persist yields most of the CPU to the steps instead of
+    halving them, yet still becomes durable within seconds (nice 19 starved it for minutes on a
+    busy CPU; bench/README.md has the figures)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
         pass
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a recipe field; repeatable")
     run.add_argument("--allow-recipe-change", action="store_true",
                      help="resume even though the recipe or data changed (recorded in run.json)")
+    run.add_argument("--restarts", type=int, default=None, metavar="N",
+                     help="supervise: restart after a crash, giving up after N crashes within an "
+                     "hour (overrides [train] restarts)")
+    run.add_argument("--no-supervise", action="store_true", help=argparse.SUPPRESS)
     add_ledger_args(run, allow_off=True)
 
     runs = sub.add_parser("runs", help="a table of the runs in the ledger")
@@ -120,7 +125,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from ember.train.loop import train
 
     hf_logging.disable_progress_bar()
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)  # bad recipes fail here, never restarted
+    restarts = recipe.train.restarts if args.restarts is None else args.restarts
+    if restarts < 0:
+        raise EmberError(f"--restarts {restarts}: must be >= 0")
+    if restarts and not args.no_supervise:
+        from ember.supervise import child_argv, supervise
+        return supervise(child_argv(sys.argv[1:]), restarts, recipe.train.restart_backoff_seconds,
+                         console)
     ledger = False if args.no_ledger else args.ledger
     job = prepare(recipe, args.out, args.allow_recipe_change, console, args.recipe, ledger)
     try:

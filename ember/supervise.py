@@ -1,0 +1,105 @@
+"""Supervised restarts: `ember run --restarts N` runs the training in a child process and
+restarts it from its last durable checkpoint after a crash.
+
+    child exit 0           completed: done
+    child exit 75          interrupted on request: not a crash, not restarted; exit 75
+    other exit, or signal  a crash: wait (backoff doubling from train.restart_backoff_seconds,
+                           at most 5 minutes), restart; more than N crashes within an hour: give up
+
+Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1) are forwarded to the child, which runs in
+its own session so that a terminal's Ctrl-C reaches it once, through the supervisor.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+
+WINDOW_SECONDS = 3600.0
+MAX_BACKOFF_SECONDS = 300.0
+
+
+@dataclass
+class ChildRun:
+    start: float
+    end: float
+    returncode: int
+
+    @property
+    def cause(self) -> str:
+        if self.returncode == EXIT_OK:
+            return "completed"
+        if self.returncode == EXIT_INTERRUPTED:
+            return "interrupted (exit 75)"
+        if self.returncode < 0:
+            return f"killed by {signal.Signals(-self.returncode).name}"
+        return f"exit {self.returncode}"
+
+
+def backoff(crash_number: int, base: float) -> float:
+    """Seconds to wait before restart number `crash_number` (1-based)."""
+    return min(MAX_BACKOFF_SECONDS, base * 2 ** (crash_number - 1))
+
+
+def supervise(child_argv: list[str], restarts: int, base_backoff: float, console: Console) -> int:
+    runs: list[ChildRun] = []
+    child: subprocess.Popen | None = None
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        while True:
+            start = time.time()
+            child = subprocess.Popen(child_argv, start_new_session=True)
+            code = child.wait()
+            runs.append(ChildRun(start, time.time(), code))
+            if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:
+                break
+            recent = [r for r in runs if r.returncode not in (EXIT_OK, EXIT_INTERRUPTED)
+                      and r.end > time.time() - WINDOW_SECONDS]
+            if len(recent) > restarts:
+                console.print(f"[red]giving up:[/red] {len(recent)} crashes within "
+                              f"{WINDOW_SECONDS / 60:.0f} minutes (--restarts {restarts})")
+                code = EXIT_ERROR
+                break
+            wait = backoff(len(recent), base_backoff)
+            console.print(f"attempt {len(runs)} crashed ({runs[-1].cause}); restarting from the last "
+                          f"durable checkpoint in {wait:.1f} s ({len(recent)}/{restarts} crashes used)")
+            time.sleep(wait)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    console.print("supervised attempts:")
+    for i, r in enumerate(runs, 1):
+        console.print(f"  {i}: {r.end - r.start:7.1f} s  {r.cause}", highlight=False)
+    return code
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """This `ember run` command line, minus --restarts, as a child process."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--restarts":
+            skip = True
+            continue
+        if arg.startswith("--restarts="):
+            continue
+        out.append(arg)
+    return [sys.executable, "-m", "ember", *out, "--no-supervise"]
+
