@@ -28,3 +28,16 @@ def point(name: str) -> None:
             except FileExistsError:
                 return
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def loss_factor(ordinal: int) -> float:
+    """A poisoned batch for guard tests: `EMBER_FAULT_LOSS=ordinal:factor,...` multiplies the
+    loss of those micro-batches (by micro-batch ordinal in the data stream) by factor ('nan' ok)."""
+    spec = os.environ.get("EMBER_FAULT_LOSS")
+    if not spec:
+        return 1.0
+    for item in spec.split(","):
+        at, _, factor = item.partition(":")
+        if int(at) == ordinal:
+            return float(factor)
+    return 1.0

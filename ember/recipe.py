@@ -114,6 +114,21 @@ class PrecisionConfig:
 
 
 @dataclass
+class GuardConfig:
+    spike_action: Literal["off", "warn", "skip", "rollback"] = setting(
+        "warn", "What a loss spike (above median + k*MAD of the recent window) does: warn and "
+        "apply the step, skip its update, or roll back to the last checkpoint and skip its batches.")
+    spike_k: float = setting(8.0, "Spike threshold in MADs above the window's median.", min=0,
+                             exclusive_min=True)
+    spike_window: int = setting(50, "Recent accepted losses the threshold is computed from.", min=3)
+    spike_min_steps: int = setting(20, "Accepted steps before spikes are judged.", min=3)
+    rollback_lr_factor: float = setting(0.5, "Learning-rate multiplier applied at each rollback.",
+                                        min=0, max=1, exclusive_min=True)
+    max_bad_steps: int = setting(5, "Consecutive bad steps (non-finite or spiking) before the run "
+                                 "stops with an error naming them.", min=1)
+
+
+@dataclass
 class CostConfig:
     device_hour_price: float = setting(0.0, "Price of one accelerator (or the CPU machine) per hour; "
                                        "0 = take it from $EMBER_HOME/machine.toml, else unknown.", min=0)
@@ -136,6 +151,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     cost: CostConfig = field(default_factory=CostConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -30,6 +30,11 @@ class RunState:
     train_seconds: float = 0.0      # wall-clock spent inside completed steps, all attempts
     recipe_digest: str = ""         # SHA-256 of the recipe that produced this state
     rng: dict[str, Any] = field(default_factory=dict)  # Python, NumPy, torch CPU and devices
+    loss_window: list[float] = field(default_factory=list)   # recent accepted losses (spikes)
+    skip_batches: list[int] = field(default_factory=list)    # micro-batch ordinals never to train on
+    bad_steps: list[dict[str, Any]] = field(default_factory=list)  # step, why, loss, batches
+    lr_scale: float = 1.0           # product of rollback learning-rate factors
+    bad_streak: int = 0             # consecutive bad steps so far
 
     def capture_rng(self, device: torch.device) -> None:
         """Record every RNG this process draws from, as of now."""

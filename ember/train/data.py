@@ -88,7 +88,8 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str) -> Path:
 
 
 class PackedBatches(Dataset):
-    """Item k is the k-th micro-batch after `start`: a [micro_batch, seq_len] LongTensor."""
+    """Item k is the k-th micro-batch after `start`: (its ordinal in the whole stream, a
+    [micro_batch, seq_len] LongTensor)."""
 
     def __init__(self, tokens_path: Path, seq_len: int, micro_batch: int, seed: int, start: DataCursor):
         self.tokens = np.load(tokens_path, mmap_mode="r")
@@ -98,11 +99,15 @@ class PackedBatches(Dataset):
             raise EmberError(f"[data] the files hold {len(self.tokens)} tokens, fewer than one "
                              f"sequence of seq_len = {seq_len}; add data or lower [data] seq_len")
         self.start = start.epoch * self.num_sequences + start.offset
+        self.first_ordinal = self.start // micro_batch  # cursors always sit between micro-batches
 
     def __len__(self) -> int:
         return 1 << 62  # endless: epochs follow one another; the sampler bounds it
 
-    def __getitem__(self, k: int) -> torch.Tensor:
+    def __getitem__(self, k: int) -> tuple[int, torch.Tensor]:
+        return self.first_ordinal + k, self.batch(k)
+
+    def batch(self, k: int) -> torch.Tensor:
         first = self.start + k * self.micro_batch
         rows = []
         for g in range(first, first + self.micro_batch):
@@ -127,10 +132,30 @@ def _ignore_sigint(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool) -> DataLoader:
-    """Iterate the next `count` micro-batches, in worker processes if asked."""
+class SkippingSampler:
+    """The next `count` micro-batch indices k, leaving out those whose ordinal is in `skip`."""
+
+    def __init__(self, first_ordinal: int, count: int, skip: set[int]):
+        self.first, self.count, self.skip = first_ordinal, count, skip
+
+    def __iter__(self):
+        k, given = 0, 0
+        while given < self.count:
+            if self.first + k not in self.skip:
+                yield k
+                given += 1
+            k += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
+                skip: set[int] = frozenset()) -> DataLoader:
+    """Iterate the next `count` micro-batches (not counting skipped ones), in workers if asked."""
     return DataLoader(
-        batches, batch_size=None, sampler=range(count), num_workers=workers, pin_memory=pin,
+        batches, batch_size=None, sampler=SkippingSampler(batches.first_ordinal, count, set(skip)),
+        num_workers=workers, pin_memory=pin,
         worker_init_fn=_ignore_sigint if workers else None,
         # Its own generator: otherwise creating the iterator draws from the global torch RNG,
         # and a resumed run's dropout stream would diverge from the uninterrupted run's.

@@ -32,7 +32,7 @@ from ember.recipe import Recipe
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
 from ember.train.model import ModelBundle, load_model, trainable_parameters
 from ember.train.rundir import RunDir, read_metrics
-from ember.train.schedule import lr_factor
+from ember.train.schedule import ScaledSchedule
 
 
 @dataclass
@@ -56,6 +56,14 @@ class Job:
     @property
     def model(self) -> torch.nn.Module:
         return self.bundle.model
+
+    def apply_lr_scale(self) -> None:
+        """Make the optimizer's learning rates reflect RunState.lr_scale (after a rollback)."""
+        schedule = self.scheduler.lr_lambdas[0]
+        schedule.scale = self.state.lr_scale
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * schedule(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def batches(self) -> PackedBatches:
         """Micro-batches from the state's data cursor on."""
@@ -96,7 +104,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
                                   betas=(opt.beta1, opt.beta2), eps=opt.eps,
                                   weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(lr_factor, cfg=recipe.schedule, max_steps=recipe.train.max_steps))
+        optimizer, ScaledSchedule(recipe.schedule, recipe.train.max_steps))
     scaler = torch.amp.GradScaler(device.type, enabled=recipe.precision.mode == "fp16")
     store = CheckpointStore(run.ckpt_dir, recipe.checkpoint.keep_last)
     store.sweep()

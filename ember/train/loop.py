@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,12 +11,13 @@ from rich.console import Console
 from ember import faults
 from ember.ckpt import contents
 from ember.device import autocast
-from ember.errors import EXIT_INTERRUPTED, EXIT_OK
+from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
+from ember.train import stability
 from ember.train.data import make_loader
 from ember.train.job import Job
 from ember.train.model import save_final, trainable_parameters
-from ember.train.progress import ProgressDisplay
 from ember.metrics.report import build_report, compact, summary_line
+from ember.train.progress import ProgressDisplay
 from ember.train.rundir import MetricsLog
 from ember.train.signals import StopRequest
 
@@ -29,16 +29,31 @@ class StepResult:
     lr: float
     tokens: int
     data_wait_seconds: float
+    batches: list[int]          # micro-batch ordinals in the data stream
+    next_k: int                 # loader index after the last micro-batch used
+    verdict: str                # "ok", "nonfinite", "spike" (see ember.train.stability)
+    applied: bool               # whether the optimizer update was applied
+
+
+class Data:
+    """The loader from the state's cursor, skipping the state's skip list; rebuilt on rollback."""
+
+    def __init__(self, job: Job):
+        r, self.job = job.recipe, job
+        self.first_step = job.state.step
+        self.batches = job.batches()
+        count = (r.train.max_steps - self.first_step) * r.train.grad_accum
+        self.iter = iter(make_loader(self.batches, count, r.data.workers, pin=job.device.type != "cpu",
+                                     skip=set(job.state.skip_batches)))
+
+    def close(self) -> None:
+        del self.iter  # shuts down loader workers
 
 
 def train(job: Job) -> int:
     """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code."""
     r, state = job.recipe, job.state
-    first_step = state.step
-    batches = job.batches()
-    loader = make_loader(batches, (r.train.max_steps - first_step) * r.train.grad_accum, r.data.workers,
-                         pin=job.device.type != "cpu")
-    data = iter(loader)
+    data = Data(job)
     metrics = MetricsLog(job.run.metrics_path)
     stop = StopRequest().install()
     display = ProgressDisplay(r.train.max_steps, state.step, job.console)
@@ -51,16 +66,22 @@ def train(job: Job) -> int:
             t0 = time.perf_counter()
             result = train_step(job, data)
             seconds = time.perf_counter() - t0
+            if result.verdict == "spike" and r.guard.spike_action == "rollback":
+                metrics, data = rollback(job, metrics, data, result)  # the step is not counted
+                state = job.state
+                continue
             state.step += 1
             state.tokens_seen += result.tokens
-            state.cursor = batches.cursor_after((state.step - first_step) * r.train.grad_accum)
+            state.cursor = data.batches.cursor_after(result.next_k)
             state.train_seconds += seconds
             attempt_tokens, attempt_seconds = attempt_tokens + result.tokens, attempt_seconds + seconds
             metrics.append({"step": state.step, "loss": result.loss, "lr": result.lr,
                             "grad_norm": result.grad_norm, "tokens": result.tokens,
                             "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
                             "data_wait_seconds": round(result.data_wait_seconds, 6),
-                            "attempt": job.run.attempt, "time": time.time()})
+                            "attempt": job.run.attempt, "time": time.time(),
+                            **({} if result.applied else {"skipped": result.verdict})})
+            guard(job, result)
             display.update(state.step, result.loss, attempt_tokens / attempt_seconds)
             ck = r.checkpoint
             due = ((ck.every_steps and state.step % ck.every_steps == 0)
@@ -77,7 +98,7 @@ def train(job: Job) -> int:
         display.close()
         stop.restore()
         metrics.close()
-        del data  # shuts down loader workers
+        data.close()
     if stop.requested:
         job.ledger.finish("interrupted", stop.signal_name)
         job.console.print(f"{stop.signal_name}: checkpoint at step {state.step} committed; run the "
@@ -91,35 +112,96 @@ def train(job: Job) -> int:
     return EXIT_OK
 
 
-def train_step(job: Job, data: Iterator[torch.Tensor]) -> StepResult:
-    """One optimizer step: grad_accum micro-batches of forward and backward, clip, update."""
-    r, model, opt = job.recipe, job.model, job.optimizer
-    data_wait, loss_sum, tokens = 0.0, 0.0, 0
+def train_step(job: Job, data: Data) -> StepResult:
+    """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update."""
+    r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
+    data_wait, loss_sum, tokens, ordinals = 0.0, 0.0, 0, []
     for _ in range(r.train.grad_accum):
         t0 = time.perf_counter()
-        batch = next(data)  # blocks while the input pipeline is behind: counted as data wait
+        ordinal, batch = next(data.iter)  # blocks while the input pipeline is behind: data wait
         data_wait += time.perf_counter() - t0
         batch = batch.to(job.device, non_blocking=True)
         with autocast(job.device, r.precision.mode):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=batch).loss * faults.loss_factor(ordinal)
         # Every sequence has seq_len tokens, so the mean of micro-batch means is the step's mean.
         job.scaler.scale(loss / r.train.grad_accum).backward()
         faults.point("train.micro_batch")
         loss_sum += loss.item()  # sync point on accelerators; the loss is logged every step
         tokens += batch.numel()
+        ordinals.append(ordinal)
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
     params = trainable_parameters(model)
     if r.optimizer.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, r.optimizer.grad_clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, r.optimizer.grad_clip))
     else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    loss_value = loss_sum / r.train.grad_accum
+    verdict = stability.judge(loss_value, grad_norm, state.loss_window, r.guard,
+                              scaler_handles_inf=job.scaler.is_enabled())
+    applied = verdict.kind == "ok" or (verdict.kind == "spike" and r.guard.spike_action == "warn")
     lr = job.scheduler.get_last_lr()[0]
-    job.scaler.step(opt)  # skips the update if fp16 gradients overflowed
+    if applied:
+        job.scaler.step(opt)  # skips the update if fp16 gradients overflowed
     job.scaler.update()
-    job.scheduler.step()
+    if verdict.kind != "spike" or r.guard.spike_action != "rollback":
+        job.scheduler.step()  # a rolled-back step is not a step: the schedule does not advance
     opt.zero_grad(set_to_none=True)
-    return StepResult(loss=loss_sum / r.train.grad_accum, grad_norm=float(grad_norm), lr=lr,
-                      tokens=tokens, data_wait_seconds=data_wait)
+    return StepResult(loss_value, grad_norm, lr, tokens, data_wait, ordinals,
+                      ordinals[-1] - data.batches.first_ordinal + 1, verdict.kind, applied)
+
+
+def guard(job: Job, result: StepResult) -> None:
+    """Record a bad step, keep the loss window, and stop after too many bad steps in a row."""
+    state, g = job.state, job.recipe.guard
+    if result.verdict == "ok" or (result.verdict == "spike" and g.spike_action == "warn"):
+        state.loss_window = stability.push(state.loss_window, result.loss, g.spike_window)
+    if result.verdict == "ok":
+        state.bad_streak = 0
+        return
+    state.bad_streak += 1
+    state.bad_steps.append({"step": state.step, "why": result.verdict, "loss": result.loss,
+                                "batches": result.batches, "applied": result.applied})
+    job.console.print(f"[yellow]step {state.step}: {result.verdict} (loss {result.loss:.4g}, grad norm "
+                      f"{result.grad_norm:.4g}); {'applied' if result.applied else 'update skipped'}; "
+                      f"batches {result.batches}[/yellow]", highlight=False)
+    if state.bad_streak >= g.max_bad_steps:
+        bad = state.bad_steps[-state.bad_streak:]
+        raise EmberError(f"{state.bad_streak} bad steps in a row ([guard] max_bad_steps = "
+                         f"{g.max_bad_steps}): " + "; ".join(
+                             f"step {b['step']} {b['why']} loss {b['loss']:.4g} batches {b['batches']}"
+                             for b in bad) + "; lower [optimizer] lr, check those batches, or "
+                         "resume from an earlier checkpoint")
+
+
+def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> tuple[MetricsLog, Data]:
+    """Back to the newest committed checkpoint; never train on this step's batches; scale the lr."""
+    state, g = job.state, job.recipe.guard
+    job.writer.wait()
+    record_persisted(job)
+    keep = {"skip_batches": sorted(set(state.skip_batches) | set(result.batches)),
+            "bad_steps": state.bad_steps + [{"step": state.step + 1, "why": "spike",
+                                                     "loss": result.loss, "batches": result.batches,
+                                                     "applied": False, "rollback": True}],
+            "lr_scale": state.lr_scale * g.rollback_lr_factor, "bad_streak": state.bad_streak + 1}
+    if keep["bad_streak"] >= g.max_bad_steps:
+        raise EmberError(f"{keep['bad_streak']} bad steps in a row ([guard] max_bad_steps); the last: "
+                         f"a loss spike {result.loss:.4g} at step {state.step + 1}, batches {result.batches}")
+    data.close()
+    metrics.close()
+    ckpt = job.store.load_latest(job.console.print)
+    if ckpt is None:
+        raise EmberError(f"loss spike at step {state.step + 1} (batches {result.batches}) and no "
+                         f"checkpoint to roll back to; use [guard] spike_action = 'skip' or checkpoint sooner")
+    job.state = contents.read_files(ckpt.path, job.model, job.optimizer, job.scheduler, job.scaler)
+    for key, value in keep.items():
+        setattr(job.state, key, value)
+    job.state.restore_rng(job.device)
+    job.apply_lr_scale()
+    lost = job.run.rewind_metrics(job.state.step)
+    job.console.print(f"[yellow]loss spike at step {state.step + 1} ({result.loss:.4g}): rolled back to "
+                      f"step {job.state.step}, {lost} steps to recompute, batches {result.batches} skipped, "
+                      f"learning rate x{job.state.lr_scale:g}[/yellow]", highlight=False)
+    return MetricsLog(job.run.metrics_path), Data(job)
 
 
 def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:

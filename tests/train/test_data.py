@@ -26,14 +26,14 @@ def stream(tmp_path: Path, n_tokens: int) -> Path:
 def test_each_epoch_is_a_permutation_seeded_by_seed_and_epoch(tmp_path):
     batches = PackedBatches(stream(tmp_path, 100 * 4), seq_len=4, micro_batch=10, seed=5,
                             start=DataCursor())
-    epoch0 = torch.cat([batches[k] for k in range(10)])  # 10 batches of 10 = one epoch
-    epoch1 = torch.cat([batches[k] for k in range(10, 20)])
+    epoch0 = torch.cat([batches.batch(k) for k in range(10)])  # 10 batches of 10 = one epoch
+    epoch1 = torch.cat([batches.batch(k) for k in range(10, 20)])
     firsts0, firsts1 = sorted(epoch0[:, 0].tolist()), sorted(epoch1[:, 0].tolist())
     assert firsts0 == firsts1 == list(range(0, 400, 4))  # every sequence once per epoch
     assert not torch.equal(epoch0, epoch1)  # a new order each epoch
     again = PackedBatches(stream(tmp_path, 400), 4, 10, seed=5, start=DataCursor())
     other = PackedBatches(stream(tmp_path, 400), 4, 10, seed=6, start=DataCursor())
-    assert torch.equal(again[3], batches[3]) and not torch.equal(other[3], batches[3])
+    assert torch.equal(again.batch(3), batches.batch(3)) and not torch.equal(other.batch(3), batches.batch(3))
 
 
 def test_resume_at_a_cursor_yields_exactly_the_continuation(tmp_path):
@@ -44,7 +44,8 @@ def test_resume_at_a_cursor_yields_exactly_the_continuation(tmp_path):
     assert cursor == DataCursor(epoch=2, offset=13)
     resumed = PackedBatches(path, 8, 3, seed=1, start=cursor)
     for k in range(20):
-        assert torch.equal(resumed[k], full[29 + k])
+        assert resumed[k][0] == full[29 + k][0] == 29 + k  # the ordinal in the stream
+        assert torch.equal(resumed.batch(k), full.batch(29 + k))
 
 
 def test_jump_cost_does_not_grow_with_position(tmp_path):
@@ -52,7 +53,7 @@ def test_jump_cost_does_not_grow_with_position(tmp_path):
 
     def first_batch_seconds(cursor: DataCursor) -> float:
         t0 = time.perf_counter()
-        PackedBatches(path, 16, 4, seed=0, start=cursor)[0]
+        PackedBatches(path, 16, 4, seed=0, start=cursor).batch(0)
         return time.perf_counter() - t0
 
     near = min(first_batch_seconds(DataCursor(0, 10)) for _ in range(5))
@@ -66,8 +67,15 @@ def test_loader_delivers_the_same_batches_with_any_worker_count(tmp_path, worker
     batches = PackedBatches(path, 8, 4, seed=3, start=DataCursor(1, 7))
     got = list(make_loader(batches, 30, workers=workers, pin=False))
     assert len(got) == 30
-    for k, batch in enumerate(got):
-        assert torch.equal(batch, batches[k])
+    for k, (ordinal, batch) in enumerate(got):
+        assert ordinal == batches.first_ordinal + k and torch.equal(batch, batches.batch(k))
+
+
+def test_loader_leaves_out_skipped_batches(tmp_path):
+    batches = PackedBatches(stream(tmp_path, 50 * 8), 8, 2, seed=3, start=DataCursor(0, 4))
+    assert batches.first_ordinal == 2
+    got = [ordinal for ordinal, _ in make_loader(batches, 5, workers=0, pin=False, skip={3, 5})]
+    assert got == [2, 4, 6, 7, 8]
 
 
 def test_loader_does_not_draw_from_the_global_torch_rng(tmp_path):
