@@ -6,6 +6,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for script in ("loop_overhead.py", "accounting.py", "checkpoint.py", "resume.py"):
+for script in ("loop_overhead.py", "accounting.py", "checkpoint.py", "async_checkpoint.py",
+               "resume.py", "crash_soak.py"):
     print(f"\n=== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

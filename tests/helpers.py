@@ -85,3 +85,25 @@ def assert_same_result(run: Path, baseline: Path) -> None:
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), f"{f}: {name}"
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _zero_block(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    start = (len(data) // 2) & ~4095 if len(data) > 4096 else 0
+    end = min(len(data), start + 4096)
+    data[start:end] = bytes(end - start) if any(data[start:end]) else b"\xff" * (end - start)
+    path.write_bytes(bytes(data))
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+MANIFEST_DAMAGE = {"truncate": _truncate, "zero_4k_block": _zero_block, "flip_bit": _flip_bit}

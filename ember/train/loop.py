@@ -217,6 +217,7 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
     s = job.state
     snap = contents.snapshot(job.model, job.optimizer, job.scheduler, job.scaler, s,
                              copy=job.writer.background, buffers=job.snapshot_buffers)
+    faults.point("ckpt.snapshot_taken")
     t1 = time.time()
     job.writer.submit(s.step, snap, meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
                                           "recipe_digest": s.recipe_digest,
