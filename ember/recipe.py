@@ -103,6 +103,9 @@ class CheckpointConfig:
                                    "last one (0 = off).", min=0)
     keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
                              "a newer one is committed.", min=1)
+    loss_budget_seconds: float = setting(0.0, "When a checkpoint cannot be written (full disk, I/O "
+                                         "error), keep training while the last committed one is at "
+                                         "most this many seconds old; 0 = stop at once.", min=0)
     async_: bool = setting(True, "Two-phase checkpoints: training blocks only for a snapshot into "
                            "host memory; a background thread makes it durable.", key="async")
 
@@ -172,7 +175,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
     "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
-    "checkpoint.async", "train.restarts", "train.restart_backoff_seconds",
+    "checkpoint.async", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
     "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops",
 })

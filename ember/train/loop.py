@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from ember import faults
 from ember.ckpt import contents
+from ember.ckpt.store import MANIFEST
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.train import stability
@@ -210,8 +213,14 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
     The metrics up to this step are fsynced first, so the loss history is durable before any
     checkpoint that covers it commits."""
     t0 = time.time()
-    job.writer.wait()  # one persist in flight at most: a due checkpoint waits (checkpoint time)
+    try:
+        job.writer.wait()  # one persist in flight at most: a due checkpoint waits (checkpoint time)
+    except EmberError as e:  # the previous persist failed: nothing partial was committed
+        failed_save(job, str(e))
     record_persisted(job)
+    if (short := disk_shortfall(job)) is not None:
+        failed_save(job, short)
+        return
     metrics.sync()
     job.state.capture_rng(job.device)
     s = job.state
@@ -224,6 +233,35 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
                                           "attempt": job.run.attempt}, blocked=t1 - t0)
     job.ledger.event("checkpoint", t0, time.time(), step=s.step,
                      detail={"background": job.writer.background})
+
+
+def disk_shortfall(job: Job) -> str | None:
+    """Why the next checkpoint would not fit (its size taken from the newest one), or None."""
+    committed = job.store.committed()
+    if not committed:
+        return None
+    expected = sum(p.stat().st_size for p in committed[-1][1].iterdir())
+    free = shutil.disk_usage(job.store.root).free
+    if free >= expected * 1.1:  # a margin for the manifest and the file system's own blocks
+        return None
+    return (f"checkpoint at step {job.state.step} not started: {free / 1e6:.1f} MB free on "
+            f"{job.store.root}, the last checkpoint took {expected / 1e6:.1f} MB")
+
+
+def failed_save(job: Job, why: str) -> None:
+    """Keep training if the last committed checkpoint is within the loss budget; else stop."""
+    committed = job.store.committed()
+    budget = job.recipe.checkpoint.loss_budget_seconds
+    age = time.time() - (committed[-1][1] / MANIFEST).stat().st_mtime if committed else float("inf")
+    last = f"{committed[-1][1].name}, {age:.0f} s old" if committed else "none"
+    if age <= budget:
+        job.console.print(f"[yellow]warning:[/yellow] {escape(why)}; training on: the last committed "
+                          f"checkpoint ({last}) is within \\[checkpoint] loss_budget_seconds = {budget:g}",
+                          highlight=False)
+        return
+    raise EmberError(f"{why}; stopping: the last committed checkpoint ({last}) is beyond [checkpoint] "
+                     f"loss_budget_seconds = {budget:g}. Free disk space and run the same command to "
+                     f"resume from it")
 
 
 def record_persisted(job: Job) -> None:

@@ -112,9 +112,29 @@ def test_full_disk_during_a_checkpoint_exits_1_and_keeps_the_committed_one(tmp_p
     recipe = write_recipe(tmp_path, train={"max_steps": 20}, checkpoint={"every_steps": 5,
                                                                         "keep_last": 2})
     result = run_ember("run", recipe, "--out", disk / "o")
-    assert_clean_error(result, "could not be written", "No space left on device", "is intact")
+    # Caught before writing (free space below the last checkpoint's size) or while writing (ENOSPC).
+    assert_clean_error(result, "stopping: the last committed checkpoint", "Free disk space")
+    assert "not started" in result.stderr or "No space left on device" in result.stderr
     store = CheckpointStore(disk / "o" / "checkpoints", keep_last=2)
     assert store.committed()
+    for _, path in store.committed():
+        store.verify(path)
+    assert not list(store.root.glob(".tmp-*"))
+
+
+def test_disk_guard_keeps_training_within_the_loss_budget(tmp_path, small_disk):
+    disk = small_disk("3m")
+    recipe = write_recipe(tmp_path, train={"max_steps": 30},
+                          checkpoint={"every_steps": 5, "keep_last": 2, "loss_budget_seconds": 3600})
+    result = run_ember("run", recipe, "--out", disk / "o")
+    # Checkpoints stop fitting after the first two; the final weights (a third of one) still do.
+    assert result.returncode == 0, result.stderr
+    assert "training on: the last committed checkpoint" in result.stderr
+    assert "within [checkpoint] loss_budget_seconds = 3600" in result.stderr
+    assert (disk / "o" / "final" / "model.safetensors").is_file()
+    steps = [json.loads(line)["step"] for line in (disk / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 30  # it trained past the checkpoints that did not fit
+    store = CheckpointStore(disk / "o" / "checkpoints", keep_last=2)
     for _, path in store.committed():
         store.verify(path)
     assert not list(store.root.glob(".tmp-*"))
