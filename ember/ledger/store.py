@@ -157,6 +157,9 @@ class Ledger:
         self._write("INSERT OR REPLACE INTO summaries VALUES (?, ?, ?)",
                     (self.run_id, time.time(), json.dumps(summary)))
 
+    def close(self) -> None:
+        self.con.close()
+
 
 class NullLedger:
     """Stands in when accounting is off (--no-ledger): every write is a no-op."""
@@ -166,6 +169,7 @@ class NullLedger:
     def seen(self, *args: Any) -> None: ...
     def finish(self, *args: Any) -> None: ...
     def summary(self, *args: Any) -> None: ...
+    def close(self) -> None: ...
 
 
 def register_run(con: sqlite3.Connection, run_id: str, path: Path, name: str, digest: str,

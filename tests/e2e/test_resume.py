@@ -16,6 +16,7 @@ CONFIGS = {
     "lora": {"method": {"kind": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1}},
     "grad_accum": {"train": {"grad_accum": 3, "max_steps": 16}},
     "workers": {"data": {"workers": 2}},
+    "fp16": {"precision": {"mode": "fp16"}, "train": {"max_steps": 16}},  # GradScaler state resumes too
 }
 
 
