@@ -94,18 +94,22 @@ def train(job: Job) -> int:
                 save_checkpoint(job, metrics, result.loss)
                 last_save_time = time.monotonic()
     finally:
-        t0 = time.time()
-        job.writer.wait()  # a pending persist completes before the process goes, on every path
-        job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
-        record_persisted(job)
         display.close()
         stop.restore()
         metrics.close()
         data.close()
+        t0 = time.time()
+        try:
+            job.writer.wait()  # a pending persist completes before the process goes, on every path
+        except EmberError as e:
+            failed_save(job, str(e))  # within the loss budget: say so and go on; else stop
+        job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
+        record_persisted(job)
     if stop.requested:
         job.ledger.finish("interrupted", stop.signal_name)
-        job.console.print(f"{stop.signal_name}: checkpoint at step {state.step} committed; run the "
-                          f"same command to resume")
+        newest = max((s for s, _ in job.store.committed()), default=0)
+        job.console.print(f"{stop.signal_name}: newest committed checkpoint is step {newest} (stopped "
+                          f"at step {state.step}); run the same command to resume")
         return EXIT_INTERRUPTED
     t0 = time.time()
     final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method))
