@@ -22,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
-
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ember.ckpt.state import seed_all  # noqa: E402

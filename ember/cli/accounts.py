@@ -15,9 +15,15 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.errors import EmberError
+from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
 from ember.metrics.compare import compare_runs
-from ember.metrics.report import build_report, load_run_record, read_jsonl, resolve_run, summary_line
+from ember.metrics.report import (
+    build_report,
+    load_run_record,
+    resolve_run,
+    summary_line,
+)
 
 out = Console(soft_wrap=True)
 if not out.is_terminal:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.recipe import diff_recipes, get_dotted as _get
+from ember.recipe import diff_recipes
+from ember.recipe import get_dotted as _get
 
 MANIFEST_KEYS = ("ember", "python", "torch", "platform", "hostname", "devices", "seed", "threads",
                  "determinism", "env")

@@ -13,28 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
 from ember.ledger.goodput import Event, Span, Step, account
 from ember.metrics.cost import Prices, cost
 from ember.metrics.stats import spread, stalls
-
-
-def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; a torn last line (a crash mid-write) is skipped with a note."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines):
-                notes.append(f"{path.name}: skipped a torn last line (expected after a crash)")
-                continue
-            raise EmberError(f"{path}:{i}: corrupted (not JSON) in the middle of the file; "
-                             f"nothing was rewritten") from None
-    return out
 
 
 def load_run_record(run_path: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ember.ckpt.store import CheckpointStore
 from ember.ckpt.writer import CheckpointWriter
 from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
+from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
 from ember.ledger.manifest import build_manifest
 from ember.ledger.store import Ledger, NullLedger
@@ -31,7 +32,7 @@ from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
 from ember.train.model import ModelBundle, load_model, trainable_parameters
-from ember.train.rundir import RunDir, read_metrics
+from ember.train.rundir import RunDir
 from ember.train.schedule import ScaledSchedule
 
 
@@ -133,7 +134,7 @@ def open_ledger(path: Path | None | bool, run: RunDir, recipe: Recipe, warn: Any
     con = ledger_store.connect(path or None)  # a newer schema or a non-database: refuse, clearly
     last_seen: dict[int, float] = {}
     for name in ("metrics.jsonl", "metrics.lost.jsonl"):
-        for r in read_metrics(run.path / name):
+        for r in read_jsonl(run.path / name):
             last_seen[r["attempt"]] = max(last_seen.get(r["attempt"], 0.0), r["time"])
     try:
         ledger_store.register_run(con, run.record["id"], run.path, run.path.name, recipe.digest(),

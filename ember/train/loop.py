@@ -15,11 +15,11 @@ from ember.ckpt import contents
 from ember.ckpt.store import MANIFEST
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
+from ember.metrics.report import build_report, compact, summary_line
 from ember.train import stability
 from ember.train.data import make_loader
 from ember.train.job import Job
 from ember.train.model import save_final, trainable_parameters
-from ember.metrics.report import build_report, compact, summary_line
 from ember.train.progress import ProgressDisplay
 from ember.train.rundir import MetricsLog
 from ember.train.signals import StopRequest

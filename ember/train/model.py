@@ -7,8 +7,8 @@ import json
 import os
 import shutil
 import sys
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 

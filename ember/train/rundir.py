@@ -22,7 +22,9 @@ from typing import Any
 
 from ember.ckpt.store import fsync_dir, fsync_file
 from ember.errors import EmberError
-from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes, get_dotted as _get
+from ember.jsonl import read_jsonl
+from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes
+from ember.recipe import get_dotted as _get
 
 RUN_FILE = "run.json"
 
@@ -100,21 +102,16 @@ class RunDir:
 
     def rewind_metrics(self, step: int) -> int:
         """Keep metrics lines up to `step` (the resumed checkpoint); move later ones to the lost log."""
-        if not self.metrics_path.exists():
-            return 0
-        kept, lost = [], []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line torn by a kill mid-write
-                continue
-            (kept if record["step"] <= step else lost).append(line)
+        records = read_jsonl(self.metrics_path)  # a line torn by a kill mid-write is dropped
+        kept = [r for r in records if r["step"] <= step]
+        lost = [r for r in records if r["step"] > step]
         if lost:
             with open(self.path / "metrics.lost.jsonl", "a") as f:
-                f.write("".join(line + "\n" for line in lost))
+                f.write("".join(json.dumps(r) + "\n" for r in lost))
                 f.flush()
                 os.fsync(f.fileno())
-        write_durable(self.metrics_path, "".join(line + "\n" for line in kept))
+        if self.metrics_path.exists():
+            write_durable(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         return len(lost)
 
     def write_final(self, write: Callable[[Path], None]) -> Path:
@@ -152,14 +149,3 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The metrics log as records (a torn last line is skipped)."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
-
 from ember.ckpt.store import CheckpointStore
 from tests.helpers import GENESIS, run_ember, write_recipe
 

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (assert_same_result, losses, run_ember, start_ember, stop, wait_for_step,
-                           write_recipe)
+from tests.helpers import (
+    assert_same_result,
+    losses,
+    run_ember,
+    start_ember,
+    stop,
+    wait_for_step,
+    write_recipe,
+)
 
 CONFIGS = {
     "full": {},

@@ -5,7 +5,14 @@ from __future__ import annotations
 import signal
 
 from ember.supervise import backoff, child_argv
-from tests.helpers import assert_same_result, run_ember, start_ember, stop, wait_for_step, write_recipe
+from tests.helpers import (
+    assert_same_result,
+    run_ember,
+    start_ember,
+    stop,
+    wait_for_step,
+    write_recipe,
+)
 
 
 def test_backoff_doubles_and_is_capped():

@@ -13,7 +13,13 @@ import torch
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.recipe import DataConfig
-from ember.train.data import PackedBatches, data_fingerprint, make_loader, read_documents, tokenize
+from ember.train.data import (
+    PackedBatches,
+    data_fingerprint,
+    make_loader,
+    read_documents,
+    tokenize,
+)
 from ember.train.model import ByteTokenizer
 
 

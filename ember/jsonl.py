@@ -1,0 +1,29 @@
+"""JSON-lines files written by appending: a crash can tear the last line, nothing else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ember.errors import EmberError
+
+
+def read_jsonl(path: Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of `path` ([] if absent). A torn last line is skipped (with a note); a bad
+    line anywhere else is corruption, reported, and nothing is rewritten."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):
+                if notes is not None:
+                    notes.append(f"{path.name}: skipped a torn last line (expected after a crash)")
+                continue
+            raise EmberError(f"{path}:{i}: corrupted (not JSON) in the middle of the file; "
+                             f"nothing was rewritten") from None
+    return out
