@@ -58,11 +58,11 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              state: RunState, copy: bool, buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
     """Capture the training state. The caller must not reuse `buffers` while a persist of the
     previous snapshot is in flight (the writer's wait() comes first)."""
-    pinned = {} if buffers is None else buffers
-    snap = Snapshot(_to_host(trainable_state(model), copy, pinned, "w"),
-                    _to_host(optimizer.state_dict(), copy, pinned, "o"),
+    buffers = {} if buffers is None else buffers
+    snap = Snapshot(_to_host(trainable_state(model), copy, buffers, "w"),
+                    _to_host(optimizer.state_dict(), copy, buffers, "o"),
                     _to_host({"run_state": state.to_dict(), "scheduler": scheduler.state_dict(),
-                              "scaler": scaler.state_dict()}, copy, pinned, "x"))
+                              "scaler": scaler.state_dict()}, copy, buffers, "x"))
     if any(t.is_pinned() for t in snap.weights.values()):
         torch.accelerator.synchronize()  # the non-blocking copies must land before a writer reads them
     return snap

@@ -179,7 +179,8 @@ def _ranked(g: Any, steps: list[Step], events: list[sqlite3.Row]) -> list[dict[s
             n = sum(1 for s in steps if s.lost)
             evidence = f"{n} steps computed after an attempt's last checkpoint, then again"
         elif name == "checkpoint_save":
-            saves = [e["end"] - e["start"] for e in events if e["kind"] in ("checkpoint", "final_save")]
+            saves = [e["end"] - e["start"] for e in events if e["kind"] in ("checkpoint", "final_save")
+                     and '"flush"' not in (e["detail"] or "")]  # the exit-time wait is not a save
             evidence = f"{len(saves)} saves, median {statistics.median(saves):.3f}s blocking" if saves else ""
         elif name == "data_loading":
             waits = [s.data_wait for s in steps if not s.lost]
