@@ -11,6 +11,9 @@ export TRANSFORMERS_OFFLINE := 1
 
 $(BIN)/.ember-installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# Debian's FUSE for the power-cut tests (tests/powercut_fs.py); without root they skip, saying why.
+	command -v fusermount >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse libfuse2 >/dev/null; }
 	# torch first, exactly pinned: the CPU build on local disk (see constraints.txt).
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'

@@ -2,8 +2,10 @@
 moments and at fault points, restart it after each kill, check after each that no committed
 checkpoint is torn or lost, and at the end that per-step losses and final weights equal the
 uninterrupted run's bit-for-bit. Prints the count of kills by kind and any violation.
+With --power-cuts every kill is followed by a simulated power cut (tests/powercut_fs.py: all
+writes and folder changes not made durable by fsync are forgotten).
 
-usage: python bench/crash_soak.py [--kills 1000] [--seed 1]
+usage: python bench/crash_soak.py [--kills 1000] [--seed 1] [--power-cuts]
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests import crash_harness  # noqa: E402
-from tests.helpers import assert_same_result, run_ember, write_recipe  # noqa: E402
+from tests.helpers import assert_same_result, losses, run_ember, write_recipe  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kills", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--power-cuts", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ember-crash-soak-"))
     os.environ["EMBER_HOME"] = str(work / "home")
@@ -37,14 +40,22 @@ def main() -> None:
     assert run_ember("run", recipe, "--out", work / "base", "--no-ledger", timeout=7200).returncode == 0
     print(f"baseline: {steps} steps in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
-    stats = crash_harness.crash_and_resume(recipe, work / "run", args.kills, args.seed,
-                                           progress=lambda s: print(
-                                               f"{s.kills} kills, {time.time() - t0:.0f} s, "
-                                               f"violations {len(s.violations)}", flush=True))
+
+    def progress(s: crash_harness.CrashStats) -> None:
+        print(f"{s.kills} kills, {time.time() - t0:.0f} s, violations {len(s.violations)}", flush=True)
+
+    if args.power_cuts:
+        stats = crash_harness.power_cuts(recipe, work / "cut", args.kills, args.seed,
+                                         losses(work / "base"), progress=progress)
+        run = work / "cut" / "disk" / "run"
+    else:
+        stats = crash_harness.crash_and_resume(recipe, work / "run", args.kills, args.seed,
+                                               progress=progress)
+        run = work / "run"
     print(f"\nkills: {stats.kills} in {time.time() - t0:.0f} s; by kind: {stats.by_fault}")
     print(f"violations: {stats.violations or 'none'}")
     try:
-        assert_same_result(work / "run", work / "base")
+        assert_same_result(run, work / "base")
         print("final per-step losses and weights: bit-for-bit equal to the uninterrupted run")
     except AssertionError as e:
         print(f"final result DIFFERS from the uninterrupted run: {e}")

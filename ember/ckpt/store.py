@@ -127,6 +127,7 @@ class CheckpointStore:
             os.rename(tmp, final)  # the commit point
             faults.point("ckpt.renamed")
             fsync_dir(self.root)
+            faults.committed(step)
         except Exception as e:  # torch.save and safetensors report a full disk as their own types
             shutil.rmtree(tmp, ignore_errors=True)
             last = self.committed()

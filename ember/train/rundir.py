@@ -40,6 +40,23 @@ def write_durable(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def open_append(path: Path):
+    """Open a log for appending; a file created here gets a durable name (fsync of its folder),
+    or fsyncing its contents later would keep data that a power cut leaves without a name."""
+    new = not path.exists()
+    f = open(path, "a")
+    if new:
+        fsync_dir(path.parent)
+    return f
+
+
+def append_durable(path: Path, text: str) -> None:
+    with open_append(path) as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
@@ -94,11 +111,9 @@ class RunDir:
         return sum(1 for line in p.read_text().splitlines() if line.strip()) if p.exists() else 0
 
     def start_attempt(self, info: dict[str, Any]) -> None:
-        with open(self.path / "attempts.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": self.attempt, "pid": os.getpid(), "start": time.time(),
-                                "hostname": socket.gethostname(), **info}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_durable(self.path / "attempts.jsonl",
+                       json.dumps({"attempt": self.attempt, "pid": os.getpid(), "start": time.time(),
+                                   "hostname": socket.gethostname(), **info}) + "\n")
 
     def rewind_metrics(self, step: int) -> int:
         """Keep metrics lines up to `step` (the resumed checkpoint); move later ones to the lost log."""
@@ -106,10 +121,7 @@ class RunDir:
         kept = [r for r in records if r["step"] <= step]
         lost = [r for r in records if r["step"] > step]
         if lost:
-            with open(self.path / "metrics.lost.jsonl", "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in lost))
-                f.flush()
-                os.fsync(f.fileno())
+            append_durable(self.path / "metrics.lost.jsonl", "".join(json.dumps(r) + "\n" for r in lost))
         if self.metrics_path.exists():
             write_durable(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         return len(lost)
@@ -138,7 +150,7 @@ class MetricsLog:
     """Appends one JSON line per optimizer step; `sync()` makes them durable."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "a")
+        self.file = open_append(path)
 
     def append(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
