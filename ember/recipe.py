@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,9 @@ class TrainConfig:
     grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.", min=1)
     seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0)
     activation_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
+    loss_chunk: int = setting(0, "Memory-efficient loss: cross-entropy over chunks of this many "
+                              "tokens, so the batch x seq x vocab logits never exist at once "
+                              "(0 = the plain loss). See `ember plan`.", min=0)
     device: str = setting("auto", "'auto' (the accelerator torch finds, else CPU), 'cpu', or a torch "
                           "device such as 'cuda', 'cuda:1', 'xpu', 'npu', 'mps'.")
     threads: int = setting(0, "CPU threads for torch (0 = all cores). Fixed for the whole run: "
@@ -99,8 +103,13 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = setting(50, "Checkpoint every N optimizer steps (0 = off).", min=0)
-    every_seconds: float = setting(0.0, "Also checkpoint when this many seconds passed since the "
-                                   "last one (0 = off).", min=0)
+    every_seconds: float | Literal["auto"] = setting(
+        0.0, "Also checkpoint when this many seconds passed since the last one (0 = off); 'auto' = "
+        "the Young/Daly interval from the measured checkpoint cost and interruption_hours.", min=0)
+    interruption_hours: float = setting(0.0, "Expected hours between interruptions of this machine "
+                                        "(crashes, power cuts, preemptions), for every_seconds = "
+                                        "'auto' and `ember plan`; 0 = from the ledger's history "
+                                        "of this machine, else 24.", min=0)
     keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
                              "a newer one is committed.", min=1)
     loss_budget_seconds: float = setting(0.0, "When a checkpoint cannot be written (full disk, I/O "
@@ -145,6 +154,18 @@ class CostConfig:
 
 
 @dataclass
+class PlanConfig:
+    local_max_hours: float = setting(72.0, "Longest run the machine's owner accepts locally; "
+                                     "`ember plan` sends a longer one to remote compute.", min=0,
+                                     exclusive_min=True)
+    memory_margin: float = setting(0.10, "Share of device memory kept free beyond the estimated "
+                                   "peak (allocator fragmentation, the runtime's own use).", min=0, max=1)
+    assumed_mfu: float = setting(0.35, "Share of peak FLOP/s assumed for the time estimate when "
+                                 "`ember plan` measures nothing (--calibrate measures).", min=0,
+                                 max=1, exclusive_min=True)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -156,6 +177,7 @@ class Recipe:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}} under the TOML names."""
@@ -177,7 +199,8 @@ OPERATIONAL_KEYS = frozenset({
     "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
     "checkpoint.async", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
-    "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops",
+    "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops", "checkpoint.interruption_hours",
+    "plan.local_max_hours", "plan.memory_margin", "plan.assumed_mfu",
 })
 
 
@@ -260,10 +283,16 @@ def build_section(cls: type, section: str, values: dict[str, Any], source: str) 
 def check_value(where: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
     """Type- and range-check one value against its annotation; return it normalised."""
     origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):  # a number or a named value, e.g. float | Literal["auto"]
+        named = [a for a in typing.get_args(hint) if typing.get_origin(a) is Literal]
+        if isinstance(value, str) and named:
+            return check_value(where, value, named[0], {"or_number": True})
+        return check_value(where, value, next(a for a in typing.get_args(hint) if a not in named), meta)
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}")
+            also = " or a number" if meta.get("or_number") else ""
+            raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}{also}")
         return value
     if origin is list:
         (item_type,) = typing.get_args(hint)
@@ -320,6 +349,8 @@ def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def type_label(hint: Any) -> str:
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " | ".join(type_label(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) is Literal:
         return " | ".join(map(repr, typing.get_args(hint)))
     if typing.get_origin(hint) is list:

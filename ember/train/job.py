@@ -31,6 +31,7 @@ from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_pea
 from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
+from ember.plan.interval import mtbf_seconds
 from ember.train.model import ModelBundle, load_model, trainable_parameters
 from ember.train.rundir import RunDir
 from ember.train.schedule import ScaledSchedule
@@ -53,6 +54,7 @@ class Job:
     started: float  # process start: the attempt's wall-clock begins here, imports included
     writer: CheckpointWriter
     snapshot_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host memory
+    mtbf_seconds: float = 0.0  # expected time between interruptions, for every_seconds = "auto"
 
     @property
     def model(self) -> torch.nn.Module:
@@ -113,6 +115,11 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
     job = Job(recipe, run, device, bundle, optimizer, scheduler, scaler, store,
               RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started,
               CheckpointWriter(store, background=recipe.checkpoint.async_))
+    if recipe.checkpoint.every_seconds == "auto":
+        job.mtbf_seconds, source = mtbf_seconds(recipe.checkpoint.interruption_hours,
+                                                getattr(ledger, "con", None), socket.gethostname())
+        console.print(f"checkpoint interval: Young/Daly from each checkpoint's measured cost and "
+                      f"{job.mtbf_seconds / 3600:.3g} h between interruptions ({source})", highlight=False)
     t0 = time.time()
     resumed = restore(job, warn)
     lost = run.rewind_metrics(job.state.step)

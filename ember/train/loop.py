@@ -16,9 +16,11 @@ from ember.ckpt.store import MANIFEST
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.metrics.report import build_report, compact, summary_line
+from ember.plan.interval import daly
 from ember.train import stability
 from ember.train.data import make_loader
 from ember.train.job import Job
+from ember.train.loss import causal_lm_loss
 from ember.train.model import save_final, trainable_parameters
 from ember.train.progress import ProgressDisplay
 from ember.train.rundir import MetricsLog
@@ -61,6 +63,8 @@ def train(job: Job) -> int:
     stop = StopRequest().install()
     display = ProgressDisplay(r.train.max_steps, state.step, job.console)
     last_save_time = time.monotonic()
+    ck = r.checkpoint
+    interval = 0.0 if ck.every_seconds == "auto" else ck.every_seconds  # auto: set by the first save
     attempt_tokens, attempt_seconds = 0, 0.0
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
@@ -86,13 +90,14 @@ def train(job: Job) -> int:
                             **({} if result.applied else {"skipped": result.verdict})})
             guard(job, result)
             display.update(state.step, result.loss, attempt_tokens / attempt_seconds)
-            ck = r.checkpoint
             due = ((ck.every_steps and state.step % ck.every_steps == 0)
-                   or (ck.every_seconds and time.monotonic() - last_save_time >= ck.every_seconds)
+                   or (interval and time.monotonic() - last_save_time >= interval)
                    or state.step == r.train.max_steps or stop.requested)
             if due:
-                save_checkpoint(job, metrics, result.loss)
+                blocked = save_checkpoint(job, metrics, result.loss)
                 last_save_time = time.monotonic()
+                if ck.every_seconds == "auto":  # δ = what this checkpoint cost the training thread
+                    interval = daly(max(blocked, 1e-3), job.mtbf_seconds)
     finally:
         display.close()
         stop.restore()
@@ -129,7 +134,7 @@ def train_step(job: Job, data: Data) -> StepResult:
         data_wait += time.perf_counter() - t0
         batch = batch.to(job.device, non_blocking=True)
         with autocast(job.device, r.precision.mode):
-            loss = model(input_ids=batch, labels=batch).loss * faults.loss_factor(ordinal)
+            loss = causal_lm_loss(model, batch, r.train.loss_chunk) * faults.loss_factor(ordinal)
         # Every sequence has seq_len tokens, so the mean of micro-batch means is the step's mean.
         job.scaler.scale(loss / r.train.grad_accum).backward()
         faults.point("train.micro_batch")
@@ -211,8 +216,9 @@ def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> t
     return MetricsLog(job.run.metrics_path), Data(job)
 
 
-def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
-    """Snapshot the state (blocking) and hand it to the writer, which makes it durable.
+def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
+    """Snapshot the state (blocking) and hand it to the writer, which makes it durable; return
+    the seconds the training thread was blocked.
 
     The metrics up to this step are fsynced first, so the loss history is durable before any
     checkpoint that covers it commits."""
@@ -224,7 +230,7 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
     record_persisted(job)
     if (short := disk_shortfall(job)) is not None:
         failed_save(job, short)
-        return
+        return time.time() - t0
     metrics.sync()
     job.state.capture_rng(job.device)
     s = job.state
@@ -237,6 +243,7 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> None:
                                           "attempt": job.run.attempt}, blocked=t1 - t0)
     job.ledger.event("checkpoint", t0, time.time(), step=s.step,
                      detail={"background": job.writer.background})
+    return t1 - t0
 
 
 def disk_shortfall(job: Job) -> str | None:

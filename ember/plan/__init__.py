@@ -1,0 +1,1 @@
+"""Planning before launch: memory, remedies, time and cost, checkpoint interval, local or remote."""

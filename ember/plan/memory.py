@@ -1,0 +1,215 @@
+"""Peak memory of a training step, from the architecture: pure arithmetic, no allocation.
+
+The peak of a step is not "weights + gradients + optimizer + activations" at once. Gradients
+(set to None after every step) do not exist during the forward pass; the peak is one of:
+
+    loss backward   weights + optimizer state + every saved activation + the loss's
+                    batch x seq x vocab fp32 buffers (log-softmax output and two gradients)
+    backward end    weights + optimizer state + all gradients (activations are freed by now)
+    optimizer step  weights + gradients + optimizer state + the update's temporaries
+
+Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
+SmolLM), as PyTorch autograd keeps them on the SDPA path: every figure below was checked
+against the tensors autograd actually saves (see tests/plan/test_memory.py for two cases by
+hand, bench/plan_accuracy.py for the measured table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+F32 = 4
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model's config."""
+    family: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        kind = getattr(config, "model_type", "?")
+        if kind not in LLAMA_FAMILY:
+            raise ValueError(f"the memory estimate knows the Llama family ({', '.join(sorted(LLAMA_FAMILY))}), "
+                             f"not model_type {kind!r}")
+        heads = config.num_attention_heads
+        return cls("llama", config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                   heads, getattr(config, "num_key_value_heads", None) or heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)),
+                   bool(getattr(config, "attention_bias", False)) or kind == "qwen2")
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear in one decoder layer."""
+        h, f, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    def layer_params(self) -> int:
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return sum(i * o for i, o in self.linear_shapes().values()) + bias + 2 * self.hidden
+
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return self.layers * self.layer_params() + self.hidden + embed * (1 if self.tied else 2)
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """What the estimate needs from a recipe."""
+    micro_batch: int
+    seq_len: int
+    lora: bool = False
+    lora_rank: int = 8
+    lora_targets: frozenset[str] = frozenset(LINEARS)
+    lora_dropout: float = 0.0
+    activation_checkpointing: bool = False
+    autocast: bool = False  # bf16/fp16 autocast over fp32 weights
+    loss_chunk: int = 0  # tokens per chunk of the memory-efficient loss (0 = the plain loss)
+    optimizer: str = "adamw"
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class Breakdown:
+    """Bytes of one device at the step's peak, and the phase where it happens."""
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    loss_buffers: int
+    temporaries: int
+    peak: int
+    phase: str
+    phases: dict[str, int] = field(default_factory=dict)
+    trainable: int = 0
+    params: int = 0
+
+    def with_margin(self, share: float) -> int:
+        return int(self.peak * (1 + share))
+
+
+def trainable_params(m: ModelShape, t: TrainShape) -> int:
+    if not t.lora:
+        return m.params()
+    return m.layers * sum(t.lora_rank * (i + o) for name, (i, o) in m.linear_shapes().items()
+                          if name in t.lora_targets)
+
+
+def layer_activations(m: ModelShape, t: TrainShape, first: bool = False) -> float:
+    """Bytes per token one decoder layer leaves saved for backward."""
+    h, f, n = m.hidden, m.intermediate, m.heads
+    q, kv = n * m.head_dim, m.kv_heads * m.head_dim
+    if t.activation_checkpointing:
+        return h * F32  # the layer's input; the rest is recomputed during backward
+    a = 2 if t.autocast else F32  # bytes of a linear's output under autocast
+    full = not t.lora
+    adapted = t.lora_targets if t.lora else frozenset()
+    inputs = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": f}
+    norm_w = h * F32 if full else 0
+    norm1 = 0 if (first and t.lora) else h * F32 + F32 + norm_w  # input, rsqrt, normalised
+    norm2 = h * F32 + F32 + norm_w
+    b = 0.0
+    if t.autocast:
+        # Every linear casts its input for itself; a trained weight keeps that cast for backward,
+        # and so does each LoRA adapter (peft casts back to fp32 first, autocast copies again).
+        for name, width in inputs.items():
+            if name == "o_proj" and full:
+                continue  # the attention output is already bf16: no copy
+            if name == "down_proj" and full:
+                b += width * a  # the bf16 product is kept as is
+            elif full or name in adapted:
+                b += width * a
+    else:
+        # One fp32 tensor feeds q/k/v (and one gate/up); it is kept once if any of them trains.
+        if full or adapted & {"q_proj", "k_proj", "v_proj"}:
+            b += h * F32
+        if full or adapted & {"gate_proj", "up_proj"}:
+            b += h * F32
+        if full or "down_proj" in adapted:
+            b += f * F32
+    b += len(adapted) * t.lora_rank * a  # LoRA A outputs, kept for B
+    if t.lora and t.lora_dropout > 0:
+        # Each adapter's own dropped-out input copy and the dropout mask (one byte each).
+        b += sum(w * (a + 1) for name, w in inputs.items() if name in adapted)
+    b += (q + 2 * kv + q) * a + n * F32  # SDPA keeps q, k, v, output, log-sum-exp
+    b += 3 * f * a  # gate output (for SiLU), SiLU output and up output (for the product)
+    return norm1 + norm2 + b
+
+
+def weight_copies(m: ModelShape, t: TrainShape) -> int:
+    """Autocast keeps a half-precision copy of every linear weight from forward to backward
+    (under activation checkpointing only the output layer's: a layer's are remade when it is)."""
+    if not t.autocast:
+        return 0
+    if t.activation_checkpointing:
+        return 2 * m.vocab * m.hidden
+    linear = m.layers * sum(i * o for i, o in m.linear_shapes().values()) + m.vocab * m.hidden
+    adapters = trainable_params(m, t) if t.lora else 0
+    return 2 * (linear + adapters)
+
+
+def fixed_activations(m: ModelShape, t: TrainShape) -> float:
+    """Bytes per token outside the decoder layers, without the loss's own buffers."""
+    h, full = m.hidden, not t.lora
+    b = h * F32 + F32 + (h * F32 if full else 0)  # final norm
+    if full:
+        b += h * (2 if t.autocast else F32) + 8  # lm_head input; the embedding's token ids
+    b += 8  # the loss's targets
+    return b
+
+
+def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
+    """The step's peak memory (from the second step on, once optimizer state exists)."""
+    T, V = t.tokens, m.vocab
+    params, trainable = m.params(), trainable_params(m, t)
+    weights = (params + (trainable if t.lora else 0)) * F32
+    grads = trainable * F32
+    optim = 2 * trainable * F32  # AdamW: exp_avg and exp_avg_sq in fp32
+    largest = max(m.vocab * m.hidden, *(i * o for i, o in m.linear_shapes().values())) if not t.lora \
+        else max(t.lora_rank * max(i, o) for i, o in m.linear_shapes().values())
+    update_tmp = 2 * largest * F32  # single-tensor AdamW: sqrt(v) and its quotient, per tensor
+    rope = 2 * t.seq_len * m.head_dim * F32
+    layers = layer_activations(m, t, first=True) + (m.layers - 1) * layer_activations(m, t)
+    acts = int((layers + fixed_activations(m, t)) * T) + rope + weight_copies(m, t)
+    if t.loss_chunk:
+        # One chunk's log-softmax and two gradients, beside the output layer's gradient (from the
+        # first chunk on) and the hidden states' gradient being summed chunk by chunk.
+        c = min(t.loss_chunk, T)
+        saved_loss = 0
+        loss_peak = 3 * c * V * F32 + (V * m.hidden * F32 if not t.lora else 0) + T * m.hidden * F32
+    else:
+        saved_loss, loss_peak = T * V * F32, 2 * T * V * F32  # log-softmax kept; two gradients
+    recompute = int(layer_activations(m, replace(t, activation_checkpointing=False)) * T) \
+        if t.activation_checkpointing else 0
+    phases = {
+        "loss backward": weights + optim + acts + saved_loss + loss_peak,
+        "backward end": weights + optim + grads + recompute + 2 * T * m.hidden * F32,
+        "optimizer step": weights + grads + optim + update_tmp,
+    }
+    phase = max(phases, key=phases.__getitem__)
+    peak = phases[phase]
+    loss = saved_loss + loss_peak if phase == "loss backward" else 0
+    return Breakdown(weights=weights, gradients=grads if phase != "loss backward" else 0,
+                     optimizer=optim, activations=acts if phase == "loss backward" else recompute,
+                     loss_buffers=loss, temporaries=peak - weights - optim - loss
+                     - (grads if phase != "loss backward" else 0)
+                     - (acts if phase == "loss backward" else recompute),
+                     peak=peak, phase=phase, phases=phases, trainable=trainable, params=params)
