@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--restarts", type=int, default=None, metavar="N",
                      help="supervise: restart after a crash, giving up after N crashes within an "
                      "hour (overrides [train] restarts)")
+    run.add_argument("--preflight", action="store_true",
+                     help="run `ember preflight` first and stop if a check fails")
     run.add_argument("--no-supervise", action="store_true", help=argparse.SUPPRESS)
     add_ledger_args(run, allow_off=True)
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
     add_ledger_args(capacity)
 
+    from ember.cli.plan import add_parsers
+    add_parsers(sub)
+
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
     recipe.add_argument("--set", dest="overrides", action="append", default=[],
@@ -98,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args, console)
         if args.command == "recipe":
             return cmd_recipe(args)
+        if args.command in ("plan", "preflight"):
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from ember.cli import plan
+            return plan.cmd_plan(args) if args.command == "plan" else plan.cmd_preflight(args)
         from ember.cli import accounts
         return {"runs": accounts.cmd_runs, "report": accounts.cmd_report,
                 "compare": accounts.cmd_compare, "repro": accounts.cmd_repro,
@@ -128,6 +137,15 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     restarts = recipe.train.restarts if args.restarts is None else args.restarts
     if restarts < 0:
         raise EmberError(f"--restarts {restarts}: must be >= 0")
+    if args.preflight and not args.no_supervise:
+        from ember.cli.plan import print_checks
+        from ember.plan.preflight import preflight
+        checks = preflight(recipe, args.recipe, 3, console)
+        print_checks(checks, console)
+        failed = [c.name for c in checks if not (c.ok or c.warn_only)]
+        if failed:
+            raise EmberError(f"preflight failed ({', '.join(failed)}): not starting the run; fix the "
+                             f"cause or run without --preflight")
     if restarts and not args.no_supervise:
         from ember.supervise import child_argv, supervise
         return supervise(child_argv(sys.argv[1:]), restarts, recipe.train.restart_backoff_seconds,

@@ -116,7 +116,7 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> dict[str, An
                              "buckets": g.buckets,
                              "lost_steps": sum(1 for s in steps if s.lost)}
         report["where_time_goes"] = _ranked(g, steps, events)
-        prices = _prices(recipe.get("cost", {}), devices)
+        prices = prices_from(recipe.get("cost", {}), devices)
         c = cost(prices, g.wall_seconds, report.get("throughput", {}).get("tokens", 0))
         report["cost"] = asdict(c) | {"completed": status == "completed"}
         report["attempts"] = [asdict(a) | {"lost_steps": sum(1 for s in steps if s.lost and s.attempt == a.attempt)}
@@ -148,7 +148,7 @@ def _mfu(perf: dict[str, Any], per_device: float) -> dict[str, Any]:
     return base | {"value": per_device * fpt / peak}
 
 
-def _prices(cfg: dict[str, Any], devices: int) -> Prices:
+def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
     """Recipe [cost] over $EMBER_HOME/machine.toml [cost]; a 0 or '' in the recipe means unset."""
     import tomllib
 

@@ -10,6 +10,8 @@ optimizer state exists.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +51,17 @@ def step_peak(step: Callable[[], None], device: torch.device) -> int:
         raise ValueError(f"peak memory on {device.type} is not measured yet (CUDA and CPU are)")
     base = live_tensor_bytes(device)
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    sys.stderr.flush()
+    saved = os.dup(2)  # kineto prints start/stop lines on the C side of stderr: keep them out
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
     events: list[tuple[int, int]] = []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         _allocations(root, events, "cpu")
