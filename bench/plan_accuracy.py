@@ -62,9 +62,9 @@ def measure(row: list) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
+    from ember.device import autocast
     from ember.plan.measure import step_peak
     from ember.recipe import MethodConfig
-    from ember.device import autocast
     from ember.train.loss import causal_lm_loss
     from ember.train.model import apply_lora, trainable_parameters
 
@@ -73,7 +73,7 @@ def measure(row: list) -> int:
     torch.set_num_threads(1)
     model = LlamaForCausalLM(config(name))
     if ac:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method == "lora":
         model = apply_lora(model, MethodConfig(kind="lora"))
     model.train()

@@ -1,7 +1,8 @@
 """Named fault-injection points for crash tests: `EMBER_FAULT=name[@k]` SIGKILLs the process
 the k-th time (default the first) execution reaches `point(name)`. With `EMBER_FAULT_ONCE=FILE`
 the fault fires only while FILE does not exist, and creates it first: one crash across restarts.
-Unset, a point costs one dict lookup. `EMBER_TRACE_COMMITS=FILE` appends the step of every
+`EMBER_FAULT_FLAGS=name,...` switches on named misbehaviours (flag()). Unset, a point costs one
+dict lookup. `EMBER_TRACE_COMMITS=FILE` appends the step of every
 checkpoint commit, once it is durable, so a power-cut test knows what it may never lose."""
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def loss_factor(ordinal: int) -> float:
         if int(at) == ordinal:
             return float(factor)
     return 1.0
+
+
+def flag(name: str) -> bool:
+    """A behaviour fault named in `EMBER_FAULT_FLAGS=name,...` (e.g. resume.fresh_optimizer)."""
+    return name in os.environ.get("EMBER_FAULT_FLAGS", "").split(",")
 
 
 def committed(step: int) -> None:

@@ -31,6 +31,8 @@ def add_parsers(sub: Any) -> None:
                       help="also measure a few steps here: step time and the real peak against the estimate")
     plan.add_argument("--apply", type=Path, metavar="OUT.toml",
                       help="write the recipe with the best remedy that fits applied")
+    plan.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="plan for a device with this much free memory (another machine, or a cap)")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
 
@@ -51,7 +53,13 @@ def _ledger(path: Path | None):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ember.plan.planner import apply_changes, make_plan
+    from ember.plan.planner import (
+        UnknownArchitecture,
+        apply_changes,
+        detect_devices,
+        make_plan,
+        replace_memory,
+    )
     from ember.recipe import load_recipe
     r = load_recipe(args.recipe, args.overrides)
     if args.target_micro_batch is not None:
@@ -62,7 +70,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from ember.plan.preflight import calibrate
         calibration = calibrate(r)
-    plan = make_plan(r, _ledger(args.ledger), calibration)
+    devices = detect_devices(r.train.device)
+    if args.device_memory is not None:
+        if args.device_memory <= 0:
+            raise EmberError(f"--device-memory {args.device_memory:g}: must be > 0 GiB")
+        devices = replace_memory(devices, int(args.device_memory * GiB))
+    try:
+        plan = make_plan(r, _ledger(args.ledger), calibration, devices)
+    except UnknownArchitecture as e:
+        from ember.plan.preflight import calibrate
+        print(f"{e}: measuring a step here instead (calibration)", file=sys.stderr)
+        plan = make_plan(r, _ledger(args.ledger), calibrate(r), devices)
     plan.recipe["target_micro_batch"] = args.target_micro_batch
     if args.json:
         print(json.dumps(asdict(plan), indent=1, default=str))

@@ -23,7 +23,7 @@ def live_tensor_bytes(device: torch.device) -> int:
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == device.type and obj.layout == torch.strided:
+            if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type and obj.layout == torch.strided:
                 st = obj.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
         except (RuntimeError, ReferenceError):

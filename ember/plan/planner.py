@@ -17,7 +17,16 @@ from ember.errors import EmberError
 from ember.metrics.flops import Architecture, flops_per_token
 from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_peak
 from ember.plan.interval import mtbf_seconds, recommend
-from ember.plan.memory import F32, GiB, LINEARS, Breakdown, ModelShape, TrainShape, estimate, trainable_params
+from ember.plan.memory import (
+    F32,
+    LINEARS,
+    Breakdown,
+    GiB,
+    ModelShape,
+    TrainShape,
+    estimate,
+    trainable_params,
+)
 from ember.recipe import Recipe
 
 # Bandwidths for the checkpoint cost when the ledger has no checkpoint of this machine yet
@@ -25,6 +34,10 @@ from ember.recipe import Recipe
 SNAPSHOT_BYTES_PER_S = 10e9
 DURABLE_BYTES_PER_S = 0.5e9
 STARTUP_SECONDS = 5.0
+
+
+class UnknownArchitecture(EmberError):
+    """The estimator has no formula for this model: measure instead (calibration)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,11 @@ def detect_devices(requested: str) -> list[Device]:
     info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
     kib = {k: int(v.split()[0]) * 1024 for k, v in info.items() if k in ("MemTotal", "MemAvailable")}
     return [Device(device_name(torch.device("cpu")), "cpu", kib["MemTotal"], kib["MemAvailable"])]
+
+
+def replace_memory(devices: list[Device], free: int) -> list[Device]:
+    """The same devices with `free` bytes each (planning for another machine, or a cap)."""
+    return [Device(f"{d.name} (capped at {free / GiB:.3g} GiB)", d.kind, free, free) for d in devices]
 
 
 def model_config(recipe: Recipe) -> Any:
@@ -200,8 +218,8 @@ class Plan:
 def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dict[str, float] | None = None,
               devices: list[Device] | None = None) -> Plan:
     """The whole plan for recipe `r`. `calibration`: measured {"step_seconds", "peak_bytes"}."""
-    from ember.metrics.report import prices_from
     from ember.metrics.cost import cost
+    from ember.metrics.report import prices_from
     notes: list[str] = []
     cfg = model_config(r)
     devices = devices or detect_devices(r.train.device)
@@ -211,7 +229,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dic
         m = ModelShape.from_config(cfg)
     except ValueError as e:
         if calibration is None:
-            raise EmberError(f"{e}; run `ember plan --calibrate` to measure the peak instead") from None
+            raise UnknownArchitecture(str(e)) from None
         m = None
         notes.append(f"{e}: the memory figure is measured (calibration), not estimated")
     margin = r.plan.memory_margin

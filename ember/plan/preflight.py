@@ -117,7 +117,10 @@ def preflight(r: Recipe, recipe_file: Path, steps: int, console: Console) -> lis
         return [Check("data", False, str(e), {})]
 
     console.print("preflight: measuring a step")
-    cal = calibrate(r, bundle=bundle, device=device)
+    try:
+        cal = calibrate(r, bundle=bundle, device=device)
+    except (RuntimeError, ValueError) as e:  # e.g. an lr that overflows fp32, an out-of-memory
+        return checks + [Check("memory", False, f"a training step failed: {type(e).__name__}: {e}", {})]
     try:
         plan = make_plan(r, None, cal)
         est, measured = plan.memory["peak"], cal["peak_bytes"]
@@ -150,9 +153,10 @@ def _ember(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
+    from safetensors.torch import load_file
+
     from ember.cli.plan import write_recipe
     from ember.plan.planner import apply_changes
-    from safetensors.torch import load_file
     work = Path(tempfile.mkdtemp(prefix="preflight-", dir=ember_home()))
     try:
         short = apply_changes(r, {"train.max_steps": steps, "checkpoint.every_steps": steps - 1,
@@ -167,7 +171,9 @@ def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
         if a.returncode != 0 or bad or len(rows) < steps:
             why = a.stderr.strip().splitlines()[-1] if a.returncode != 0 and a.stderr.strip() else ""
             return [Check("loss", False, f"{len(rows)} of {steps} steps; bad: "
-                          + (", ".join(f"step {x['step']} loss {x['loss']}" for x in bad) or "none")
+                          + (", ".join(f"step {x['step']} loss {x['loss']:.4g}"
+                                      + (f" ({x['skipped']}: update skipped)" if "skipped" in x else "")
+                                      for x in bad) or "none")
                           + (f"; the run stopped: {why}" if why else ""), {"losses": [x["loss"] for x in rows]}),
                     Check("resume", False, "not checked: the short run did not complete", {})]
         checks = [Check("loss", True, f"{steps} steps, loss {rows[0]['loss']:.4g} -> {rows[-1]['loss']:.4g}, "

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from ember import faults
 from ember.ckpt import contents
 from ember.ckpt.state import RunState, seed_all
 from ember.ckpt.store import CheckpointStore
@@ -28,10 +29,10 @@ from ember.ledger.manifest import build_manifest
 from ember.ledger.store import Ledger, NullLedger
 from ember.metrics.flops import architecture_of, flops_per_token
 from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_peak
+from ember.plan.interval import mtbf_seconds
 from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
-from ember.plan.interval import mtbf_seconds
 from ember.train.model import ModelBundle, load_model, trainable_parameters
 from ember.train.rundir import RunDir
 from ember.train.schedule import ScaledSchedule
@@ -181,6 +182,8 @@ def restore(job: Job, warn: Any) -> bool:
             warn(f"checkpoint {ckpt.path.name} verifies but does not load ({e}); trying an older one")
             continue
         job.state.restore_rng(job.device)
+        if faults.flag("resume.fresh_optimizer"):  # a non-resumable state, for preflight's test
+            job.optimizer.state.clear()
         job.state.recipe_digest = job.recipe.digest()
         job.console.print(f"resuming from {ckpt.path} (step {job.state.step}, "
                           f"attempt {job.run.attempt})")

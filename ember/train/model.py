@@ -118,7 +118,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         tokenizer = load_tokenizer(path)
     model.config.use_cache = False
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method.kind == "lora":
         model = apply_lora(model, method)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30

@@ -1,0 +1,109 @@
+"""`ember plan` and `ember preflight` end to end."""
+
+from __future__ import annotations
+
+import json
+
+from ember.plan.memory import ModelShape, estimate
+from ember.plan.planner import Device, apply_changes, make_plan, train_shape
+from ember.plan.preflight import calibrate
+from ember.recipe import load_recipe
+from ember.train.model import ByteTokenizer, tiny_config
+from tests.helpers import run_ember, write_recipe
+
+
+def test_plan_json_matches_the_estimate(tmp_path):
+    recipe = write_recipe(tmp_path)
+    result = run_ember("plan", recipe, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    r = load_recipe(recipe)
+    assert plan["memory"]["peak"] == estimate(ModelShape.from_config(tiny_config()), train_shape(r)).peak
+    assert plan["fits"] and plan["verdict"] == "local"
+    assert plan["checkpoint"]["seconds"] > 0 and plan["time"]["wall_seconds"] > 0
+
+
+def test_remedies_make_it_fit_under_a_memory_cap(tmp_path):
+    """A recipe that needs ~0.5 GiB, planned for a 200 MiB device: the best remedy's real,
+    measured peak fits the cap."""
+    r = load_recipe(write_recipe(tmp_path, train={"micro_batch": 64}, data={"seq_len": 512}))
+    cap = 200 * 2**20
+    plan = make_plan(r, None, None, [Device("capped", "cpu", cap, cap)])
+    assert not plan.fits and plan.verdict == "local with remedies"
+    best = next(x for x in plan.remedies if x["fits"] and x["available"])
+    fixed = apply_changes(r, best["changes"])
+    measured = calibrate(fixed, steps=1)["peak_bytes"]
+    assert measured * (1 + r.plan.memory_margin) <= cap, (best["name"], measured)
+    assert abs(best["peak"] / measured - 1) < 0.10
+
+
+def test_apply_writes_a_recipe_that_fits(tmp_path):
+    recipe = write_recipe(tmp_path, train={"micro_batch": 64}, data={"seq_len": 512})
+    out = tmp_path / "fitted.toml"
+    result = run_ember("plan", recipe, "--device-memory", "0.2", "--apply", out)
+    assert result.returncode == 0, result.stderr
+    assert "does not fit as written" in result.stdout and f"wrote {out}" in result.stderr
+    again = run_ember("plan", out, "--device-memory", "0.2", "--json")
+    assert json.loads(again.stdout)["fits"]
+    r = load_recipe(out)  # a valid recipe, same tokens per optimizer step
+    assert r.train.micro_batch * r.train.grad_accum == 64 or r.train.micro_batch == 64
+
+
+def test_target_micro_batch_and_remote_verdict(tmp_path):
+    recipe = write_recipe(tmp_path, train={"max_steps": 10_000_000}, text="[plan]\nlocal_max_hours = 1\n")
+    result = run_ember("plan", recipe, "--target-micro-batch", "8", "--json")
+    plan = json.loads(result.stdout)
+    assert plan["recipe"]["micro_batch"] == 8
+    assert plan["verdict"] == "remote" and "local_max_hours" in plan["reasons"][0]
+
+
+def test_bad_input(tmp_path):
+    empty = tmp_path / "model"
+    empty.mkdir()
+    recipe = write_recipe(tmp_path, model={"path": str(empty)})
+    result = run_ember("plan", recipe)
+    assert result.returncode == 1 and "no config.json" in result.stderr and "Traceback" not in result.stderr
+    bad = write_recipe(tmp_path / "b", data={"seq_len": 0})
+    result = run_ember("plan", bad)
+    assert result.returncode == 1 and "seq_len = 0" in result.stderr
+    result = run_ember("plan", write_recipe(tmp_path / "c"), "--device-memory", "-1")
+    assert result.returncode == 1 and "--device-memory" in result.stderr
+
+
+def test_unknown_architecture_falls_back_to_measuring(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=257, n_positions=256)).save_pretrained(folder)
+    ByteTokenizer().save(folder)
+    result = run_ember("plan", write_recipe(tmp_path, model={"path": str(folder)}), "--json")
+    assert result.returncode == 0, result.stderr
+    assert "measuring a step here instead" in result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["memory"]["phase"] == "measured" and plan["memory"]["peak"] > 0
+    assert any("gpt2" in n for n in plan["notes"])
+
+
+def test_preflight_passes_on_a_healthy_recipe(tmp_path):
+    result = run_ember("preflight", write_recipe(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert set(checks) == {"data", "memory", "input", "loss", "resume"}
+    assert all(c["ok"] for c in checks.values())
+    assert abs(checks["memory"]["figures"]["error"]) < 0.10
+
+
+def test_preflight_catches_a_nan_config_and_run_stops(tmp_path):
+    recipe = write_recipe(tmp_path, optimizer={"lr": 1e8}, schedule={"warmup_steps": 0})
+    result = run_ember("preflight", recipe)
+    assert result.returncode == 1
+    assert "FAIL  loss" in result.stdout and "update skipped" in result.stdout
+    run = run_ember("run", recipe, "--out", tmp_path / "run", "--preflight")
+    assert run.returncode == 1 and "preflight failed (loss" in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_preflight_catches_a_state_that_does_not_resume(tmp_path):
+    result = run_ember("preflight", write_recipe(tmp_path),
+                       env={"EMBER_FAULT_FLAGS": "resume.fresh_optimizer"})
+    assert result.returncode == 1
+    assert "FAIL  resume" in result.stdout and "differs" in result.stdout

@@ -1,0 +1,114 @@
+"""The memory estimate: two breakdowns computed by hand, and the estimate against the measured
+peak of real steps (ember/plan/measure.py) on small models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ember.device import autocast
+from ember.plan.measure import step_peak
+from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
+from ember.recipe import MethodConfig
+from ember.train.loss import causal_lm_loss
+from ember.train.model import apply_lora, tiny_config, trainable_parameters
+
+
+def test_full_fp32_by_hand():
+    """builtin:tiny (hidden 64, MLP 176, 2 layers, 4 heads / 2 KV heads of 16, vocab 257), b=4, s=128."""
+    m = ModelShape.from_config(tiny_config())
+    b = estimate(m, TrainShape(micro_batch=4, seq_len=128))
+    layer = 46080 + 2 * 64  # q 64x64, k 64x32, v 64x32, o 64x64, gate/up/down 64x176; two norms
+    params = 2 * layer + 64 + 2 * 257 * 64  # final norm, embedding and untied output layer
+    assert b.params == params == 125_376
+    assert b.weights == params * 4 and b.optimizer == 2 * params * 4
+    # Saved per token and layer (fp32 bytes): two norms (input, rsqrt, normalised) 2 x 516; the
+    # q/k/v input 256; the gate/up input 256; the down input 176*4; SDPA q 256, k 128, v 128,
+    # output 256, log-sum-exp 16; gate, SiLU and up outputs 3 x 704.
+    per_layer = 2 * 516 + 256 + 256 + 704 + 256 + 128 + 128 + 256 + 16 + 3 * 704
+    fixed = 516 + 256 + 8 + 8  # final norm, output-layer input, token ids, targets
+    rope = 2 * 128 * 16 * 4
+    tokens = 4 * 128
+    assert b.activations == (2 * per_layer + fixed) * tokens + rope
+    assert b.loss_buffers == 3 * tokens * 257 * 4  # log-softmax kept, two gradients at its backward
+    assert b.phase == "loss backward" and b.gradients == 0  # gradients do not exist yet
+    assert b.peak == b.weights + b.optimizer + b.activations + b.loss_buffers == 8_770_816
+
+
+def test_lora_on_q_and_v_by_hand():
+    m = ModelShape.from_config(tiny_config())
+    t = TrainShape(micro_batch=2, seq_len=64, lora=True, lora_rank=8, lora_targets=frozenset({"q_proj", "v_proj"}))
+    b = estimate(m, t)
+    adapters = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # A and B for q (64->64) and v (64->32), 2 layers
+    assert b.trainable == adapters == 3584
+    assert b.weights == (125_376 + adapters) * 4 and b.optimizer == adapters * 8
+    # Frozen norms keep no normalised copy; frozen MLP linears keep no input; each adapter keeps
+    # its rank-8 intermediate. The first layer's input needs no gradient: its norm keeps nothing.
+    layer = 2 * 260 + 256 + 2 * 8 * 4 + (256 + 128 + 128 + 256 + 16) + 3 * 704
+    first = layer - 260
+    fixed = 260 + 8  # final norm (input, rsqrt), targets
+    tokens = 2 * 64
+    assert b.activations == (first + layer + fixed) * tokens + 2 * 64 * 16 * 4
+    assert b.peak == b.weights + b.optimizer + b.activations + 3 * tokens * 257 * 4 == 1_904_896
+
+
+CASES = [  # hidden, mlp, layers, heads, kv, vocab, b, s, method, checkpointing, precision, loss chunk
+    (64, 176, 2, 4, 2, 257, 4, 64, "full", False, "fp32", 0),
+    (128, 352, 2, 4, 2, 2000, 2, 128, "lora", False, "fp32", 0),
+    (128, 352, 2, 4, 4, 2000, 2, 128, "full", True, "fp32", 0),
+    (128, 352, 2, 4, 2, 2000, 2, 128, "lora", False, "bf16", 0),
+    (128, 352, 2, 4, 2, 4000, 2, 128, "full", False, "fp32", 64),
+    (96, 256, 3, 6, 2, 300, 1, 16, "full", False, "fp32", 0),  # tiny batch: the update is the peak
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[8]}-{c[10]}-ac{int(c[9])}-chunk{c[11]}" for c in CASES])
+def test_estimate_matches_measured_peak(case):
+    h, f, layers, heads, kv, vocab, b, s, method, ac, precision, chunk = case
+    config = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=f, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if ac:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if method == "lora":
+        model = apply_lora(model, MethodConfig(kind="lora"))
+    model.train()
+    params = trainable_parameters(model)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    ids = torch.randint(0, vocab, (b, s))
+    cpu = torch.device("cpu")
+
+    def step():
+        with autocast(cpu, precision):
+            loss = causal_lm_loss(model, ids, chunk)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()
+    measured = step_peak(step, cpu)
+    shape = TrainShape(b, s, lora=method == "lora", lora_targets=frozenset(LINEARS),
+                       activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk)
+    est = estimate(ModelShape.from_config(config), shape).peak
+    assert -0.05 <= est / measured - 1 <= 0.10, (est, measured)
+
+
+def test_chunked_loss_equals_the_plain_loss():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    ids = torch.randint(0, 257, (3, 40))
+    plain = causal_lm_loss(model, ids)
+    chunked = causal_lm_loss(model, ids, loss_chunk=17)
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    (g1,) = torch.autograd.grad(plain, model.lm_head.weight)
+    (g2,) = torch.autograd.grad(causal_lm_loss(model, ids, loss_chunk=17), model.lm_head.weight)
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_architecture_is_named():
+    class Config:
+        model_type = "gpt_neox"
+    with pytest.raises(ValueError, match="gpt_neox"):
+        ModelShape.from_config(Config())
