@@ -90,7 +90,7 @@ def main() -> None:
             kills.append(time.time() - t0)
             print(f"  SIGKILL at {kills[-1]:.0f} s (after {wait:.0f} s)", flush=True)
     _, err = sup.communicate()
-    print(f"supervisor exit {sup.returncode} after {time.time() - t0:.0f} s, {len(kills)} kills")
+    print(f"supervisor exit {sup.returncode} after {time.time() - t0:.0f} s, {len(kills)} kills", flush=True)
     assert sup.returncode == 0, err[-2000:]
     faulted = report(out)
 

@@ -1,6 +1,7 @@
 """Named fault-injection points for crash tests: `EMBER_FAULT=name[@k]` SIGKILLs the process
 the k-th time (default the first) execution reaches `point(name)`. With `EMBER_FAULT_ONCE=FILE`
 the fault fires only while FILE does not exist, and creates it first: one crash across restarts.
+`EMBER_FAULT_DATA_DELAY=seconds` slows every micro-batch the input pipeline produces.
 `EMBER_FAULT_FLAGS=name,...` switches on named misbehaviours (flag()). Unset, a point costs one
 dict lookup. `EMBER_TRACE_COMMITS=FILE` appends the step of every
 checkpoint commit, once it is durable, so a power-cut test knows what it may never lose."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 _hits: dict[str, int] = {}
 
@@ -43,6 +45,13 @@ def loss_factor(ordinal: int) -> float:
         if int(at) == ordinal:
             return float(factor)
     return 1.0
+
+
+def data_delay() -> None:
+    """A slow input pipeline for the doctor's tests: `EMBER_FAULT_DATA_DELAY=seconds` per micro-batch."""
+    delay = os.environ.get("EMBER_FAULT_DATA_DELAY")
+    if delay:
+        time.sleep(float(delay))
 
 
 def flag(name: str) -> bool:

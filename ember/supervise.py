@@ -3,8 +3,12 @@ restarts it from its last durable checkpoint after a crash.
 
     child exit 0           completed: done
     child exit 75          interrupted on request: not a crash, not restarted; exit 75
-    other exit, or signal  a crash: wait (backoff doubling from train.restart_backoff_seconds,
-                           at most 5 minutes), restart; more than N crashes within an hour: give up
+    other exit, or signal  a crash: wait, restart; more than N crashes within an hour: give up
+
+The wait doubles from train.restart_backoff_seconds (at most 5 minutes) with each crash in a
+row that came less than a minute after its start: a crash loop backs off, while a run that was
+training (preempted, killed, the power cut) comes back after the base wait however often it
+happens.
 
 Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1) are forwarded to the child, which runs in
 its own session so that a terminal's Ctrl-C reaches it once, through the supervisor.
@@ -24,6 +28,7 @@ from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
+HEALTHY_SECONDS = 60.0  # an attempt that lived this long was training, not crash-looping
 
 
 @dataclass
@@ -46,6 +51,18 @@ class ChildRun:
 def backoff(crash_number: int, base: float) -> float:
     """Seconds to wait before restart number `crash_number` (1-based)."""
     return min(MAX_BACKOFF_SECONDS, base * 2 ** (crash_number - 1))
+
+
+def quick_crashes(runs: list[ChildRun]) -> int:
+    """Crashes in a row at the end of `runs`, counting the last even if it lived long (>= 1)."""
+    n = 1
+    for r in reversed(runs[:-1]):
+        if r.returncode in (EXIT_OK, EXIT_INTERRUPTED) or r.end - r.start >= HEALTHY_SECONDS:
+            break
+        n += 1
+    if runs and runs[-1].end - runs[-1].start >= HEALTHY_SECONDS:
+        return 1
+    return n
 
 
 def supervise(child_argv: list[str], restarts: int, base_backoff: float, console: Console) -> int:
@@ -75,7 +92,7 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, console
                               f"{WINDOW_SECONDS / 60:.0f} minutes (--restarts {restarts})")
                 code = EXIT_ERROR
                 break
-            wait = backoff(len(recent), base_backoff)
+            wait = backoff(quick_crashes(runs), base_backoff)
             console.print(f"attempt {len(runs)} crashed ({runs[-1].cause}); restarting from the last "
                           f"durable checkpoint in {wait:.1f} s ({len(recent)}/{restarts} crashes used)")
             time.sleep(wait)

@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
     add_ledger_args(capacity)
 
+    from ember.cli.doctor import add_parser as add_doctor
     from ember.cli.plan import add_parsers
     add_parsers(sub)
+    add_doctor(sub)
 
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args, console)
         if args.command == "recipe":
             return cmd_recipe(args)
+        if args.command == "doctor":
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from ember.cli.doctor import cmd_doctor
+            return cmd_doctor(args)
         if args.command in ("plan", "preflight"):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from ember.cli import plan

@@ -48,6 +48,13 @@ MIGRATIONS: list[str] = [
     );
     CREATE TABLE summaries (run_id TEXT PRIMARY KEY, updated REAL NOT NULL, summary TEXT NOT NULL);
     """,
+    # 2: where step time goes, per attempt (ember.train.breakdown)
+    """
+    CREATE TABLE step_phases (
+        run_id TEXT NOT NULL, attempt INTEGER NOT NULL, phase TEXT NOT NULL, seconds REAL NOT NULL,
+        up_to_step INTEGER NOT NULL, PRIMARY KEY (run_id, attempt, phase)
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -153,6 +160,13 @@ class Ledger:
                     "WHERE run_id = ? AND attempt = ?",
                     (now, now, outcome, detail, self.run_id, self.attempt))
 
+    def phases(self, totals: dict[str, float], step: int) -> None:
+        """This attempt's seconds per step phase so far (replaced at each checkpoint and at exit)."""
+        def write(con: sqlite3.Connection, run_id: str) -> None:
+            con.executemany("INSERT OR REPLACE INTO step_phases VALUES (?, ?, ?, ?, ?)",
+                            [(run_id, self.attempt, k, v, step) for k, v in totals.items()])
+        self.call(write)
+
     def summary(self, summary: dict) -> None:
         self._write("INSERT OR REPLACE INTO summaries VALUES (?, ?, ?)",
                     (self.run_id, time.time(), json.dumps(summary)))
@@ -169,6 +183,7 @@ class NullLedger:
     def seen(self, *args: Any) -> None: ...
     def finish(self, *args: Any) -> None: ...
     def summary(self, *args: Any) -> None: ...
+    def phases(self, *args: Any) -> None: ...
     def close(self) -> None: ...
 
 
@@ -208,6 +223,13 @@ def attempts(con: sqlite3.Connection, run_id: str) -> list[AttemptRow]:
 
 def events(con: sqlite3.Connection, run_id: str) -> list[sqlite3.Row]:
     return con.execute("SELECT * FROM events WHERE run_id = ? ORDER BY start", (run_id,)).fetchall()
+
+
+def step_phases(con: sqlite3.Connection, run_id: str) -> dict[str, float]:
+    """Seconds per step phase over all attempts of a run."""
+    rows = con.execute("SELECT phase, sum(seconds) FROM step_phases WHERE run_id = ? GROUP BY phase",
+                       (run_id,)).fetchall()
+    return {phase: seconds for phase, seconds in rows}
 
 
 def checkpoints(con: sqlite3.Connection, run_id: str) -> list[sqlite3.Row]:

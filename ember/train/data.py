@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ember import faults
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.paths import cached_sha256, ember_home
@@ -108,6 +109,7 @@ class PackedBatches(Dataset):
         return self.first_ordinal + k, self.batch(k)
 
     def batch(self, k: int) -> torch.Tensor:
+        faults.data_delay()
         first = self.start + k * self.micro_batch
         rows = []
         for g in range(first, first + self.micro_batch):

@@ -32,6 +32,7 @@ from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_pea
 from ember.plan.interval import mtbf_seconds
 from ember.proc import process_start_time
 from ember.recipe import Recipe
+from ember.train.breakdown import StepTimer
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
 from ember.train.model import ModelBundle, load_model, trainable_parameters
 from ember.train.rundir import RunDir
@@ -56,6 +57,8 @@ class Job:
     writer: CheckpointWriter
     snapshot_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host memory
     mtbf_seconds: float = 0.0  # expected time between interruptions, for every_seconds = "auto"
+    timer: StepTimer | None = None  # the always-on step breakdown
+    phase_totals: dict[str, float] = field(default_factory=dict)  # this attempt's, per phase
 
     @property
     def model(self) -> torch.nn.Module:
@@ -116,6 +119,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
     job = Job(recipe, run, device, bundle, optimizer, scheduler, scaler, store,
               RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started,
               CheckpointWriter(store, background=recipe.checkpoint.async_))
+    job.timer = StepTimer(device)
     if recipe.checkpoint.every_seconds == "auto":
         job.mtbf_seconds, source = mtbf_seconds(recipe.checkpoint.interruption_hours,
                                                 getattr(ledger, "con", None), socket.gethostname())

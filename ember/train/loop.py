@@ -38,6 +38,7 @@ class StepResult:
     next_k: int                 # loader index after the last micro-batch used
     verdict: str                # "ok", "nonfinite", "spike" (see ember.train.stability)
     applied: bool               # whether the optimizer update was applied
+    phases: dict[str, float]    # seconds per part of the step (ember.train.breakdown)
 
 
 class Data:
@@ -65,7 +66,7 @@ def train(job: Job) -> int:
     last_save_time = time.monotonic()
     ck = r.checkpoint
     interval = 0.0 if ck.every_seconds == "auto" else ck.every_seconds  # auto: set by the first save
-    attempt_tokens, attempt_seconds = 0, 0.0
+    attempt_tokens, attempt_seconds, blocked = 0, 0.0, 0.0
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
     try:
@@ -82,12 +83,16 @@ def train(job: Job) -> int:
             state.cursor = data.batches.cursor_after(result.next_k)
             state.train_seconds += seconds
             attempt_tokens, attempt_seconds = attempt_tokens + result.tokens, attempt_seconds + seconds
+            # The checkpoint blocked the training thread before this step: it is this step's part.
+            result.phases["checkpoint"], blocked = blocked, 0.0
             metrics.append({"step": state.step, "loss": result.loss, "lr": result.lr,
                             "grad_norm": result.grad_norm, "tokens": result.tokens,
                             "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
                             "data_wait_seconds": round(result.data_wait_seconds, 6),
+                            "phases": {k: round(v, 6) for k, v in result.phases.items()},
                             "attempt": job.run.attempt, "time": time.time(),
                             **({} if result.applied else {"skipped": result.verdict})})
+            job.phase_totals = {k: job.phase_totals.get(k, 0.0) + v for k, v in result.phases.items()}
             guard(job, result)
             display.update(state.step, result.loss, attempt_tokens / attempt_seconds)
             due = ((ck.every_steps and state.step % ck.every_steps == 0)
@@ -95,6 +100,7 @@ def train(job: Job) -> int:
                    or state.step == r.train.max_steps or stop.requested)
             if due:
                 blocked = save_checkpoint(job, metrics, result.loss)
+                job.ledger.phases(job.phase_totals, state.step)
                 last_save_time = time.monotonic()
                 if ck.every_seconds == "auto":  # δ = what this checkpoint cost the training thread
                     interval = daly(max(blocked, 1e-3), job.mtbf_seconds)
@@ -110,6 +116,7 @@ def train(job: Job) -> int:
             failed_save(job, str(e))  # within the loss budget: say so and go on; else stop
         job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
         record_persisted(job)
+    job.ledger.phases(job.phase_totals, state.step)
     if stop.requested:
         job.ledger.finish("interrupted", stop.signal_name)
         newest = max((s for s, _ in job.store.committed()), default=0)
@@ -127,16 +134,20 @@ def train(job: Job) -> int:
 def train_step(job: Job, data: Data) -> StepResult:
     """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update."""
     r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
-    data_wait, loss_sum, tokens, ordinals = 0.0, 0.0, 0, []
+    loss_sum, tokens, ordinals = 0.0, 0, []
+    timer = job.timer
+    timer.begin()
     for _ in range(r.train.grad_accum):
-        t0 = time.perf_counter()
         ordinal, batch = next(data.iter)  # blocks while the input pipeline is behind: data wait
-        data_wait += time.perf_counter() - t0
+        timer.wait("data")
         batch = batch.to(job.device, non_blocking=True)
+        timer.lap("h2d")
         with autocast(job.device, r.precision.mode):
             loss = causal_lm_loss(model, batch, r.train.loss_chunk) * faults.loss_factor(ordinal)
+        timer.lap("forward")
         # Every sequence has seq_len tokens, so the mean of micro-batch means is the step's mean.
         job.scaler.scale(loss / r.train.grad_accum).backward()
+        timer.lap("backward")
         faults.point("train.micro_batch")
         loss_sum += loss.item()  # sync point on accelerators; the loss is logged every step
         tokens += batch.numel()
@@ -158,8 +169,10 @@ def train_step(job: Job, data: Data) -> StepResult:
     if verdict.kind != "spike" or r.guard.spike_action != "rollback":
         job.scheduler.step()  # a rolled-back step is not a step: the schedule does not advance
     opt.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, lr, tokens, data_wait, ordinals,
-                      ordinals[-1] - data.batches.first_ordinal + 1, verdict.kind, applied)
+    timer.lap("optimizer")
+    phases = timer.end()
+    return StepResult(loss_value, grad_norm, lr, tokens, phases["data"], ordinals,
+                      ordinals[-1] - data.batches.first_ordinal + 1, verdict.kind, applied, phases)
 
 
 def guard(job: Job, result: StepResult) -> None:
@@ -241,9 +254,9 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
     job.writer.submit(s.step, snap, meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
                                           "recipe_digest": s.recipe_digest,
                                           "attempt": job.run.attempt}, blocked=t1 - t0)
-    job.ledger.event("checkpoint", t0, time.time(), step=s.step,
-                     detail={"background": job.writer.background})
-    return t1 - t0
+    t2 = time.time()  # synchronous checkpoints were persisted inside submit()
+    job.ledger.event("checkpoint", t0, t2, step=s.step, detail={"background": job.writer.background})
+    return t2 - t0
 
 
 def disk_shortfall(job: Job) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from ember.supervise import backoff, child_argv
+from ember.supervise import ChildRun, backoff, child_argv, quick_crashes
 from tests.helpers import (
     assert_same_result,
     run_ember,
@@ -18,6 +18,15 @@ from tests.helpers import (
 def test_backoff_doubles_and_is_capped():
     assert [backoff(n, 2.0) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 16.0]
     assert backoff(20, 2.0) == 300.0
+
+
+def test_only_a_crash_loop_backs_off():
+    """Quick crashes in a row double the wait; a crash after a minute of training resets it."""
+    quick = [ChildRun(0, 5, 1), ChildRun(10, 12, -9), ChildRun(20, 21, 1)]
+    assert quick_crashes(quick) == 3
+    assert quick_crashes([*quick, ChildRun(30, 300, -9)]) == 1  # trained 270 s, then killed
+    assert quick_crashes([ChildRun(0, 600, -9), ChildRun(600, 601, 1)]) == 1
+    assert quick_crashes([ChildRun(0, 600, -9), ChildRun(600, 601, 1), ChildRun(602, 603, 1)]) == 2
 
 
 def test_child_command_drops_restarts():

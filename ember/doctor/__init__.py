@@ -1,0 +1,1 @@
+"""`ember doctor`: controlled experiments and a ranked diagnosis of step time."""

@@ -1,0 +1,63 @@
+"""Where one optimizer step's time goes: data wait, host-to-device copy, forward, backward,
+gradient synchronisation, optimizer, checkpoint blocking.
+
+On CPU every operation is synchronous, so wall-clock between marks is exact. On an accelerator
+the marks are device events, resolved once at the end of the step (one synchronisation per
+step, after the optimizer; the loop already synchronises on each micro-batch's loss), except the
+data wait, which is host time by nature.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PHASES = ("data", "h2d", "forward", "backward", "sync", "optimizer", "checkpoint")
+
+
+class StepTimer:
+    """`begin()`; after each part `lap(phase)` (device work) or `wait(phase)` (host waiting, such
+    as for data); `end()` returns seconds per phase. Repeated phases add up (micro-batches)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def begin(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.t = time.perf_counter()
+        self.mark = self._event()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.cuda:
+            e = self._event()
+            self.pending.append((phase, self.mark, e))
+            self.mark = e
+        else:
+            self.totals[phase] += now - self.t
+        self.t = now
+
+    def wait(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.t
+        self.t = now
+        self.mark = self._event()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] += seconds
+
+    def end(self) -> dict[str, float]:
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for phase, a, b in self.pending:
+                self.totals[phase] += a.elapsed_time(b) / 1000
+        return self.totals
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
