@@ -6,7 +6,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for script in ("loop_overhead.py", "accounting.py", "checkpoint.py", "async_checkpoint.py",
-               "resume.py", "crash_soak.py"):
+for script in ("loop_overhead.py", "accounting.py", "breakdown_overhead.py", "checkpoint.py",
+               "async_checkpoint.py", "stop_latency.py", "resume.py", "plan_accuracy.py", "chunked_loss.py",
+               "doctor_accuracy.py", "fault_goodput.py", "crash_soak.py"):
     print(f"\n=== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

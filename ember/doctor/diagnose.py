@@ -72,15 +72,17 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
                 f"micro batch {best} fits in memory (plan: {f['fits'][best] / 2**30:.2f} GiB peak)"],
                 _batch_remedy(mb, best, f["grad_accum"]), _batch_changes(mb, best, f["grad_accum"]))
     if "ddp_sync_seconds" in f:
-        exposed = max(0.0, f["ddp_sync_seconds"] - f["ddp_nosync_seconds"])
-        k = 4
-        add("communication-bound", exposed * (1 - 1 / k) * f["ddp_step_share"], [
-            f"DDP over {f['ddp_backend']} x{f['ddp_world']}: step {f['ddp_sync_seconds'] * 1000:.1f} ms with "
+        # One synchronisation per optimizer step costs what the micro-batches of a step lose to it.
+        per_sync = max(0.0, f["ddp_sync_seconds"] - f["ddp_nosync_seconds"]) * f["grad_accum"]
+        k = 4 * f["grad_accum"]  # synchronise 4x less often than now
+        add("communication-bound", per_sync * (1 - f["grad_accum"] / k) * f["ddp_step_share"], [
+            f"DDP over {f['ddp_backend']} x{f['ddp_world']}: {f['ddp_sync_seconds'] * 1000:.1f} ms per micro-batch with "
             f"gradient synchronisation, {f['ddp_nosync_seconds'] * 1000:.1f} ms without (no_sync)",
             f"all-reduce of the gradients alone: {f['ddp_allreduce_seconds'] * 1000:.1f} ms; "
             f"{f['ddp_overlap']:.0%} of it overlaps the backward pass"],
-            f"gradient accumulation (x{k}: one synchronisation per {k} micro-batches), larger DDP buckets, "
-            f"or fewer processes over a faster link", {"train.grad_accum": k})
+            f"gradient accumulation {k} (one synchronisation per {k} micro-batches; revisit the learning "
+            f"rate: more tokens per optimizer step), larger DDP buckets, or fewer processes over a "
+            f"faster link", {"train.grad_accum": k})
     others = sum(x.saving_seconds for x in out if x.saving_share >= THRESHOLD)
     compute = step - others
     ev = [f"forward {f['phases'].get('forward', 0) * 1000:.1f} ms, backward {f['phases'].get('backward', 0) * 1000:.1f} ms, "

@@ -170,7 +170,7 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
         console.print(f"doctor: DDP over gloo, {ddp} processes on loopback")
         f.update(ddp_experiment(r, ddp, budget * SHARES["ddp"]))
         f["ddp_step_share"] = 1.0
-    f["step_seconds"] = (f["ddp_sync_seconds"] if ddp > 1 else f["real_step_seconds"]) \
+    f["step_seconds"] = (f["ddp_sync_seconds"] * r.train.grad_accum if ddp > 1 else f["real_step_seconds"]) \
         + f["checkpoint_seconds_per_step"]
     return f
 
@@ -249,17 +249,22 @@ def _ddp_worker(rank: int, world: int, port: int, recipe: dict, budget: float, o
         ids = torch.randint(0, vocab, (r.train.micro_batch, r.data.seq_len),
                             generator=torch.Generator().manual_seed(rank))
 
+        accum = r.train.grad_accum
+
         def step(sync: bool) -> float:
+            """Seconds per micro-batch of one optimizer step: gradient accumulation synchronises on
+            the last micro-batch only (no_sync before it); sync=False never synchronises."""
             dist.barrier()
             t0 = time.perf_counter()
-            if sync:
-                causal_lm_loss(model, ids, r.train.loss_chunk).backward()
-            else:
-                with model.no_sync():
+            for i in range(accum):
+                if sync and i == accum - 1:
                     causal_lm_loss(model, ids, r.train.loss_chunk).backward()
+                else:
+                    with model.no_sync():
+                        causal_lm_loss(model, ids, r.train.loss_chunk).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return time.perf_counter() - t0
+            return (time.perf_counter() - t0) / accum
         step(True)
         one = step(True)
         agreed = torch.tensor([_steps_for(budget / 3, one, 3, 20)])
