@@ -180,6 +180,18 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
                       f"AdamW moments in 8 bits: {full.optimizer / GiB:.2f} GiB -> "
                       f"{full.optimizer / 4 / GiB:.2f} GiB; needs bitsandbytes, which ember does not use yet",
                       available=False))
+    n = 2  # the smallest sharding: what two devices would each hold
+    sharded = full.peak - (full.weights + full.gradients + full.optimizer) * (n - 1) // n
+    out.append(Remedy(f"FSDP across {n} devices", {}, sharded, 1.0, sharded * (1 + margin) <= budget,
+                      f"weights, gradients and optimizer state sharded {n} ways: "
+                      f"{(full.weights + full.optimizer) / GiB:.2f} GiB -> "
+                      f"{(full.weights + full.optimizer) / n / GiB:.2f} GiB per device, plus the "
+                      f"gathers' traffic; needs {n} devices and distributed training, which ember does "
+                      f"not do yet: remote compute", available=False))
+    offload = full.peak - full.optimizer
+    out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, offload * (1 + margin) <= budget,
+                      f"AdamW moments ({full.optimizer / GiB:.2f} GiB) in host memory, the update on the "
+                      f"CPU: for accelerators only; ember does not do it yet", available=False))
     if any(x.fits and x.available for x in out):
         return sorted(out, key=lambda x: (not x.fits, not x.available, x.flops_factor))
     # No single remedy fits: add them in order of cost until the estimate fits.
