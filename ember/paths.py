@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from ember.ckpt.store import sha256_file
@@ -12,6 +13,13 @@ from ember.ckpt.store import sha256_file
 def ember_home() -> Path:
     """$EMBER_HOME, default ~/.ember: converted models, token caches, the hash cache."""
     return Path(os.environ.get("EMBER_HOME") or Path.home() / ".ember")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new private folder under $EMBER_HOME/scratch (on the same disk as the runs' caches)."""
+    root = ember_home() / "scratch"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
 def cached_sha256(path: Path) -> str:

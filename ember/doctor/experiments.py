@@ -26,7 +26,6 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from ember.paths import ember_home
+from ember.paths import scratch_dir
 from ember.recipe import Recipe
 
 SHARES = {"baseline": 0.25, "loader": 0.05, "synthetic": 0.15, "sweep": 0.25, "checkpoint": 0.1,
@@ -73,7 +72,7 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
     from ember.train.loop import Data, save_checkpoint
     from ember.train.rundir import MetricsLog
 
-    work = Path(tempfile.mkdtemp(prefix="doctor-", dir=ember_home()))
+    work = scratch_dir("doctor-")
     f: dict[str, Any] = {"micro_batch": r.train.micro_batch, "grad_accum": r.train.grad_accum,
                          "micro_batches_per_step": r.train.grad_accum, "seq_len": r.data.seq_len}
     quiet = Console(quiet=True)
@@ -220,13 +219,13 @@ def ddp_experiment(r: Recipe, world: int, budget: float) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = Path(tempfile.mkstemp(prefix="doctor-ddp-", suffix=".json", dir=ember_home())[1])
+    out = scratch_dir("doctor-ddp-") / "result.json"
     try:
         mp.start_processes(_ddp_worker, args=(world, port, r.to_dict(), budget, str(out)), nprocs=world,
                            start_method="spawn")
         return json.loads(out.read_text())
     finally:
-        out.unlink(missing_ok=True)
+        shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def _ddp_worker(rank: int, world: int, port: int, recipe: dict, budget: float, out: str) -> None:

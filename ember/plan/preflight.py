@@ -17,7 +17,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from rich.console import Console
 
 from ember.errors import EmberError
-from ember.paths import ember_home
+from ember.paths import scratch_dir
 from ember.recipe import Recipe
 
 INPUT_HEADROOM = 1.2  # the loader should deliver at least this many times what the model uses
@@ -157,7 +156,7 @@ def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
 
     from ember.cli.plan import write_recipe
     from ember.plan.planner import apply_changes
-    work = Path(tempfile.mkdtemp(prefix="preflight-", dir=ember_home()))
+    work = scratch_dir("preflight-")
     try:
         short = apply_changes(r, {"train.max_steps": steps, "checkpoint.every_steps": steps - 1,
                                   "checkpoint.every_seconds": 0.0, "checkpoint.keep_last": 2,
