@@ -15,7 +15,7 @@ import torch
 
 from ember.errors import EmberError
 from ember.metrics.flops import Architecture, flops_per_token
-from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_peak
+from ember.metrics.peaks import Peak, lookup_peak, measured_cpu_peak
 from ember.plan.interval import mtbf_seconds, recommend
 from ember.plan.memory import (
     F32,
@@ -54,14 +54,23 @@ def detect_devices(requested: str) -> list[Device]:
     if want.startswith("cuda"):
         if not torch.cuda.is_available():
             raise EmberError(f"[train] device = {requested!r}: no CUDA device on this machine")
+        first = int(want.split(":")[1]) if ":" in want else 0  # the device the run would use first
+        order = [first] + [i for i in range(torch.cuda.device_count()) if i != first]
         out = []
-        for i in range(torch.cuda.device_count()):
+        for i in order:
             free, total = torch.cuda.mem_get_info(i)
-            out.append(Device(torch.cuda.get_device_name(i), "cuda", total, free))
+            out.append(Device(f"{torch.cuda.get_device_name(i)} (cuda:{i})", "cuda", total, free))
         return out
+    return [host_memory()]
+
+
+def host_memory() -> Device:
+    """Host RAM: total, and available (MemAvailable) to a new process."""
     info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
     kib = {k: int(v.split()[0]) * 1024 for k, v in info.items() if k in ("MemTotal", "MemAvailable")}
-    return [Device(device_name(torch.device("cpu")), "cpu", kib["MemTotal"], kib["MemAvailable"])]
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "CPU")
+    return Device(f"host RAM ({model}, {os.cpu_count()} cores)", "cpu", kib["MemTotal"], kib["MemAvailable"])
 
 
 def replace_memory(devices: list[Device], free: int) -> list[Device]:
@@ -292,7 +301,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dic
                 "seq_len": r.data.seq_len, "grad_accum": r.train.grad_accum, "precision": r.precision.mode,
                 "activation_checkpointing": r.train.activation_checkpointing,
                 "loss_chunk": r.train.loss_chunk, "max_steps": r.train.max_steps},
-        devices=[asdict(d) for d in devices],
+        devices=[asdict(d) for d in devices] + ([asdict(host_memory())] if dev.kind != "cpu" else []),
         model=asdict(m) | {"params": m.params(), "trainable": trainable_params(m, t)} if m else {},
         memory=memory, fits=fits, remedies=[asdict(x) for x in rems],
         time={"step_seconds": step_s, "how": how, "steps": r.train.max_steps, "compute_seconds": compute_s,
@@ -350,5 +359,5 @@ def _verdict(fits: bool, rems: list[Remedy], wall: float, r: Recipe, devices: li
         best = usable[0]
         return "local with remedies", [f"does not fit as written; {best.name} makes it fit "
                                        f"({best.peak / GiB:.2f} GiB peak)"]
-    return "local", [f"fits in {devices[0].name} memory and takes about {wall / 3600:.2g} h, within "
+    return "local", [f"fits in {devices[0].name} and takes about {wall / 3600:.2g} h, within "
                      f"[plan] local_max_hours = {r.plan.local_max_hours:g}"]
