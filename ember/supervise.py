@@ -6,8 +6,8 @@ restarts it from its last durable checkpoint after a crash.
     other exit, or signal  a crash: wait, restart; more than N crashes within an hour: give up
 
 The wait doubles from train.restart_backoff_seconds (at most 5 minutes) with each crash in a
-row that came less than a minute after its start: a crash loop backs off, while a run that was
-training (preempted, killed, the power cut) comes back after the base wait however often it
+row that committed no new checkpoint: a crash loop backs off, while a run that was making
+progress (preempted, killed, the power cut) comes back after the base wait however often it
 happens.
 
 Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1) are forwarded to the child, which runs in
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -28,7 +29,6 @@ from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
-HEALTHY_SECONDS = 60.0  # an attempt that lived this long was training, not crash-looping
 
 
 @dataclass
@@ -36,6 +36,7 @@ class ChildRun:
     start: float
     end: float
     returncode: int
+    advanced: bool = False  # committed a checkpoint newer than the one it started from
 
     @property
     def cause(self) -> str:
@@ -54,18 +55,18 @@ def backoff(crash_number: int, base: float) -> float:
 
 
 def quick_crashes(runs: list[ChildRun]) -> int:
-    """Crashes in a row at the end of `runs`, counting the last even if it lived long (>= 1)."""
-    n = 1
-    for r in reversed(runs[:-1]):
-        if r.returncode in (EXIT_OK, EXIT_INTERRUPTED) or r.end - r.start >= HEALTHY_SECONDS:
+    """Crashes without progress in a row at the end of `runs` (at least 1: the last crash)."""
+    n = 0
+    for r in reversed(runs):
+        if r.returncode in (EXIT_OK, EXIT_INTERRUPTED) or r.advanced:
             break
         n += 1
-    if runs and runs[-1].end - runs[-1].start >= HEALTHY_SECONDS:
-        return 1
-    return n
+    return max(1, n)
 
 
-def supervise(child_argv: list[str], restarts: int, base_backoff: float, console: Console) -> int:
+def supervise(child_argv: list[str], restarts: int, base_backoff: float, console: Console,
+              progress: Callable[[], int] = lambda: 0) -> int:
+    """`progress()`: the newest committed checkpoint's step, to tell progress from a crash loop."""
     runs: list[ChildRun] = []
     child: subprocess.Popen | None = None
     stopping = False
@@ -79,10 +80,10 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, console
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         while True:
-            start = time.time()
+            start, before = time.time(), progress()
             child = subprocess.Popen(child_argv, start_new_session=True)
             code = child.wait()
-            runs.append(ChildRun(start, time.time(), code))
+            runs.append(ChildRun(start, time.time(), code, progress() > before))
             if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:
                 break
             recent = [r for r in runs if r.returncode not in (EXIT_OK, EXIT_INTERRUPTED)

@@ -54,6 +54,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def committed_in(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint in `root`, oldest first."""
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
+            found.append((int(p.name[len(PREFIX):]), p))
+    return sorted(found)
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -85,11 +94,12 @@ class CheckpointStore:
         fsync_dir(self.root.parent)
 
     def committed(self) -> list[tuple[int, Path]]:
-        found = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
-                found.append((int(p.name[len(PREFIX):]), p))
-        return sorted(found)
+        return committed_in(self.root)
+
+    @staticmethod
+    def newest_step(root: Path) -> int:
+        """The newest committed step in `root`, 0 if none (reads only; creates nothing)."""
+        return max((step for step, _ in committed_in(root)), default=0)
 
     def sweep(self) -> list[str]:
         """Delete leftovers of interrupted commits and retirements; return their names."""

@@ -154,8 +154,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                              f"cause or run without --preflight")
     if restarts and not args.no_supervise:
         from ember.supervise import child_argv, supervise
+        from ember.ckpt.store import CheckpointStore
+
+        def newest() -> int:
+            folder = args.out / "checkpoints"
+            return CheckpointStore.newest_step(folder) if folder.is_dir() else 0
         return supervise(child_argv(sys.argv[1:]), restarts, recipe.train.restart_backoff_seconds,
-                         console)
+                         console, newest)
     ledger = False if args.no_ledger else args.ledger
     job = prepare(recipe, args.out, args.allow_recipe_change, console, args.recipe, ledger)
     try:

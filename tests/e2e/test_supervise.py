@@ -21,12 +21,12 @@ def test_backoff_doubles_and_is_capped():
 
 
 def test_only_a_crash_loop_backs_off():
-    """Quick crashes in a row double the wait; a crash after a minute of training resets it."""
-    quick = [ChildRun(0, 5, 1), ChildRun(10, 12, -9), ChildRun(20, 21, 1)]
-    assert quick_crashes(quick) == 3
-    assert quick_crashes([*quick, ChildRun(30, 300, -9)]) == 1  # trained 270 s, then killed
-    assert quick_crashes([ChildRun(0, 600, -9), ChildRun(600, 601, 1)]) == 1
-    assert quick_crashes([ChildRun(0, 600, -9), ChildRun(600, 601, 1), ChildRun(602, 603, 1)]) == 2
+    """Crashes in a row without a new checkpoint double the wait; progress resets it."""
+    loop = [ChildRun(0, 5, 1), ChildRun(10, 12, -9), ChildRun(20, 21, 1)]
+    assert quick_crashes(loop) == 3
+    assert quick_crashes([*loop, ChildRun(30, 60, -9, advanced=True)]) == 1  # trained, then killed
+    assert quick_crashes([ChildRun(0, 600, -9, advanced=True), ChildRun(600, 601, 1)]) == 1
+    assert quick_crashes([ChildRun(0, 600, -9, advanced=True), ChildRun(600, 601, 1), ChildRun(602, 603, 1)]) == 2
 
 
 def test_child_command_drops_restarts():
