@@ -40,7 +40,10 @@ def ember(recipe: Path, out: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def lines(path: Path) -> int:
-    return path.read_text().count("\n") if path.exists() else 0
+    try:
+        return path.read_text().count("\n")
+    except FileNotFoundError:  # not yet written, or being replaced by a resume's rewind
+        return 0
 
 
 def check(out: Path, newest_before: int, stats: CrashStats) -> int:
