@@ -37,7 +37,12 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
         wait = f["data_wait_seconds"]
         consume = f["micro_batches_per_step"] / max(f["real_step_seconds"] - wait, 1e-9)
         loader = f["loader_batches_per_second"]
-        add("input-bound", max(wait, f["real_step_seconds"] - f["synthetic_step_seconds"], 0.0), [
+        # With W loader workers the input delivers W times the measured single-loader rate; the
+        # step then takes the longer of the model's time and the input's time.
+        per_worker = loader / max(1, f["workers"])
+        input_time = f["micro_batches_per_step"] / (f["suggested_workers"] * per_worker)
+        after = max(f["synthetic_step_seconds"], input_time)
+        add("input-bound", max(0.0, f["real_step_seconds"] - after), [
             f"the loader alone delivers {loader:,.1f} micro-batches/s; the model consumes {consume:,.1f}/s",
             f"step waits {wait * 1000:.1f} ms for data; with in-memory batches the step takes "
             f"{f['synthetic_step_seconds'] * 1000:.1f} ms against {f['real_step_seconds'] * 1000:.1f} ms"],
@@ -65,17 +70,22 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
         fixed, slope = f["sweep_fit"]
         if best > mb and mb in per_sample:
             saving = (per_sample[mb] - per_sample[best]) * mb * f["micro_batches_per_step"]
+            changes = _batch_changes(mb, best, f["grad_accum"])
+            if "train.grad_accum" not in changes:  # more tokens per optimizer step: fewer updates
+                saving += f["phases"].get("optimizer", 0.0) * (1 - mb / best)
             add("overhead-bound", saving, [
                 f"micro-batch sweep: {', '.join(f'{k}: {v * 1000:.2f} ms/sample' for k, v in sorted(per_sample.items()))}",
                 f"fit: {fixed * 1000:.2f} ms fixed per micro-batch + {slope * 1000:.3f} ms per sample: the fixed "
                 f"part is {fixed / (fixed + slope * mb):.0%} of a micro-batch of {mb}",
                 f"micro batch {best} fits in memory (plan: {f['fits'][best] / 2**30:.2f} GiB peak)"],
-                _batch_remedy(mb, best, f["grad_accum"]), _batch_changes(mb, best, f["grad_accum"]))
+                _batch_remedy(mb, best, f["grad_accum"]), changes)
     if "ddp_sync_seconds" in f:
         # One synchronisation per optimizer step costs what the micro-batches of a step lose to it.
         per_sync = max(0.0, f["ddp_sync_seconds"] - f["ddp_nosync_seconds"]) * f["grad_accum"]
         k = 4 * f["grad_accum"]  # synchronise 4x less often than now
-        add("communication-bound", per_sync * (1 - f["grad_accum"] / k) * f["ddp_step_share"], [
+        # Fewer synchronisations, and fewer optimizer steps for the same tokens.
+        opt = f["phases"].get("optimizer", 0.0)
+        add("communication-bound", (per_sync + opt) * (1 - f["grad_accum"] / k) * f["ddp_step_share"], [
             f"DDP over {f['ddp_backend']} x{f['ddp_world']}: {f['ddp_sync_seconds'] * 1000:.1f} ms per micro-batch with "
             f"gradient synchronisation, {f['ddp_nosync_seconds'] * 1000:.1f} ms without (no_sync)",
             f"all-reduce of the gradients alone: {f['ddp_allreduce_seconds'] * 1000:.1f} ms; "

@@ -74,6 +74,7 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
 
     work = scratch_dir("doctor-")
     f: dict[str, Any] = {"micro_batch": r.train.micro_batch, "grad_accum": r.train.grad_accum,
+                         "workers": r.data.workers,
                          "micro_batches_per_step": r.train.grad_accum, "seq_len": r.data.seq_len}
     quiet = Console(quiet=True)
     try:
@@ -86,26 +87,28 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
         one = (time.perf_counter() - t0) / 2
         times, phases = timed(job, data, _steps_for(budget * SHARES["baseline"], one))
         sp = spread(times)
-        f.update(real_step_seconds=sp.p50, step_p50=sp.p50, step_p99=sp.p99, phases=phases,
+        # The mean for throughput (a loader that keeps up only on average shows in it), the
+        # spread for the headline.
+        f.update(real_step_seconds=statistics.mean(times), step_p50=sp.p50, step_p99=sp.p99, phases=phases,
                  data_wait_seconds=phases["data"], baseline_steps=len(times))
         tokens = r.train.micro_batch * r.data.seq_len * r.train.grad_accum
         perf = performance(job.bundle, r, job.device, torch.get_num_threads())
-        f.update(tokens_per_second=tokens / sp.p50, flops_per_token=perf["flops_per_token"],
-                 mfu=tokens / sp.p50 * perf["flops_per_token"] / perf["peak_flops"],
+        f.update(tokens_per_second=tokens / f["real_step_seconds"], flops_per_token=perf["flops_per_token"],
+                 mfu=tokens / f["real_step_seconds"] * perf["flops_per_token"] / perf["peak_flops"],
                  peak_source=perf["peak_source"], device=perf["device_name"])
         data.close()
 
         console.print("doctor: the input pipeline alone")
         n = _steps_for(budget * SHARES["loader"], one / max(1, r.train.grad_accum) / 4, 20, 400)
         f["loader_batches_per_second"] = loader_rate(r, job.tokens_path, batches=n)
-        consume = r.train.grad_accum / max(sp.p50 - phases["data"], 1e-9)
+        consume = r.train.grad_accum / max(f["real_step_seconds"] - phases["data"], 1e-9)
         per_worker = f["loader_batches_per_second"] / max(1, r.data.workers)
         f["suggested_workers"] = min(os.cpu_count() or 1, max(2, math.ceil(1.5 * consume / per_worker)))
 
         console.print("doctor: in-memory batches (no input pipeline)")
         batch = job.batches().batch(0)
         times, _ = timed(job, synthetic(batch), _steps_for(budget * SHARES["synthetic"], one))
-        f["synthetic_step_seconds"] = statistics.median(times)
+        f["synthetic_step_seconds"] = statistics.mean(times)
 
         console.print("doctor: micro-batch sweep")
         plan = make_plan(r, None, None, detect_devices(r.train.device))
