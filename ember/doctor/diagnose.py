@@ -71,8 +71,8 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
         if best > mb and mb in per_sample:
             saving = (per_sample[mb] - per_sample[best]) * mb * f["micro_batches_per_step"]
             changes = _batch_changes(mb, best, f["grad_accum"])
-            if "train.grad_accum" not in changes:  # more tokens per optimizer step: fewer updates
-                saving += f["phases"].get("optimizer", 0.0) * (1 - mb / best)
+            if "train.grad_accum" not in changes:  # more tokens per optimizer step: fewer steps
+                saving += _per_step(f) * (1 - mb / best)
             add("overhead-bound", saving, [
                 f"micro-batch sweep: {', '.join(f'{k}: {v * 1000:.2f} ms/sample' for k, v in sorted(per_sample.items()))}",
                 f"fit: {fixed * 1000:.2f} ms fixed per micro-batch + {slope * 1000:.3f} ms per sample: the fixed "
@@ -84,8 +84,7 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
         per_sync = max(0.0, f["ddp_sync_seconds"] - f["ddp_nosync_seconds"]) * f["grad_accum"]
         k = 4 * f["grad_accum"]  # synchronise 4x less often than now
         # Fewer synchronisations, and fewer optimizer steps for the same tokens.
-        opt = f["phases"].get("optimizer", 0.0)
-        add("communication-bound", (per_sync + opt) * (1 - f["grad_accum"] / k) * f["ddp_step_share"], [
+        add("communication-bound", (per_sync + _per_step(f)) * (1 - f["grad_accum"] / k) * f["ddp_step_share"], [
             f"DDP over {f['ddp_backend']} x{f['ddp_world']}: {f['ddp_sync_seconds'] * 1000:.1f} ms per micro-batch with "
             f"gradient synchronisation, {f['ddp_nosync_seconds'] * 1000:.1f} ms without (no_sync)",
             f"all-reduce of the gradients alone: {f['ddp_allreduce_seconds'] * 1000:.1f} ms; "
@@ -108,6 +107,13 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
     minor = [x for x in out if x.cause != "compute-bound" and x.saving_share < THRESHOLD]
     compute_f = [x for x in out if x.cause == "compute-bound"]
     return sorted(significant, key=lambda x: -x.saving_seconds) + compute_f + sorted(minor, key=lambda x: -x.saving_seconds)
+
+
+def _per_step(f: dict[str, Any]) -> float:
+    """Time an optimizer step spends outside forward and backward (update, clipping, data wait,
+    bookkeeping): what fewer, larger optimizer steps save."""
+    ph = f["phases"]
+    return max(0.0, f["real_step_seconds"] - ph.get("h2d", 0) - ph.get("forward", 0) - ph.get("backward", 0))
 
 
 def _batch_changes(mb: int, best: int, accum: int) -> dict[str, int]:
