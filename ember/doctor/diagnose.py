@@ -110,10 +110,11 @@ def diagnose(f: dict[str, Any]) -> list[Finding]:
 
 
 def _per_step(f: dict[str, Any]) -> float:
-    """Time an optimizer step spends outside forward and backward (update, clipping, data wait,
-    bookkeeping): what fewer, larger optimizer steps save."""
+    """Time an optimizer step spends outside forward, backward and waiting for data (update,
+    clipping, bookkeeping): what fewer, larger optimizer steps save. Loading scales with samples."""
     ph = f["phases"]
-    return max(0.0, f["real_step_seconds"] - ph.get("h2d", 0) - ph.get("forward", 0) - ph.get("backward", 0))
+    return max(0.0, f["real_step_seconds"] - f["data_wait_seconds"] - ph.get("h2d", 0) - ph.get("forward", 0)
+               - ph.get("backward", 0))
 
 
 def _batch_changes(mb: int, best: int, accum: int) -> dict[str, int]:
