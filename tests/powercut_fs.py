@@ -189,7 +189,9 @@ class PowerCutFS(Operations):
 
 def main() -> None:
     backing, mountpoint = sys.argv[1:3]
-    FUSE(PowerCutFS(backing), mountpoint, foreground=True, nothreads=True)
+    # hard_remove: a name renamed over or unlinked while open goes at once, as on a disk file
+    # system (libfuse otherwise hides it, and answers EBUSY when it cannot).
+    FUSE(PowerCutFS(backing), mountpoint, foreground=True, nothreads=True, hard_remove=True)
 
 
 if __name__ == "__main__":
