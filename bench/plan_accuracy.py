@@ -63,10 +63,8 @@ def measure(row: list) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    from ember.device import autocast
-    from ember.plan.measure import step_peak
+    from ember.plan.measure import step_peak, training_step
     from ember.recipe import MethodConfig
-    from ember.train.loss import causal_lm_loss
     from ember.train.model import apply_lora, trainable_parameters
 
     name, b, s, method, ac, precision, chunk = row
@@ -81,14 +79,7 @@ def measure(row: list) -> int:
     opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (b, s))
     device = torch.device("cpu")
-
-    def step() -> None:
-        with autocast(device, precision):
-            loss = causal_lm_loss(model, ids, chunk)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable_parameters(model), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = training_step(model, opt, ids, device, precision, chunk)
     step()
     return step_peak(step, device)
 

@@ -55,7 +55,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def committed_in(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every committed checkpoint in `root`, oldest first."""
+    """(step, folder) of every committed checkpoint in `root`, oldest first (none if no `root`)."""
+    if not root.is_dir():
+        return []
     found = []
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():

@@ -153,14 +153,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             raise EmberError(f"preflight failed ({', '.join(failed)}): not starting the run; fix the "
                              f"cause or run without --preflight")
     if restarts and not args.no_supervise:
-        from ember.supervise import child_argv, supervise
         from ember.ckpt.store import CheckpointStore
+        from ember.supervise import child_argv, supervise
 
-        def newest() -> int:
-            folder = args.out / "checkpoints"
-            return CheckpointStore.newest_step(folder) if folder.is_dir() else 0
         return supervise(child_argv(sys.argv[1:]), restarts, recipe.train.restart_backoff_seconds,
-                         console, newest)
+                         console, lambda: CheckpointStore.newest_step(args.out / "checkpoints"))
     ledger = False if args.no_ledger else args.ledger
     job = prepare(recipe, args.out, args.allow_recipe_change, console, args.recipe, ledger)
     try:

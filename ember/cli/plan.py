@@ -47,11 +47,6 @@ def add_parsers(sub: Any) -> None:
     pre.add_argument("--json", action="store_true")
 
 
-def _ledger(path: Path | None):
-    from ember.ledger.store import connect
-    return connect(path)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from ember.plan.planner import (
         UnknownArchitecture,
@@ -75,12 +70,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.device_memory <= 0:
             raise EmberError(f"--device-memory {args.device_memory:g}: must be > 0 GiB")
         devices = replace_memory(devices, int(args.device_memory * GiB))
+    from ember.ledger.store import connect
+    con = connect(args.ledger)  # this machine's checkpoint costs and interruption history
     try:
-        plan = make_plan(r, _ledger(args.ledger), calibration, devices)
+        plan = make_plan(r, con, calibration, devices)
     except UnknownArchitecture as e:
         from ember.plan.preflight import calibrate
         print(f"{e}: measuring a step here instead (calibration)", file=sys.stderr)
-        plan = make_plan(r, _ledger(args.ledger), calibrate(r), devices)
+        plan = make_plan(r, con, calibrate(r), devices)
     plan.recipe["target_micro_batch"] = args.target_micro_batch
     if args.json:
         print(json.dumps(asdict(plan), indent=1, default=str))

@@ -66,7 +66,6 @@ def timed(job: Any, data: Any, n: int) -> tuple[list[float], dict[str, float]]:
 def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, Any]:
     from ember.metrics.stats import spread
     from ember.plan.interval import mtbf_seconds, recommend
-    from ember.plan.planner import detect_devices, make_plan
     from ember.plan.preflight import loader_rate
     from ember.train.job import performance, prepare
     from ember.train.loop import Data, save_checkpoint
@@ -111,8 +110,6 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
         f["synthetic_step_seconds"] = statistics.mean(times)
 
         console.print("doctor: micro-batch sweep")
-        plan = make_plan(r, None, None, detect_devices(r.train.device))
-        f["plan_fits"] = plan.fits
         f["fits"] = _fitting_micro_batches(r)
         sweep, single = {}, dataclasses.replace(job, recipe=dataclasses.replace(
             job.recipe, train=dataclasses.replace(job.recipe.train, grad_accum=1)))
@@ -178,19 +175,28 @@ def run_all(r: Recipe, budget: float, ddp: int, console: Console) -> dict[str, A
 
 
 def _fitting_micro_batches(r: Recipe) -> dict[int, int]:
-    """Micro batches 1, 2, 4, ... up to 4x the recipe's (at least 8) that the plan says fit."""
-    from ember.plan.planner import apply_changes, detect_devices, make_plan
-    devices = detect_devices(r.train.device)
+    """Micro batches 1, 2, 4, ... up to 4x the recipe's (at least 8) whose estimated peak fits,
+    with that peak (memory arithmetic only: no calibration per size)."""
+    from ember.plan.memory import ModelShape, estimate
+    from ember.plan.planner import (
+        apply_changes,
+        detect_devices,
+        fits,
+        model_config,
+        train_shape,
+    )
+    try:
+        m = ModelShape.from_config(model_config(r))
+    except ValueError:  # an architecture the plan does not know: only the recipe's own size
+        return {r.train.micro_batch: 0}
+    free = detect_devices(r.train.device)[0].free
     out = {}
     mb = 1
     while mb <= max(8, 4 * r.train.micro_batch):
-        try:
-            p = make_plan(apply_changes(r, {"train.micro_batch": mb}), None, None, devices)
-        except Exception:  # an architecture the plan does not know: only the recipe's own size
-            return {r.train.micro_batch: 0}
-        if not p.fits:
+        peak = estimate(m, train_shape(apply_changes(r, {"train.micro_batch": mb}))).peak
+        if not fits(peak, free, r.plan.memory_margin):
             break
-        out[mb] = p.memory["peak"]
+        out[mb] = peak
         mb *= 2
     return out
 

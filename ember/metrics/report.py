@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ember.ckpt.store import committed_in
 from ember.errors import EmberError
 from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
@@ -56,10 +57,7 @@ def pid_alive(pid: int | None, host: str | None) -> bool:
 
 
 def committed_steps(run_path: Path) -> list[int]:
-    ck = run_path / "checkpoints"
-    if not ck.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in ck.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
+    return [step for step, _ in committed_in(run_path / "checkpoints")]
 
 
 def build_report(run_path: Path, con: sqlite3.Connection | None) -> dict[str, Any]:

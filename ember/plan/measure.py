@@ -18,6 +18,25 @@ from typing import Any
 import torch
 
 
+def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, device: torch.device,
+                  precision: str, loss_chunk: int) -> Callable[[], None]:
+    """The step the memory plan estimates, as the training loop takes it: forward with labels
+    (autocast per `precision`), backward, clip, the optimizer's update, gradients set to None."""
+    from ember.device import autocast
+    from ember.train.loss import causal_lm_loss
+    from ember.train.model import trainable_parameters
+    params = trainable_parameters(model)
+
+    def step() -> None:
+        with autocast(device, precision):
+            loss = causal_lm_loss(model, ids, loss_chunk)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def live_tensor_bytes(device: torch.device) -> int:
     """Bytes of all tensor storages alive on `device` (parameters, optimizer state, buffers...)."""
     seen: dict[int, int] = {}

@@ -20,7 +20,6 @@ from ember.plan.interval import mtbf_seconds, recommend
 from ember.plan.memory import (
     F32,
     LINEARS,
-    Breakdown,
     GiB,
     ModelShape,
     TrainShape,
@@ -112,6 +111,11 @@ def architecture(m: ModelShape, t: TrainShape) -> Architecture:
     return Architecture(matmul, trainable_params(m, t), m.layers, m.heads, m.head_dim, t.seq_len, t.lora)
 
 
+def fits(peak: int, free: int, margin: float) -> bool:
+    """The rule of docs/boundary.md: the peak plus its margin within the device's free memory."""
+    return peak * (1 + margin) <= free
+
+
 @dataclass
 class Remedy:
     name: str
@@ -138,17 +142,14 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
     t = train_shape(r)
     f = flops_per_token(architecture(m, t)).total
 
-    def fits(b: Breakdown) -> bool:
-        return b.peak * (1 + margin) <= budget
-
     out: list[Remedy] = []
     mb = r.train.micro_batch
     for smaller in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
         b = estimate(m, replace(t, micro_batch=smaller))
-        if fits(b) or smaller == 1:
+        if fits(b.peak, budget, margin) or smaller == 1:
             out.append(Remedy("gradient accumulation", {"train.micro_batch": smaller,
                                                         "train.grad_accum": r.train.grad_accum * mb // smaller},
-                              b.peak, 1.0, fits(b),
+                              b.peak, 1.0, fits(b.peak, budget, margin),
                               f"micro batch {mb} -> {smaller} x {mb // smaller} accumulated: same tokens per "
                               f"optimizer step and FLOPs; activations and loss buffers shrink {mb // smaller}x; "
                               f"smaller matmuls may run less efficiently (measure with `ember doctor`)"))
@@ -158,18 +159,18 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
         a = architecture(m, t)  # one more forward through the layers: 2N and a third of attention
         extra = (2 * (a.matmul_params - m.vocab * m.hidden) + 4 * a.layers * a.heads * a.head_dim * a.seq_len) / f
         out.append(Remedy("activation checkpointing", {"train.activation_checkpointing": True}, b.peak,
-                          1 + extra, fits(b), f"keep each layer's input only and recompute the layer in "
+                          1 + extra, fits(b.peak, budget, margin), f"keep each layer's input only and recompute the layer in "
                           f"backward: one more forward through the layers, +{extra:.0%} FLOPs"))
     if not t.loss_chunk:
         chunk = min(1024, t.tokens)
         b = estimate(m, replace(t, loss_chunk=chunk))
         extra = 2 * m.hidden * m.vocab / max(f, 1)
-        out.append(Remedy("chunked loss", {"train.loss_chunk": chunk}, b.peak, 1 + extra, fits(b),
+        out.append(Remedy("chunked loss", {"train.loss_chunk": chunk}, b.peak, 1 + extra, fits(b.peak, budget, margin),
                           f"cross-entropy over {chunk}-token chunks: the {t.tokens} x {m.vocab} fp32 "
                           f"logits never exist at once; the output layer runs twice, +{extra:.0%} FLOPs"))
     if not t.autocast:
         b = estimate(m, replace(t, autocast=True))
-        out.append(Remedy("bf16 mixed precision", {"precision.mode": "bf16"}, b.peak, 1.0, fits(b),
+        out.append(Remedy("bf16 mixed precision", {"precision.mode": "bf16"}, b.peak, 1.0, fits(b.peak, budget, margin),
                           "bf16 activations, fp32 master weights and optimizer state; same FLOPs, "
                           "faster on GPUs with bf16 tensor cores, often slower on CPUs; results differ "
                           "from fp32 in the low bits"))
@@ -178,27 +179,27 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
         b = estimate(m, lt)
         ratio = flops_per_token(architecture(m, lt)).total / f
         out.append(Remedy("LoRA instead of full fine-tuning", {"method.kind": "lora", "method.rank": 16},
-                          b.peak, ratio, fits(b),
+                          b.peak, ratio, fits(b.peak, budget, margin),
                           f"train rank-16 adapters ({trainable_params(m, lt):,} parameters) instead of all "
                           f"{m.params():,}: gradients and optimizer state only for the adapters; no weight "
                           f"gradients for the base ({ratio - 1:+.0%} FLOPs); a different job: adapters, "
                           f"not new weights"))
     full = estimate(m, t)
     opt8 = full.peak - full.optimizer + full.optimizer // 4
-    out.append(Remedy("8-bit optimizer state", {}, opt8, 1.0, opt8 * (1 + margin) <= budget,
+    out.append(Remedy("8-bit optimizer state", {}, opt8, 1.0, fits(opt8, budget, margin),
                       f"AdamW moments in 8 bits: {full.optimizer / GiB:.2f} GiB -> "
                       f"{full.optimizer / 4 / GiB:.2f} GiB; needs bitsandbytes, which ember does not use yet",
                       available=False))
     n = 2  # the smallest sharding: what two devices would each hold
     sharded = full.peak - (full.weights + full.gradients + full.optimizer) * (n - 1) // n
-    out.append(Remedy(f"FSDP across {n} devices", {}, sharded, 1.0, sharded * (1 + margin) <= budget,
+    out.append(Remedy(f"FSDP across {n} devices", {}, sharded, 1.0, fits(sharded, budget, margin),
                       f"weights, gradients and optimizer state sharded {n} ways: "
                       f"{(full.weights + full.optimizer) / GiB:.2f} GiB -> "
                       f"{(full.weights + full.optimizer) / n / GiB:.2f} GiB per device, plus the "
                       f"gathers' traffic; needs {n} devices and distributed training, which ember does "
                       f"not do yet: remote compute", available=False))
     offload = full.peak - full.optimizer
-    out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, offload * (1 + margin) <= budget,
+    out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, fits(offload, budget, margin),
                       f"AdamW moments ({full.optimizer / GiB:.2f} GiB) in host memory, the update on the "
                       f"CPU: for accelerators only; ember does not do it yet", available=False))
     if any(x.fits and x.available for x in out):
@@ -211,7 +212,7 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
         combo.update(rem.changes)
         factor *= rem.flops_factor
         b = estimate(m, train_shape(apply_changes(r, combo)))
-        if fits(b):
+        if fits(b.peak, budget, margin):
             out.append(Remedy("combined", dict(combo), b.peak, factor, True,
                               "cheapest first: " + " + ".join(
                                   x.name for x in out if x.changes and set(x.changes) <= set(combo))))
@@ -265,7 +266,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dic
     if calibration and "peak_bytes" in calibration:
         memory["measured_peak"] = int(calibration["peak_bytes"])
         memory["error"] = peak / calibration["peak_bytes"] - 1
-    fits = peak * (1 + margin) <= budget
+    fits_here = fits(peak, budget, margin)
     rems = remedies(m, r, budget, margin) if m is not None else []
 
     # Time: measured steps, else FLOPs over peak at an assumed MFU.
@@ -295,7 +296,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dic
     prices = prices_from(asdict(r.cost), len(devices) if dev.kind != "cpu" else 1)
     c = cost(prices, wall, tokens_per_step * r.train.max_steps)
 
-    verdict, reasons = _verdict(fits, rems, wall, r, devices)
+    verdict, reasons = _verdict(fits_here, rems, wall, r, devices)
     return Plan(
         recipe={"model": r.model.path, "method": r.method.kind, "micro_batch": r.train.micro_batch,
                 "seq_len": r.data.seq_len, "grad_accum": r.train.grad_accum, "precision": r.precision.mode,
@@ -303,7 +304,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: dic
                 "loss_chunk": r.train.loss_chunk, "max_steps": r.train.max_steps},
         devices=[asdict(d) for d in devices] + ([asdict(host_memory())] if dev.kind != "cpu" else []),
         model=asdict(m) | {"params": m.params(), "trainable": trainable_params(m, t)} if m else {},
-        memory=memory, fits=fits, remedies=[asdict(x) for x in rems],
+        memory=memory, fits=fits_here, remedies=[asdict(x) for x in rems],
         time={"step_seconds": step_s, "how": how, "steps": r.train.max_steps, "compute_seconds": compute_s,
               "wall_seconds": wall, "tokens": tokens_per_step * r.train.max_steps},
         cost=asdict(c),
@@ -343,11 +344,11 @@ def _rates(con: sqlite3.Connection | None, host: str) -> tuple[float, float, str
         f"durable (no checkpoint of this machine in the ledger)")
 
 
-def _verdict(fits: bool, rems: list[Remedy], wall: float, r: Recipe, devices: list[Device]) -> tuple[str, list[str]]:
+def _verdict(fits_here: bool, rems: list[Remedy], wall: float, r: Recipe, devices: list[Device]) -> tuple[str, list[str]]:
     reasons = []
     limit = r.plan.local_max_hours * 3600
     usable = [x for x in rems if x.fits and x.available]
-    if not fits and not usable:
+    if not fits_here and not usable:
         reasons.append("does not fit this machine's memory even with every remedy ember can apply "
                        "here; needs sharding across more devices (FSDP) or larger devices")
     if math.isfinite(wall) and wall > limit:
@@ -355,7 +356,7 @@ def _verdict(fits: bool, rems: list[Remedy], wall: float, r: Recipe, devices: li
                        f"{r.plan.local_max_hours:g}")
     if reasons:
         return "remote", reasons
-    if not fits:
+    if not fits_here:
         best = usable[0]
         return "local with remedies", [f"does not fit as written; {best.name} makes it fit "
                                        f"({best.peak / GiB:.2f} GiB peak)"]

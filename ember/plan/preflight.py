@@ -56,26 +56,17 @@ def _build(r: Recipe) -> tuple[Any, torch.device]:
 def calibrate(r: Recipe, steps: int = 3, bundle: Any = None, device: torch.device | None = None) -> dict[str, float]:
     """Measure, on this machine, a micro-batch's forward/backward/update time and the step's peak
     memory, with random tokens of the recipe's shape and the real model."""
-    from ember.device import autocast
-    from ember.plan.measure import step_peak
-    from ember.train.loss import causal_lm_loss
+    from ember.plan.measure import step_peak, training_step
     from ember.train.model import trainable_parameters
     if bundle is None:
         bundle, device = _build(r)
     model = bundle.model
-    params = trainable_parameters(model)
-    opt = torch.optim.AdamW(params, lr=r.optimizer.lr, betas=(r.optimizer.beta1, r.optimizer.beta2),
-                            eps=r.optimizer.eps, weight_decay=r.optimizer.weight_decay)
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=r.optimizer.lr,
+                            betas=(r.optimizer.beta1, r.optimizer.beta2), eps=r.optimizer.eps,
+                            weight_decay=r.optimizer.weight_decay)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (r.train.micro_batch, r.data.seq_len), device=device)
-
-    def step() -> None:
-        with autocast(device, r.precision.mode):
-            loss = causal_lm_loss(model, ids, r.train.loss_chunk)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = training_step(model, opt, ids, device, r.precision.mode, r.train.loss_chunk)
     step()  # the optimizer state exists from here on
     peak = step_peak(step, device)
     times = []

@@ -45,9 +45,6 @@ class StepTimer:
         self.t = now
         self.mark = self._event()
 
-    def add(self, phase: str, seconds: float) -> None:
-        self.totals[phase] += seconds
-
     def end(self) -> dict[str, float]:
         if self.pending:
             self.pending[-1][2].synchronize()

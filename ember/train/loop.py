@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from ember import faults
 from ember.ckpt import contents
-from ember.ckpt.store import MANIFEST
+from ember.ckpt.store import MANIFEST, CheckpointStore
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.metrics.report import build_report, compact, summary_line
@@ -33,7 +33,6 @@ class StepResult:
     grad_norm: float
     lr: float
     tokens: int
-    data_wait_seconds: float
     batches: list[int]          # micro-batch ordinals in the data stream
     next_k: int                 # loader index after the last micro-batch used
     verdict: str                # "ok", "nonfinite", "spike" (see ember.train.stability)
@@ -88,7 +87,7 @@ def train(job: Job) -> int:
             metrics.append({"step": state.step, "loss": result.loss, "lr": result.lr,
                             "grad_norm": result.grad_norm, "tokens": result.tokens,
                             "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
-                            "data_wait_seconds": round(result.data_wait_seconds, 6),
+                            "data_wait_seconds": round(result.phases["data"], 6),
                             "phases": {k: round(v, 6) for k, v in result.phases.items()},
                             "attempt": job.run.attempt, "time": time.time(),
                             **({} if result.applied else {"skipped": result.verdict})})
@@ -119,7 +118,7 @@ def train(job: Job) -> int:
     job.ledger.phases(job.phase_totals, state.step)
     if stop.requested:
         job.ledger.finish("interrupted", stop.signal_name)
-        newest = max((s for s, _ in job.store.committed()), default=0)
+        newest = CheckpointStore.newest_step(job.store.root)
         job.console.print(f"{stop.signal_name}: newest committed checkpoint is step {newest} (stopped "
                           f"at step {state.step}); run the same command to resume")
         return EXIT_INTERRUPTED
@@ -171,7 +170,7 @@ def train_step(job: Job, data: Data) -> StepResult:
     opt.zero_grad(set_to_none=True)
     timer.lap("optimizer")
     phases = timer.end()
-    return StepResult(loss_value, grad_norm, lr, tokens, phases["data"], ordinals,
+    return StepResult(loss_value, grad_norm, lr, tokens, ordinals,
                       ordinals[-1] - data.batches.first_ordinal + 1, verdict.kind, applied, phases)
 
 

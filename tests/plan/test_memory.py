@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ember.device import autocast
-from ember.plan.measure import step_peak
+from ember.plan.measure import step_peak, training_step
 from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
 from ember.recipe import MethodConfig
 from ember.train.loss import causal_lm_loss
@@ -75,18 +74,10 @@ def test_estimate_matches_measured_peak(case):
     if method == "lora":
         model = apply_lora(model, MethodConfig(kind="lora"))
     model.train()
-    params = trainable_parameters(model)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-4)
     ids = torch.randint(0, vocab, (b, s))
     cpu = torch.device("cpu")
-
-    def step():
-        with autocast(cpu, precision):
-            loss = causal_lm_loss(model, ids, chunk)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = training_step(model, opt, ids, cpu, precision, chunk)
     step()
     measured = step_peak(step, cpu)
     shape = TrainShape(b, s, lora=method == "lora", lora_targets=frozenset(LINEARS),
