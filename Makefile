@@ -14,6 +14,16 @@ $(BIN)/.ember-installed: pyproject.toml constraints.txt
 	# Debian's FUSE for the power-cut tests (tests/powercut_fs.py); without root they skip, saying why.
 	command -v fusermount >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse libfuse2 >/dev/null; }
+	# Debian's Chromium for the dashboard's browser tests (tests/web/test_browser.py): Playwright cannot
+	# download its own browser here. Without root it is not installed and those tests skip saying so;
+	# when apt fails, its reason goes into $(VENV)/chromium-unavailable and they skip quoting it.
+	rm -f $(VENV)/chromium-unavailable
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>$(VENV)/chromium-apt.log; } || \
+		{ echo "apt-get install chromium failed:"; tail -n 5 $(VENV)/chromium-apt.log; } >$(VENV)/chromium-unavailable
+	# Debian's Slurm (munge, slurmctld, slurmd, slurm-client, slurmdbd, mariadb-server) for the remote
+	# backend's tests (tests/remote/test_slurm.py); without root they skip, saying why.
+	[ "$$(id -u)" != 0 ] || tests/slurm_cluster.sh install
 	# torch first, exactly pinned: the CPU build on local disk (see constraints.txt).
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
@@ -25,8 +35,45 @@ demo: $(BIN)/.ember-installed
 	$(BIN)/python examples/prepare_kjv.py examples/data/kjv.jsonl
 	$(BIN)/ember run examples/smollm2-lora.toml --out runs/demo
 
-test: $(BIN)/.ember-installed
-	$(BIN)/python -m pytest -q tests
+# llama.cpp's OpenAI-compatible server, for the tests that run ember's inference proxy against a
+# real engine (tests/engines.py). PyPI has only its source, so the wheel is built once into a cache
+# outside the repo and reused by every later venv. Text models only (no multimodal mtmd library,
+# which is loaded only for image chat formats) and no -march=native (the wheel runs on any x86-64
+# this cache might be copied to): about half the CPU time of the default build. Anything failing here
+# does not fail `make test`: the reason goes into $(LLAMA_UNAVAILABLE) and those tests skip quoting
+# it (a skip fails CI, see tests/conftest.py). To retry: rm $(BIN)/.llama-server-installed.
+LLAMA_VERSION     := 0.3.36
+LLAMA_CMAKE_ARGS  := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
+EMBER_WHEEL_CACHE ?= $(HOME)/.cache/ember/wheels/llama-text-portable
+LLAMA_UNAVAILABLE := $(VENV)/llama-server-unavailable
+LLAMA_LOG         := $(VENV)/llama-server-build.log
+
+$(BIN)/.llama-server-installed: $(BIN)/.ember-installed
+	rm -f $(LLAMA_UNAVAILABLE)
+	# Debian's cmake and g++ for the build; without root a missing one fails the build, saying so.
+	{ command -v cmake && command -v g++; } >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ >/dev/null; } || \
+		echo "apt-get could not install cmake g++; building llama-cpp-python will say what is missing"
+	mkdir -p $(EMBER_WHEEL_CACHE)
+	ls $(EMBER_WHEEL_CACHE)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || { \
+		echo "building llama-cpp-python $(LLAMA_VERSION) once into $(EMBER_WHEEL_CACHE) (CPU-minutes)"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel --no-deps -w $(EMBER_WHEEL_CACHE) llama-cpp-python==$(LLAMA_VERSION) \
+			>$(LLAMA_LOG) 2>&1 || { echo "building llama-cpp-python $(LLAMA_VERSION) failed" \
+			"(log: $(LLAMA_LOG); to retry: rm $(BIN)/.llama-server-installed):"; \
+			tail -n 20 $(LLAMA_LOG); } >$(LLAMA_UNAVAILABLE); }
+	# --only-binary: install the cached wheel or nothing; never start a second build here.
+	[ -e $(LLAMA_UNAVAILABLE) ] || $(PIP) --only-binary llama-cpp-python --find-links $(EMBER_WHEEL_CACHE) \
+		'llama-cpp-python[server]==$(LLAMA_VERSION)' >>$(LLAMA_LOG) 2>&1 || \
+		{ echo "installing llama-cpp-python[server] $(LLAMA_VERSION) failed:"; tail -n 20 $(LLAMA_LOG); \
+		} >$(LLAMA_UNAVAILABLE)
+	[ ! -e $(LLAMA_UNAVAILABLE) ] || cat $(LLAMA_UNAVAILABLE)
+	touch $@
+
+# Two parts: most tests two at a time (one per core; a test file stays on one worker), then the
+# tests that measure time or CPU load (marked serial), alone, so no other test disturbs them.
+test: $(BIN)/.ember-installed $(BIN)/.llama-server-installed
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -rs -m serial tests
 
 bench: $(BIN)/.ember-installed
 	$(BIN)/python bench/run_all.py

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
+from ember.events import Events  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ember.recipe import build_recipe  # noqa: E402
@@ -40,7 +40,7 @@ def tokens_per_second(steps: int, ledger: bool, home: Path) -> float:
     raw = json.loads(json.dumps(CONFIG))
     raw["train"]["max_steps"] = steps
     job = prepare(build_recipe(raw, "bench"), Path(tempfile.mkdtemp(dir=home)), False,
-                  Console(quiet=True), ledger_path=None if ledger else False)
+                  Events(), ledger_path=None if ledger else False)
     t0 = time.perf_counter()
     train(job)  # the loop, its checkpoints, the final save and (when on) the ledger writes
     return steps * 8 * 256 / (time.perf_counter() - t0)

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
+from ember.events import Events  # noqa: E402
 
 from bench.loop_overhead import CONFIG  # noqa: E402
 from ember.recipe import build_recipe  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
     os.environ["EMBER_HOME"] = str(home)
     raw = json.loads(json.dumps(CONFIG))
     raw["train"]["max_steps"] = 10**9
-    job = prepare(build_recipe(raw, "bench"), home / "run", False, Console(quiet=True), ledger_path=False)
+    job = prepare(build_recipe(raw, "bench"), home / "run", False, Events(), ledger_path=False)
     data = Data(job)
     timers = {"breakdown": StepTimer(job.device), "none": NoTimer()}
     medians: dict[str, list[float]] = {k: [] for k in timers}

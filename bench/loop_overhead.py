@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
+from ember.events import Events  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ember.ckpt.state import seed_all  # noqa: E402
@@ -43,7 +43,7 @@ def ember_step_times(steps: int, deterministic: bool, home: Path) -> list[float]
     raw["train"].update(max_steps=steps, deterministic=deterministic)
     recipe = build_recipe(raw, "bench")
     out = Path(tempfile.mkdtemp(dir=home))
-    job = prepare(recipe, out, False, Console(quiet=True))
+    job = prepare(recipe, out, False, Events())
     train(job)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step_seconds"] for r in records[3:]]  # skip warm-up steps
@@ -54,15 +54,15 @@ def bare_step_times(steps: int, home: Path) -> list[float]:
     raw = json.loads(json.dumps(CONFIG))
     raw["train"].update(max_steps=steps)
     recipe = build_recipe(raw, "bench")
-    job = prepare(recipe, Path(tempfile.mkdtemp(dir=home)), False, Console(quiet=True), ledger_path=False)
+    job = prepare(recipe, Path(tempfile.mkdtemp(dir=home)), False, Events(), ledger_path=False)
     model, opt, sched = job.model, job.optimizer, job.scheduler
     data = iter(make_loader(job.batches(), steps, workers=0, pin=False))
     times = []
     model.train()
     for _ in range(steps):
         t0 = time.perf_counter()
-        batch = next(data)
-        loss = model(input_ids=batch, labels=batch).loss
+        _, batch = next(data)
+        loss = model(input_ids=batch.ids, labels=batch.ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -1,6 +1,9 @@
 """Named fault-injection points for crash tests: `EMBER_FAULT=name[@k]` SIGKILLs the process
 the k-th time (default the first) execution reaches `point(name)`. With `EMBER_FAULT_ONCE=FILE`
 the fault fires only while FILE does not exist, and creates it first: one crash across restarts.
+`EMBER_FAULT_RANK=R` limits the fault to rank R of a distributed run; `EMBER_FAULT_HANG=seconds`
+makes the fault a hang instead of a kill (the process sleeps there: a deadlocked loader, a rank
+that never reaches the collective).
 `EMBER_FAULT_DATA_DELAY=seconds` slows every micro-batch the input pipeline produces.
 `EMBER_FAULT_FLAGS=name,...` switches on named misbehaviours (flag()). Unset, a point costs one
 dict lookup. `EMBER_TRACE_COMMITS=FILE` appends the step of every
@@ -23,6 +26,9 @@ def point(name: str) -> None:
     target, _, nth = spec.partition("@")
     if target != name:
         return
+    rank = os.environ.get("EMBER_FAULT_RANK")  # a distributed run: only this rank dies
+    if rank is not None and os.environ.get("RANK", "0") != rank:
+        return
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] == int(nth or 1):
         once = os.environ.get("EMBER_FAULT_ONCE")
@@ -31,6 +37,10 @@ def point(name: str) -> None:
                 os.close(os.open(once, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 return
+        hang = os.environ.get("EMBER_FAULT_HANG")
+        if hang:
+            time.sleep(float(hang))
+            return
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -6,7 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from ember.errors import EmberError
+
+
+def loads(line: bytes | str) -> Any:
+    """One JSON value: orjson (3-4x faster: a 100,000-step metrics.jsonl is read for every report
+    and chart), or the standard library where orjson refuses what Python's json writes (NaN and
+    Infinity for a loss that overflowed, integers beyond 64 bits). Raises ValueError."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
 
 
 def read_jsonl(path: Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
@@ -14,12 +26,12 @@ def read_jsonl(path: Path, notes: list[str] | None = None) -> list[dict[str, Any
     line anywhere else is corruption, reported, and nothing is rewritten."""
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()
     out = []
     for i, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(loads(line))
+        except ValueError:
             if i == len(lines):
                 if notes is not None:
                     notes.append(f"{path.name}: skipped a torn last line (expected after a crash)")

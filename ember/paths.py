@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ember.ckpt.store import sha256_file
+from ember.durable import sha256_file
 
 
 def ember_home() -> Path:

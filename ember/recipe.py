@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import tomllib
 import types
 import typing
@@ -51,13 +52,52 @@ class MethodConfig:
 
 @dataclass
 class DataConfig:
-    files: list[str] = setting(list, "Training files: plain text (.txt, one document per file) or "
-                               "JSONL (.jsonl, one document per line). Relative to the recipe.",
+    files: list[str] = setting(list, "Training files: plain text (.txt, one document per file), "
+                               "JSONL (.jsonl, one record per line), Parquet (.parquet, one record per "
+                               "row) or a Hugging Face datasets folder written by save_to_disk. "
+                               "Relative to the recipe.",
                                factory=True)
     text_field: str = setting("text", "The JSONL field that holds a document's text.")
+    format: Literal["auto", "text", "chat", "completion"] = setting(
+        "auto", "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
+        "content}, ...]}, rendered through the tokenizer's chat template) or 'completion' "
+        "({\"prompt\", \"completion\"}); 'auto' detects it from each file's first record.")
+    train_on: Literal["assistant", "all"] = setting(
+        "assistant", "Which tokens of chat and completion records the loss learns: the assistant "
+        "turns (the completion), or all of them. Plain text learns every token.")
+    packing: Literal["auto", "mixed", "documents", "padded"] = setting(
+        "auto", "How records become sequences of seq_len: 'mixed' cuts the token stream into "
+        "sequences whose documents attend to each other; 'documents' packs whole documents, "
+        "positions restarting at each and attention block-diagonal (no cross-contamination); "
+        "'padded' puts one document per row, padded to the longest of its length-sorted bucket. "
+        "'auto' = documents for chat and completion data, mixed for text.")
+    long_records: Literal["truncate", "drop"] = setting(
+        "truncate", "A chat or completion record longer than seq_len (documents and padded "
+        "packing): keep its first seq_len tokens, or leave it out. Either way it is counted in "
+        "run.json's data notes. Long text documents are split into seq_len pieces.")
     seq_len: int = setting(128, "Tokens per packed training sequence.", min=2)
     workers: int = setting(0, "Data-loader worker processes (0 = load in the training process).",
                            min=0, max=64)
+    tokenize_workers: int = setting(
+        0, "Processes that tokenize the files into the token cache, shard by shard (0 = one per "
+        "CPU core). The cache is byte-identical for any count; a tokenization that was stopped "
+        "resumes with the shards it had not finished.", min=0, max=256)
+
+
+@dataclass
+class EvalConfig:
+    holdout: float = setting(0.0, "Share of the training files' documents held out for evaluation, "
+                             "chosen by a seeded hash of each document's content (appending files "
+                             "never moves a document between the splits); 0 = none.", min=0, max=0.5)
+    files: list[str] = setting(list, "Separate evaluation files (same formats as [data] files).",
+                               factory=True)
+    seed: int = setting(0, "Seed of the held-out hash.", min=0)
+    every_steps: int = setting(50, "Evaluate every N optimizer steps (0 = only at the end).", min=0)
+    at_end: bool = setting(True, "Evaluate once the last step is done.")
+    max_batches: int = setting(0, "Micro-batches per evaluation (0 = the whole evaluation set).", min=0)
+    prompts: list[str] = setting(list, "Prompts to complete greedily at each evaluation; the "
+                                 "generations are kept in OUT/eval/generations.jsonl.", factory=True)
+    max_new_tokens: int = setting(32, "Tokens generated per prompt.", min=1, max=4096)
 
 
 @dataclass
@@ -81,7 +121,7 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = setting(100, "Optimizer steps in the whole run.", min=1)
+    max_steps: int = setting(100, "Optimizer steps in the whole run.", min=1, max=10**12)
     micro_batch: int = setting(4, "Sequences per forward/backward pass.", min=1)
     grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.", min=1)
     seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0)
@@ -117,6 +157,11 @@ class CheckpointConfig:
                                          "most this many seconds old; 0 = stop at once.", min=0)
     async_: bool = setting(True, "Two-phase checkpoints: training blocks only for a snapshot into "
                            "host memory; a background thread makes it durable.", key="async")
+    persist_nice: int = setting(13, "CPU niceness of the background persist: higher slows the steps "
+                                "beside it less and makes the checkpoint durable later; the training "
+                                "time it costs in all stays about the same (on 2 busy cores, a 1.6 GB "
+                                "state: 10 = steps +50% for 1.6x its standalone time, 13 = +36% for "
+                                "1.8x, 16 = +17% for 2.8x; bench/README.md).", min=0, max=19)
 
 
 @dataclass
@@ -166,6 +211,41 @@ class PlanConfig:
 
 
 @dataclass
+class DistributedConfig:
+    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = setting(
+        "ddp", "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
+        "'ddp' replicates the model and averages gradients; 'fsdp' (FSDP2, fully_shard) shards "
+        "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
+        "and MLP projections over the ranks (full fine-tuning; keep it within one node). "
+        "[train] micro_batch x grad_accum stays the global batch: with ddp and fsdp each rank "
+        "takes grad_accum / ranks of the micro-batches, with tp every rank computes all of them; "
+        "'fsdp+tp' is the 2-D mesh: tp inside groups of tp_size ranks, fsdp across the groups.")
+    tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
+                           "within one node).", min=2)
+    timeout_seconds: float = setting(300.0, "A collective (gradient all-reduce, the stop agreement, "
+                                     "a checkpoint barrier) that waits longer than this fails the "
+                                     "group instead of hanging it.", min=1)
+    hang_factor: float = setting(10.0, "The watchdog calls a step hung when it takes this many times "
+                                 "the run's own p99 step (at least hang_min_seconds): it dumps every "
+                                 "thread's stack, names the ranks that did not arrive, and stops the "
+                                 "group so the supervisor restarts it.", min=1)
+    hang_min_seconds: float = setting(30.0, "The shortest step the watchdog may call hung.", min=1)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = setting(False, "Also write the per-step scalars of metrics.jsonl as TensorBoard "
+                                "event files in OUT/tensorboard (torch.utils.tensorboard; needs the "
+                                "`tensorboard` package). Steps a resume computes again replace the "
+                                "lost ones there too.")
+    mlflow_tracking_uri: str = setting("", "Also log the per-step scalars to MLflow at this tracking URI "
+                                       "(e.g. http://127.0.0.1:5000, or file:/path/mlruns); '' = off. "
+                                       "Needs the `mlflow` package; every attempt logs to one MLflow run "
+                                       "named after ember's run id.")
+    mlflow_experiment: str = setting("ember", "The MLflow experiment the run is logged under.")
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -178,6 +258,9 @@ class Recipe:
     guard: GuardConfig = field(default_factory=GuardConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}} under the TOML names."""
@@ -191,17 +274,50 @@ class Recipe:
         """SHA-256 of the canonical JSON of the resolved recipe."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()
 
+    def to_toml(self) -> str:
+        """The resolved recipe as a TOML file that `load_recipe` reads back to an equal recipe."""
+        return to_toml(self.to_dict())
+
+    def with_changes(self, changes: dict[str, Any], source: str = "changes") -> Recipe:
+        """A new recipe with `section.key` values replaced, validated like a recipe file."""
+        raw = self.to_dict()
+        for dotted, value in changes.items():
+            section, _, key = dotted.partition(".")
+            if section not in raw or not key:
+                raise EmberError(f"{source}: {dotted!r} is not a recipe setting (section.key)")
+            raw[section][key] = value
+        return build_recipe(raw, source)
+
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
-    "data.workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
-    "checkpoint.async", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
+    "data.workers", "data.tokenize_workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
+    "checkpoint.async", "checkpoint.persist_nice", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
     "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops", "checkpoint.interruption_hours",
     "plan.local_max_hours", "plan.memory_margin", "plan.assumed_mfu",
+    # How ranks split the work changes the order of floating-point sums, not the optimization:
+    # a run may resume under another strategy or world size (within the tolerance in README).
+    "distributed.strategy", "distributed.tp_size", "distributed.timeout_seconds", "distributed.hang_factor",
+    "distributed.hang_min_seconds",
+    # Evaluation reads the model; it never changes what training computes.
+    "eval.every_steps", "eval.at_end", "eval.max_batches", "eval.prompts", "eval.max_new_tokens",
+    # Where else the figures go: never what is computed.
+    "log.tensorboard", "log.mlflow_tracking_uri", "log.mlflow_experiment",
 })
+
+
+def to_toml(recipe: dict[str, dict[str, Any]]) -> str:
+    """{section: {key: value}} as TOML. JSON's literals for strings, numbers, booleans and lists
+    of strings are valid TOML, and validation admits no other values."""
+    lines = []
+    for section, values in recipe.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def toml_key(f: dataclasses.Field) -> str:
@@ -212,17 +328,25 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Read a TOML recipe, apply `section.key=value` overrides, validate, resolve data paths."""
-    path = Path(path)
-    if not path.is_file():
-        raise EmberError(f"{path}: recipe file not found")
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's contents (recipes, machine.toml, owner.toml, datasets.toml, targets.toml);
+    one that is not TOML, or not UTF-8 text, is an EmberError naming it."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise EmberError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise EmberError(f"{path}: not a UTF-8 text file") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (),
+                warn: typing.Callable[[str], None] | None = None) -> Recipe:
+    """Read a TOML recipe, apply `section.key=value` overrides, validate, resolve data paths.
+    Settings that are valid but probably not what the user meant go to `warn` (see lint())."""
+    path = Path(path)
+    if not path.is_file():
+        raise EmberError(f"{path}: recipe file not found")
+    raw = read_toml(path)
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})
@@ -230,8 +354,12 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
             raise EmberError(f"{path}: '{section}' must be a [section] table")
         raw[section][key] = value
     recipe = build_recipe(raw, source=str(path))
+    if warn is not None:
+        for message in lint(raw, recipe, str(path)):
+            warn(message)
     base = path.resolve().parent
     recipe.data.files = [str((base / f).resolve()) for f in recipe.data.files]
+    recipe.eval.files = [str((base / f).resolve()) for f in recipe.eval.files]
     if not recipe.model.path.startswith(("builtin:", "package:")):
         candidate = base / recipe.model.path
         recipe.model.path = str(candidate.resolve()) if candidate.exists() else recipe.model.path
@@ -306,6 +434,8 @@ def check_value(where: str, value: Any, hint: Any, meta: typing.Mapping[str, Any
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise EmberError(f"{where} = {value!r}: must be an integer")
+        if not -2**63 <= value < 2**63:
+            raise EmberError(f"{where} = {value!r}: too large; integers must fit in 64 bits")
     elif hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EmberError(f"{where} = {value!r}: must be a number")
@@ -329,9 +459,33 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     """Cross-field rules that no single field's range can express."""
     if not recipe.data.files:
         raise EmberError(f"{source}: [data] files is empty: name at least one .txt or .jsonl file")
+    if recipe.eval.prompts and not (recipe.eval.holdout or recipe.eval.files):
+        raise EmberError(f"{source}: [eval] prompts are generated at each evaluation, and there is none: "
+                         f"set [eval] holdout or [eval] files")
     if recipe.method.kind == "lora" and not recipe.method.target_modules:
         raise EmberError(f"{source}: [method] target_modules is empty: name the modules LoRA "
                          f"adapts, or use ['all-linear']")
+
+
+LORA_ONLY = ("rank", "alpha", "dropout", "target_modules", "export_merged")
+
+
+def lint(raw: dict[str, Any], recipe: Recipe, source: str) -> list[str]:
+    """Settings that validate but that users get wrong, each with the reason."""
+    out = []
+    t, s = recipe.train, recipe.schedule
+    if s.warmup_steps >= t.max_steps:
+        out.append(f"{source}: [schedule] warmup_steps = {s.warmup_steps} is not shorter than the run "
+                   f"([train] max_steps = {t.max_steps}): the learning rate never reaches its peak")
+    given = [k for k in raw.get("method", {}) if k in LORA_ONLY]
+    if recipe.method.kind == "full" and given:
+        out.append(f"{source}: [method] {', '.join(given)} set, but kind = 'full': LoRA settings have no "
+                   f"effect on full fine-tuning; set kind = 'lora' to train adapters")
+    cores = os.cpu_count() or 1
+    if t.threads > cores:
+        out.append(f"{source}: [train] threads = {t.threads} is more than this machine's {cores} cores: "
+                   f"threads would contend for them and every step slows down; use {cores} or fewer")
+    return out
 
 
 def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
@@ -340,10 +494,12 @@ def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
 
 
 def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two resolved recipe dicts."""
+    """Dotted keys whose values differ between two resolved recipe dicts. A key the older one
+    lacks (a run begun before that setting existed) counts as its default."""
     keys = set()
+    defaults = Recipe().to_dict()
     for section in set(old) | set(new):
-        a, b = old.get(section, {}), new.get(section, {})
+        a, b = {**defaults.get(section, {}), **old.get(section, {})}, new.get(section, {})
         keys |= {f"{section}.{k}" for k in set(a) | set(b) if a.get(k) != b.get(k)}
     return sorted(keys)
 

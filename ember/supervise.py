@@ -16,16 +16,16 @@ its own session so that a terminal's Ctrl-C reaches it once, through the supervi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rich.console import Console
-
 from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+from ember.events import Events
+from ember.lock import INHERITED
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -64,9 +64,10 @@ def quick_crashes(runs: list[ChildRun]) -> int:
     return max(1, n)
 
 
-def supervise(child_argv: list[str], restarts: int, base_backoff: float, console: Console,
-              progress: Callable[[], int] = lambda: 0) -> int:
-    """`progress()`: the newest committed checkpoint's step, to tell progress from a crash loop."""
+def supervise(child_argv: list[str], restarts: int, base_backoff: float, events: Events,
+              progress: Callable[[], int] = lambda: 0, lock_fd: int | None = None) -> int:
+    """`progress()`: the newest committed checkpoint's step, to tell progress from a crash loop.
+    `lock_fd`: the run folder's lock, handed to each child (ember.lock)."""
     runs: list[ChildRun] = []
     child: subprocess.Popen | None = None
     stopping = False
@@ -81,7 +82,7 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, console
     try:
         while True:
             start, before = time.time(), progress()
-            child = subprocess.Popen(child_argv, start_new_session=True)
+            child = subprocess.Popen(child_argv, start_new_session=True, **_lock_args(lock_fd))
             code = child.wait()
             runs.append(ChildRun(start, time.time(), code, progress() > before))
             if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:
@@ -89,35 +90,23 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, console
             recent = [r for r in runs if r.returncode not in (EXIT_OK, EXIT_INTERRUPTED)
                       and r.end > time.time() - WINDOW_SECONDS]
             if len(recent) > restarts:
-                console.print(f"[red]giving up:[/red] {len(recent)} crashes within "
-                              f"{WINDOW_SECONDS / 60:.0f} minutes (--restarts {restarts})")
+                events.warn(f"giving up: {len(recent)} crashes within {WINDOW_SECONDS / 60:.0f} minutes "
+                            f"(--restarts {restarts})")
                 code = EXIT_ERROR
                 break
             wait = backoff(quick_crashes(runs), base_backoff)
-            console.print(f"attempt {len(runs)} crashed ({runs[-1].cause}); restarting from the last "
-                          f"durable checkpoint in {wait:.1f} s ({len(recent)}/{restarts} crashes used)")
+            events.warn(f"attempt {len(runs)} crashed ({runs[-1].cause}); restarting from the last "
+                        f"durable checkpoint in {wait:.1f} s ({len(recent)}/{restarts} crashes used)")
             time.sleep(wait)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    console.print("supervised attempts:")
-    for i, r in enumerate(runs, 1):
-        console.print(f"  {i}: {r.end - r.start:7.1f} s  {r.cause}", highlight=False)
+    events.info("supervised attempts:\n" + "\n".join(f"  {i}: {r.end - r.start:7.1f} s  {r.cause}"
+                                                      for i, r in enumerate(runs, 1)))
     return code
 
 
-def child_argv(argv: list[str]) -> list[str]:
-    """This `ember run` command line, minus --restarts, as a child process."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--restarts":
-            skip = True
-            continue
-        if arg.startswith("--restarts="):
-            continue
-        out.append(arg)
-    return [sys.executable, "-m", "ember", *out, "--no-supervise"]
-
+def _lock_args(lock_fd: int | None) -> dict:
+    if lock_fd is None:
+        return {}
+    return {"pass_fds": (lock_fd,), "env": {**os.environ, INHERITED: str(lock_fd)}}

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ember.recipe import to_toml
+
 ROOT = Path(__file__).resolve().parents[1]
 GENESIS = ROOT / "examples" / "data" / "genesis.jsonl"
 
@@ -29,13 +31,9 @@ def write_recipe(folder: Path, text: str = "", **sections: dict) -> Path:
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
-    lines = []
-    for name, values in base.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "recipe.toml"
-    path.write_text("\n".join(lines) + "\n" + text)
+    path.write_text(to_toml(base) + "\n" + text)
     return path
 
 
@@ -107,3 +105,27 @@ def _flip_bit(path: Path) -> None:
 
 
 MANIFEST_DAMAGE = {"truncate": _truncate, "zero_4k_block": _zero_block, "flip_bit": _flip_bit}
+
+
+def callers_of(module: str, function: str) -> list[str]:
+    """The files under ember/ that call `module.function` (imported by name, as a module, or
+    through its package), relative to ember/: the guard of a state machine's one writer."""
+    import ast
+    package, _, leaf = module.rpartition(".")
+    ember = Path(__file__).resolve().parents[1] / "ember"
+    callers = []
+    for path in sorted(ember.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                aliases |= {a.asname or a.name for a in node.names if a.name == leaf}
+            if isinstance(node, ast.ImportFrom) and node.module == module and \
+                    any(a.name == function for a in node.names):
+                callers.append(str(path.relative_to(ember)))
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name == module}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == function and ast.unparse(node.value) in aliases:
+                callers.append(str(path.relative_to(ember)))
+    return callers

@@ -100,3 +100,51 @@ def test_every_setting_is_documented():
 @pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.toml")))
 def test_examples_are_valid(example):
     load_recipe(example)
+
+
+def write_recipe_file(folder: Path, text: str = "") -> Path:
+    """GOOD, with `text` appended (TOML allows a section only once: use sections GOOD lacks)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "r.toml"
+    path.write_text(GOOD.replace("[train]\nmax_steps = 10\n", "") + text
+                    + ("" if "[train]" in text else "[train]\nmax_steps = 10\n"))
+    return path
+
+
+def test_to_toml_reads_back_to_the_same_recipe(tmp_path):
+    r = load_recipe(write_recipe_file(tmp_path, '[method]\nkind = "lora"\ntarget_modules = ["q_proj"]\n'
+                                      '[checkpoint]\nevery_seconds = "auto"\nasync = false\n'))
+    again = tmp_path / "again.toml"
+    again.write_text(r.to_toml())
+    assert load_recipe(again).to_dict() == r.to_dict()
+    assert load_recipe(again).digest() == r.digest()
+
+
+def test_with_changes_validates_like_a_recipe_file(tmp_path):
+    r = load_recipe(write_recipe_file(tmp_path))
+    changed = r.with_changes({"train.micro_batch": 2, "checkpoint.async": False})
+    assert changed.train.micro_batch == 2 and changed.checkpoint.async_ is False
+    assert r.train.micro_batch != 2  # the original is untouched
+    with pytest.raises(EmberError, match=r"\[train\] micro_batch = 0: must be >= 1"):
+        r.with_changes({"train.micro_batch": 0})
+    with pytest.raises(EmberError, match="unknown key 'micro_batc'"):
+        r.with_changes({"train.micro_batc": 2})
+
+
+def test_settings_users_get_wrong_are_warned_with_the_reason(tmp_path):
+    import os
+    warnings: list[str] = []
+    path = write_recipe_file(tmp_path, '[method]\nrank = 4\n[schedule]\nwarmup_steps = 500\n'
+                             f'[train]\nmax_steps = 100\nthreads = {(os.cpu_count() or 1) + 1}\n')
+    load_recipe(path, [], warnings.append)
+    assert any("warmup_steps = 500 is not shorter than the run" in w for w in warnings)
+    assert any("[method] rank set, but kind = 'full'" in w for w in warnings)
+    assert any("more than this machine's" in w for w in warnings)
+    warnings.clear()
+    load_recipe(write_recipe_file(tmp_path / "ok"), [], warnings.append)
+    assert warnings == []
+
+
+def test_integers_beyond_64_bits_are_refused(tmp_path):
+    with pytest.raises(EmberError, match="max_steps = 99999999999999999999999"):
+        load_recipe(write_recipe_file(tmp_path), ["train.max_steps=99999999999999999999999"])

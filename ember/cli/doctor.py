@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,18 +13,34 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ember.cli.render import stderr_events
 from ember.errors import EXIT_OK, EmberError
+from ember.proc import process_start_time
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("doctor", help="experiments that find where step time goes, ranked with evidence",
-                       description="Run short controlled experiments on a recipe (or a run's recipe): the "
-                       "input pipeline alone, in-memory batches, a micro-batch sweep, one checkpoint, a "
-                       "profile, and with --ddp N gradient synchronisation on and off; then rank the "
-                       "causes by the step time their remedy would save.")
-    p.add_argument("target", help="a run folder (its recipe and figures) or a TOML recipe")
+                       description="Run short controlled experiments on a recipe (or a run's recipe), each "
+                       "changing one thing, its two sides interleaved: the real training loop as written "
+                       "against it without checkpoints, the step on the input pipeline against in-memory "
+                       "batches, the recipe's threads against fewer when other processes take the cores, "
+                       "a micro-batch sweep, a profile, and with --ddp N gradient synchronisation on and "
+                       "off. Then rank the causes by the step time their remedy would save, counting only "
+                       "differences larger than the measurements' noise.")
+    p.add_argument("target", nargs="?", help="a run folder (its recipe and figures) or a TOML recipe")
+    p.add_argument("--comm", action="store_true",
+                   help="instead: measure the interconnect between --nproc ranks here (or --nnodes nodes), "
+                   "all-reduce, all-gather and reduce-scatter from 4 KiB to 16 MiB, and store it in the "
+                   "ledger for `ember plan`'s parallelism advice")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="--comm: ranks on this node (default 2)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="--comm: nodes taking part")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K", help="--comm: this node's number")
+    p.add_argument("--rdzv", default="", metavar="HOST:PORT", help="--comm: node 0's address and a free port")
+    p.add_argument("--device", default="auto", help="--comm: 'auto' (the accelerator, else CPU) or 'cpu'")
+    p.add_argument("--comm-rank", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
-                   help="total time for the experiments (default 60)")
+                   help="bound on the whole command's time after argument parsing, model load included: "
+                   "experiments that would not fit are shortened or skipped, and listed (default 60)")
     p.add_argument("--ddp", type=int, default=1, metavar="N",
                    help="also measure DDP with N processes over gloo on this machine")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -33,116 +50,87 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ember.doctor.diagnose import diagnose
-    from ember.doctor.experiments import run_all
-    from ember.recipe import build_recipe, load_recipe
-    if args.budget <= 0:
-        raise EmberError(f"--budget {args.budget:g}: must be > 0 seconds")
-    if args.ddp < 1:
-        raise EmberError(f"--ddp {args.ddp}: must be >= 1")
-    target = Path(args.target)
-    run_report = None
-    if target.is_dir():
-        from ember.ledger import store as ledger_store
-        from ember.metrics.report import build_report
-        if not (target / "run.json").is_file():
-            raise EmberError(f"{target}: not a run folder (no run.json); give a run folder or a recipe")
-        con = ledger_store.connect(args.ledger)
-        run_report = build_report(target, con)
-        record = json.loads((target / "run.json").read_text())
-        r = build_recipe(record["recipe"], f"{target}/run.json")
-        if args.overrides:
-            raise EmberError("--set applies to a recipe file, not to a run folder's recipe")
-    elif target.is_file():
-        r = load_recipe(target, args.overrides)
-    else:
-        raise EmberError(f"{target}: no such run folder or recipe")
-    console = Console(stderr=True, soft_wrap=True)
-    figures = run_all(r, args.budget, args.ddp, console)
-    findings = diagnose(figures)
-    headline = _headline(figures, run_report)
-    cost = _run_cost(r, run_report)
-    out = {"headline": headline, "findings": [asdict(x) | {"saving_cost": x.saving_share * cost if cost else None}
-                                              for x in findings],
-           "figures": figures, "run_cost": cost}
-    if args.plots:
-        out["plots"] = [str(p) for p in plot(figures, findings, args.plots)]
+    if args.comm_rank is not None:  # one of the ranks --comm started
+        from ember.doctor.comm import rank_main
+        return rank_main(args.comm_rank, args.device)
+    if args.comm:
+        return cmd_comm(args)
+    if args.target is None:
+        raise EmberError("ember doctor: name a recipe or run folder, or pass --comm to measure the interconnect")
+    started = time.monotonic()  # --budget counts from here: imports, model load and all
+    startup = max(0.0, time.time() - process_start_time())  # the interpreter and the CLI, so far
+    from ember.doctor.examine import examine
+    events = stderr_events()
+    report = examine(Path(args.target), args.budget, args.ddp, args.overrides, args.ledger, events, args.plots,
+                     started, startup)
     if args.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(asdict(report), indent=1, default=str))
     else:
-        render(out, Console(soft_wrap=True))
+        render(report, Console(soft_wrap=True))
     return EXIT_OK
 
 
-def _headline(f: dict[str, Any], report: dict[str, Any] | None) -> dict[str, Any]:
-    """The four figures a budget owner asks for: from the run if given, else from the experiment."""
-    if report and report.get("throughput"):
-        g = report.get("goodput") or {}
-        return {"source": f"run {report['run']['id']}",
-                "tokens_per_second_per_device": report["throughput"]["tokens_per_second_per_device"],
-                "mfu": (report.get("mfu") or {}).get("mfu"), "step_p50": report["step_time"]["p50"],
-                "step_p99": report["step_time"]["p99"], "goodput": g.get("goodput")}
-    return {"source": "the doctor's baseline steps", "tokens_per_second_per_device": f["tokens_per_second"],
-            "mfu": f["mfu"], "step_p50": f["step_p50"], "step_p99": f["step_p99"], "goodput": None}
+def cmd_comm(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from ember.doctor.comm import measure
+    from ember.ledger import comm, store
+    from ember.ranks import Topology
+    topology = Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv)
+    topology.check()
+    with tempfile.TemporaryDirectory(prefix="ember-comm-") as scratch:
+        row = measure(topology, args.device, stderr_events(), Path(scratch))
+    if row is None:
+        Console(stderr=True).print("this node's ranks are done; node 0 records the measurement")
+        return EXIT_OK
+    comm.record(store.connect(args.ledger), row)
+    if args.json:
+        print(json.dumps(asdict(row), indent=1))
+        return EXIT_OK
+    con = Console(soft_wrap=True)
+    con.print(f"[bold]{row.backend}, {row.ranks} ranks on {row.nodes} node(s)[/bold] "
+              f"({', '.join(row.hosts)}); recorded in the ledger for `ember plan`")
+    t = Table("collective", *[_size(int(s)) for s in next(iter(row.samples.values()))], "latency/hop", "bandwidth")
+    for kind, by_size in row.samples.items():
+        link = row.links[kind]
+        t.add_row(kind.replace("_", "-"), *[f"{v * 1e3:.3g} ms" for v in by_size.values()],
+                  f"{link['latency'] * 1e6:.0f} µs", f"{link['bandwidth'] / 1e6:,.0f} MB/s")
+    con.print(t)
+    return EXIT_OK
 
 
-def _run_cost(r: Any, report: dict[str, Any] | None) -> float | None:
-    if report and (report.get("cost") or {}).get("total"):
-        return report["cost"]["total"]
-    from ember.plan.planner import make_plan
-    try:
-        return make_plan(r).cost["total"]
-    except EmberError:
-        return None
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def render(out: dict[str, Any], con: Console) -> None:
-    h = out["headline"]
-    mfu = f"{h['mfu']:.1%}" if h["mfu"] is not None else "unknown"
-    good = f"{h['goodput']:.1%}" if h["goodput"] is not None else "n/a (a recipe, not a run)"
-    con.print(f"[bold]{h['tokens_per_second_per_device']:,.0f} tokens/s per device[/bold]; MFU {mfu}; "
-              f"step p50 {h['step_p50'] * 1000:.1f} ms, p99 {h['step_p99'] * 1000:.1f} ms; goodput {good} "
-              f"({h['source']})", highlight=False)
-    f = out["figures"]
-    ph = f["phases"]
-    con.print("step breakdown (median): " + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in ph.items() if v > 0),
-              highlight=False)
+def render(report: Any, con: Console) -> None:
+    h = report.headline
+    mfu = f"{h.mfu:.1%}" if h.mfu is not None else "unknown"
+    good = f"{h.goodput:.1%}" if h.goodput is not None else "n/a (a recipe, not a run)"
+    con.print(f"[bold]{h.tokens_per_second_per_device:,.0f} tokens/s per device[/bold]; MFU {mfu}; "
+              f"step p50 {h.step_p50 * 1000:.1f} ms, p99 {h.step_p99 * 1000:.1f} ms; goodput {good} "
+              f"({escape(h.source)})", highlight=False)
+    b = report.figures.baseline
+    con.print(f"the real loop's step, {b.step_seconds * 1000:.2f} ms (mean of {len(b.iterations)} iterations): "
+              + ", ".join(f"{k} {v * 1000:.2f} ms" for k, v in b.phases.items() if v > 0), highlight=False)
     t = Table(title="where the step time goes, ranked", title_justify="left")
     for col in ("", "cause", "saving / step", "share", "cost / run"):
         t.add_column(col)
-    for i, x in enumerate(out["findings"], 1):
-        cost = f"{x['saving_cost']:.4g}" if x["saving_cost"] else "-"
-        t.add_row(str(i), x["cause"], f"{x['saving_seconds'] * 1000:.2f} ms" if x["cause"] != "compute-bound" else "-",
-                  f"{x['saving_share']:.0%}", cost)
+    for i, x in enumerate(report.findings, 1):
+        cost = f"{x.saving_cost:.4g}" if x.saving_cost else "-"
+        saving = f"{x.saving_seconds * 1000:.2f} ms" if x.cause != "compute-bound" else "-"
+        t.add_row(str(i), x.cause, saving, f"{max(0.0, x.saving_share):.0%}", cost)
     con.print(t)
-    for i, x in enumerate(out["findings"], 1):
-        con.print(f"{i}. [bold]{x['cause']}[/bold]", highlight=False)
-        for e in x["evidence"]:
+    for i, x in enumerate(report.findings, 1):
+        con.print(f"{i}. [bold]{x.cause}[/bold]", highlight=False)
+        for e in x.evidence:
             con.print(f"   evidence: {escape(e)}", highlight=False)
-        con.print(f"   remedy: {escape(x['remedy'])}", highlight=False)
-    for p in out.get("plots", []):
-        con.print(f"plot: {p}", highlight=False)
-
-
-def plot(f: dict[str, Any], findings: list[Any], folder: Path) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    folder.mkdir(parents=True, exist_ok=True)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
-    phases = {k: v * 1000 for k, v in f["phases"].items() if v > 0}
-    phases["checkpoint (per step)"] = f["checkpoint_seconds_per_step"] * 1000
-    left = 0.0
-    for name, ms in phases.items():
-        a.barh(0, ms, left=left, label=name)
-        left += ms
-    a.set(yticks=[], xlabel="ms per step", title="step breakdown (median)")
-    a.legend(fontsize=7, loc="upper right")
-    causes = [x for x in findings if x.cause != "compute-bound"]
-    b.barh([x.cause for x in causes], [x.saving_seconds * 1000 for x in causes], color="tab:orange")
-    b.set(xlabel="ms per step saved by the remedy", title="estimated savings")
-    fig.tight_layout()
-    path = folder / "doctor.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+        con.print(f"   remedy: {escape(x.remedy)}", highlight=False)
+        if x.changes:
+            con.print("   changes: " + escape(", ".join(f"{k} = {json.dumps(v)}" for k, v in x.changes.items()))
+                      + f"; predicted step {x.predicted_step_seconds * 1000:.2f} ms", highlight=False)
+    for s in report.skipped:
+        con.print(f"skipped {escape(s.experiment)}: {escape(s.reason)}", highlight=False)
+    for p in report.plots:
+        con.print(f"plot: {escape(p)}", highlight=False)
+    con.print(f"doctor: {report.seconds:.1f} s of the --budget", highlight=False)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from ember import __version__
@@ -46,10 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
                      "hour (overrides [train] restarts)")
     run.add_argument("--preflight", action="store_true",
                      help="run `ember preflight` first and stop if a check fails")
+    run.add_argument("--restart-from-scratch", action="store_true",
+                     help="when no committed checkpoint verifies, set them aside (corrupt-*) and "
+                     "train from step 0")
+    run.add_argument("--nproc", type=int, default=1, metavar="N",
+                     help="train on N processes on this machine (torchrun; gloo on CPU, NCCL on CUDA); "
+                     "[distributed] strategy says how they split the work")
+    run.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes taking part (each runs this command)")
+    run.add_argument("--node-rank", type=int, default=0, metavar="K", help="this node's number, 0..M-1")
+    run.add_argument("--rdzv", default="", metavar="HOST:PORT",
+                     help="node 0's address and a free port there, the same on every node")
     run.add_argument("--no-supervise", action="store_true", help=argparse.SUPPRESS)
     add_ledger_args(run, allow_off=True)
 
     runs = sub.add_parser("runs", help="a table of the runs in the ledger")
+    runs.add_argument("--status", help="only runs in this state (completed, running, interrupted, failed, ...)")
+    runs.add_argument("--match", help="only runs whose id, name or folder contains this")
+    runs.add_argument("--sort", default="created", help="order by this column: created (default), id, name, "
+                      "status, steps, progress, tokens_per_second_per_device, mfu, goodput, cost, p50, p99, "
+                      "wall_seconds")
+    runs.add_argument("--desc", action="store_true", help="largest first")
+    runs.add_argument("--json", action="store_true")
     add_ledger_args(runs)
 
     report = sub.add_parser("report", help="throughput, MFU, step-time spread, goodput and cost of a run")
@@ -76,10 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
     add_ledger_args(capacity)
 
+    export = sub.add_parser("export", help="a completed run's weights for serving engines (hf, peft, gguf)",
+                            description="Write a completed run's weights as a merged Hugging Face folder "
+                            "(hf: transformers, vLLM), a peft LoRA adapter (peft: LoRA runs only) or one "
+                            "GGUF file (gguf: llama.cpp, Ollama; Llama family only). Written under a "
+                            "temporary name and renamed into place; an existing --out is refused.")
+    export.add_argument("run", type=Path, help="a completed run folder (the --out of `ember run`)")
+    export.add_argument("--format", required=True, metavar="{hf,peft,gguf}", help="hf, peft or gguf")
+    export.add_argument("--out", type=Path, default=None,
+                        help="where to write (default RUN/export/FORMAT; gguf: RUN/export/model-DTYPE.gguf)")
+    export.add_argument("--dtype", default="f32", metavar="{f16,f32}",
+                        help="weight precision: f32 (default, the trained weights exactly) or f16")
+
     from ember.cli.doctor import add_parser as add_doctor
     from ember.cli.plan import add_parsers
+    from ember.cli.remote import add_parsers as add_remote
+    from ember.cli.serve import add_parsers as add_serve
     add_parsers(sub)
     add_doctor(sub)
+    add_serve(sub)
+    add_remote(sub)
 
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
@@ -102,15 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True, soft_wrap=True)
     try:
         if args.command == "run":
-            return cmd_run(args, console)
+            return cmd_run(args)
         if args.command == "recipe":
             return cmd_recipe(args)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+        from ember.cli import remote, serve
+        if args.command in remote.COMMANDS:
+            return remote.cmd(args)
+        if args.command in serve.COMMANDS:
+            return serve.cmd(args)
+        if args.command == "export":
+            return cmd_export(args)
         if args.command == "doctor":
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from ember.cli.doctor import cmd_doctor
             return cmd_doctor(args)
         if args.command in ("plan", "preflight"):
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from ember.cli import plan
             return plan.cmd_plan(args) if args.command == "plan" else plan.cmd_preflight(args)
         from ember.cli import accounts
@@ -118,60 +155,75 @@ def main(argv: list[str] | None = None) -> int:
                 "compare": accounts.cmd_compare, "repro": accounts.cmd_repro,
                 "capacity": accounts.cmd_capacity}[args.command](args)
     except EmberError as e:
-        console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
+        console.print("[bold red]error:[/bold red] ", end="", highlight=False)
+        console.print(str(e), markup=False, highlight=False)
         return EXIT_ERROR
     except OSError as e:  # e.g. a full disk while appending metrics: say what and where
-        console.print(f"[bold red]error:[/bold red] {escape(str(e))}; committed checkpoints are "
-                      f"intact: fix the cause and run the same command to resume", highlight=False)
+        console.print("[bold red]error:[/bold red] ", end="", highlight=False)
+        console.print(f"{e}" + (RESUME_HINT if args.command == "run" else ""), markup=False, highlight=False)
         return EXIT_ERROR
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130
 
 
-def cmd_run(args: argparse.Namespace, console: Console) -> int:
+RESUME_HINT = "; committed checkpoints are intact: fix the cause and run the same command to resume"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub mid-run
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet fork warnings with workers
+    from ember.recipe import load_recipe
+    load_recipe(args.recipe, args.overrides)  # a bad recipe is refused before torch loads (seconds)
     from transformers.utils import logging as hf_logging
 
-    from ember.recipe import load_recipe
-    from ember.train.job import prepare
-    from ember.train.loop import train
-
+    from ember.cli.plan import print_checks
+    from ember.cli.render import stderr_events
+    from ember.launch import PreflightFailed, RunRequest, fast_exit, run
+    from ember.ranks import Topology
     hf_logging.disable_progress_bar()
-    recipe = load_recipe(args.recipe, args.overrides)  # bad recipes fail here, never restarted
-    restarts = recipe.train.restarts if args.restarts is None else args.restarts
-    if restarts < 0:
-        raise EmberError(f"--restarts {restarts}: must be >= 0")
-    if args.preflight and not args.no_supervise:
-        from ember.cli.plan import print_checks
-        from ember.plan.preflight import preflight
-        checks = preflight(recipe, args.recipe, 3, console)
-        print_checks(checks, console)
-        failed = [c.name for c in checks if not (c.ok or c.warn_only)]
-        if failed:
-            raise EmberError(f"preflight failed ({', '.join(failed)}): not starting the run; fix the "
-                             f"cause or run without --preflight")
-    if restarts and not args.no_supervise:
-        from ember.ckpt.store import CheckpointStore
-        from ember.supervise import child_argv, supervise
-
-        return supervise(child_argv(sys.argv[1:]), restarts, recipe.train.restart_backoff_seconds,
-                         console, lambda: CheckpointStore.newest_step(args.out / "checkpoints"))
-    ledger = False if args.no_ledger else args.ledger
-    job = prepare(recipe, args.out, args.allow_recipe_change, console, args.recipe, ledger)
+    req = RunRequest(args.recipe, args.out, args.overrides, args.allow_recipe_change, args.restarts,
+                     args.preflight, False if args.no_ledger else args.ledger, args.restart_from_scratch,
+                     args.no_supervise, Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv))
+    out = Console(soft_wrap=True)
     try:
-        code = train(job)
-    except BaseException as e:  # recorded, then re-raised: the CLI reports it
-        job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
+        outcome = run(req, stderr_events())
+    except PreflightFailed as e:
+        print_checks(e.checks, Console(stderr=True, soft_wrap=True))
         raise
-    # Everything that matters is durable by now (checkpoint committed, metrics fsynced, ledger
-    # committed). Interpreter teardown with torch and transformers loaded took 1.4 s measured
-    # here: skip it, so a SIGTERM'd run hands the machine back one step and one save later.
-    job.ledger.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    print_checks(outcome.checks, Console(stderr=True, soft_wrap=True))
+    if outcome.completed_step is not None:
+        out.print(f"{args.out}: already completed {outcome.completed_step} steps; nothing to do (final "
+                  f"weights in {args.out / 'final'})", markup=False, highlight=False)
+    elif outcome.code == 0 and outcome.report is not None:
+        print_completed(outcome.report, out)
+    if outcome.report is not None:  # this process trained: everything it wrote is durable
+        fast_exit(outcome.code)
+    return outcome.code
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from ember.cli.render import stderr_events
+    from ember.infer.export import export_run
+    hf_logging.disable_progress_bar()
+    done = export_run(args.run, args.format, args.out, args.dtype, stderr_events())
+    Console(soft_wrap=True).print(f"{done.path} ({done.format}, {done.dtype}, {done.bytes / 1e6:.1f} MB)",
+                                  markup=False, highlight=False)
+    return 0
+
+
+def print_completed(report, out: Console) -> None:
+    from ember.ckpt.store import committed_in
+    from ember.metrics.report import summary_line
+    run = Path(report.run.path)
+    loss = f"; loss {report.loss.first:.4f} -> {report.loss.last:.4f}" if report.loss else ""
+    out.print(f"completed {report.run.steps} steps{loss}", markup=False, highlight=False)
+    out.print(summary_line(report), markup=False, highlight=False)
+    checkpoints = ", ".join(p.name for _, p in committed_in(run / "checkpoints"))
+    out.print(f"checkpoints: {checkpoints} in {run / 'checkpoints'}\nfinal weights: {run / 'final'}",
+              markup=False, highlight=False)
 
 
 def cmd_recipe(args: argparse.Namespace) -> int:
@@ -190,7 +242,9 @@ def cmd_recipe(args: argparse.Namespace) -> int:
             table.add_row(*row)
         console.print(table)
         return 0
-    recipe = load_recipe(args.recipe, args.overrides)
+    err = Console(stderr=True, soft_wrap=True)
+    recipe = load_recipe(args.recipe, args.overrides,
+                         lambda message: err.print(f"warning: {message}", markup=False, highlight=False))
     print(canonical_json(recipe.to_dict()))
     return 0
 

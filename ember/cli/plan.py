@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ember.cli.render import stderr_events
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.plan.memory import GiB, MiB
 
@@ -48,133 +48,117 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ember.plan.planner import (
-        UnknownArchitecture,
-        apply_changes,
-        detect_devices,
-        make_plan,
-        replace_memory,
-    )
-    from ember.recipe import load_recipe
-    r = load_recipe(args.recipe, args.overrides)
-    if args.target_micro_batch is not None:
-        if args.target_micro_batch < 1:
-            raise EmberError(f"--target-micro-batch {args.target_micro_batch}: must be >= 1")
-        r = apply_changes(r, {"train.micro_batch": args.target_micro_batch})
-    calibration = None
-    if args.calibrate:
-        from ember.plan.preflight import calibrate
-        calibration = calibrate(r)
-    devices = detect_devices(r.train.device)
-    if args.device_memory is not None:
-        if args.device_memory <= 0:
-            raise EmberError(f"--device-memory {args.device_memory:g}: must be > 0 GiB")
-        devices = replace_memory(devices, int(args.device_memory * GiB))
-    from ember.ledger.store import connect
-    con = connect(args.ledger)  # this machine's checkpoint costs and interruption history
-    try:
-        plan = make_plan(r, con, calibration, devices)
-    except UnknownArchitecture as e:
-        from ember.plan.preflight import calibrate
-        print(f"{e}: measuring a step here instead (calibration)", file=sys.stderr)
-        plan = make_plan(r, con, calibrate(r), devices)
-    plan.recipe["target_micro_batch"] = args.target_micro_batch
+    from ember.doctor.planning import PlanRequest, plan_recipe
+    result = plan_recipe(PlanRequest(args.recipe, args.overrides, args.target_micro_batch, args.calibrate,
+                                     args.device_memory, args.ledger, args.apply), stderr_events())
     if args.json:
-        print(json.dumps(asdict(plan), indent=1, default=str))
+        print(json.dumps(result.plan.to_dict() | {"target_micro_batch": result.target_micro_batch},
+                         indent=1, default=str))
     else:
-        render(plan, Console(soft_wrap=True))
-    if args.apply:
-        usable = [x for x in plan.remedies if x["fits"] and x["available"] and x["changes"]]
-        if plan.fits:
-            print(f"fits as written: nothing to apply; {args.apply} not written", file=sys.stderr)
-        elif not usable:
-            raise EmberError("no remedy ember can apply makes this recipe fit; see the verdict")
-        else:
-            best = usable[0]
-            write_recipe(apply_changes(r, best["changes"]), args.apply)
-            print(f"wrote {args.apply}: {best['name']} ({', '.join(f'{k} = {v}' for k, v in best['changes'].items())})",
-                  file=sys.stderr)
+        render(result.plan, Console(soft_wrap=True), result.target_micro_batch is not None)
+    err = Console(stderr=True, soft_wrap=True)
+    if result.apply_note:
+        err.print(result.apply_note, markup=False, highlight=False)
+    if result.applied is not None:
+        changes = ", ".join(f"{k} = {v}" for k, v in result.applied.changes.items())
+        err.print(f"wrote {args.apply}: {result.applied.name} ({changes})", markup=False, highlight=False)
     return EXIT_OK
 
 
-def write_recipe(r: Any, path: Path) -> None:
-    lines = []
-    for section, values in r.to_dict().items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
+def render_parallel(a: Any, out: Console) -> None:
+    out.print(f"parallelism over the measured interconnect ({a.interconnect.measured}; all-reduce "
+              f"{a.interconnect.all_reduce.bandwidth / 1e6:,.0f} MB/s, {a.interconnect.all_reduce.latency * 1e6:.0f} µs "
+              f"a hop):", markup=False)
+    t = Table("n", "layout", "step", "comm", "memory", "eff.", box=None, padding=(0, 1))
+    for o in a.options:
+        mark = "*" if o.advice_only else ""
+        t.add_row(str(o.devices), o.strategy + mark, f"{o.step_seconds:.3g} s", f"{o.exposed_seconds:.3g} s",
+                  _gib(o.memory_bytes) + ("" if o.fits else " (no fit)"), f"{o.efficiency:.0%}")
+    out.print(t)
+    out.print("step: predicted optimizer step; comm: communication the compute does not hide; memory: per "
+              "device at the step's peak; eff.: one device's step / (n x this step); *: advice only "
+              "(ember runs ddp, fsdp, tp and fsdp+tp)", markup=False)
+    if a.recommended is not None:
+        out.print(f"recommended: [bold]{escape(a.recommended.strategy)} on {a.recommended.devices}[/bold]: "
+                  + escape("; ".join(a.reasons)))
+    else:
+        out.print("recommended: none: " + escape("; ".join(a.reasons)))
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def render(p: Any, out: Console) -> None:
+def render(p: Any, out: Console, show_remedies: bool = False) -> None:
     for d in p.devices:
-        out.print(f"device: {d['name']} ({d['kind']}): {_gib(d['total'])} total, {_gib(d['free'])} free")
-    m, mem = p.model, p.memory
-    if m:
-        out.print(f"model: {m['family']}-style, {m['layers']} layers, hidden {m['hidden']}, "
-                  f"{m['heads']}/{m['kv_heads']} heads, vocab {m['vocab']:,}; {m['params']:,} parameters, "
-                  f"{m['trainable']:,} trained")
+        out.print(f"device: {d.name} ({d.kind}): {_gib(d.total)} total, {_gib(d.free)} free", markup=False)
+    mem = p.memory
+    if p.model:
+        m = p.model.shape
+        out.print(f"model: {m.family}-style, {m.layers} layers, hidden {m.hidden}, {m.heads}/{m.kv_heads} heads, "
+                  f"vocab {m.vocab:,}; {p.model.params:,} parameters, {p.model.trainable:,} trained")
     rc = p.recipe
-    out.print(f"recipe: {rc['method']}, micro batch {rc['micro_batch']} x seq {rc['seq_len']} x accum "
-              f"{rc['grad_accum']}, {rc['precision']}, activation checkpointing "
-              f"{'on' if rc['activation_checkpointing'] else 'off'}, loss chunk {rc['loss_chunk'] or 'off'}")
-    t = Table(title=f"peak memory per device (at {mem['phase']})", title_justify="left")
+    out.print(f"recipe: {rc.method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
+              f"{rc.precision}, activation checkpointing {'on' if rc.activation_checkpointing else 'off'}, "
+              f"loss chunk {rc.loss_chunk or 'off'}")
+    t = Table(title=f"peak memory per device (at {mem.phase})", title_justify="left")
     t.add_column("part")
     t.add_column("bytes", justify="right")
     for key in ("weights", "gradients", "optimizer", "activations", "loss_buffers", "temporaries"):
-        if key in mem:
-            t.add_row(key.replace("_", " "), _gib(mem[key]))
-    t.add_row("peak", _gib(mem["peak"]))
-    t.add_row(f"+ margin {mem['margin']:.0%}", _gib(mem["with_margin"]))
-    if "measured_peak" in mem:
-        t.add_row("measured peak", f"{_gib(mem['measured_peak'])} ({mem['error']:+.1%})")
+        if getattr(mem, key) is not None:
+            t.add_row(key.replace("_", " "), _gib(getattr(mem, key)))
+    t.add_row("peak", _gib(mem.peak))
+    t.add_row(f"+ margin {mem.margin:.0%}", _gib(mem.with_margin))
+    if mem.measured_peak is not None:
+        t.add_row("measured peak", f"{_gib(mem.measured_peak)} ({mem.error:+.1%})")
     out.print(t)
-    for phase, n in mem.get("phases", {}).items():
+    for phase, n in mem.phases.items():
         out.print(f"  {phase}: {_gib(n)}")
-    out.print(f"fits: {'yes' if p.fits else 'NO'} ({_gib(mem['with_margin'])} needed, "
-              f"{_gib(p.devices[0]['free'])} free)")
-    if p.remedies and (not p.fits or p.recipe.get("target_micro_batch")):
+    out.print(f"fits: {'yes' if p.fits else 'NO'} ({_gib(mem.with_margin)} needed, {_gib(p.devices[0].free)} free)")
+    if p.remedies and (not p.fits or show_remedies):
         t = Table(title="remedies, ranked (cheapest that fits first)", title_justify="left")
         for col in ("", "remedy", "peak", "fits", "compute"):
             t.add_column(col)
         for i, x in enumerate(p.remedies, 1):
-            t.add_row(str(i), x["name"] + ("" if x["available"] else " (not available)"), _gib(x["peak"]),
-                      "yes" if x["fits"] else "no", f"{x['flops_factor'] - 1:+.0%}")
+            t.add_row(str(i), x.name + ("" if x.available else " (not available)"), _gib(x.peak),
+                      "yes" if x.fits else "no", f"{x.flops_factor - 1:+.0%}")
         out.print(t)
         for i, x in enumerate(p.remedies, 1):
-            changes = ", ".join(f"{k} = {json.dumps(v)}" for k, v in x["changes"].items())
-            out.print(f"  {i}. {x['how']}" + (f" [{changes}]" if changes else ""), markup=False)
+            changes = ", ".join(f"{k} = {json.dumps(v)}" for k, v in x.changes.items())
+            out.print(f"  {i}. {x.how}" + (f" [{changes}]" if changes else ""), markup=False)
     tm = p.time
-    out.print(f"time: {tm['step_seconds']:.4g} s/step ({tm['how']}); {tm['steps']} steps = "
-              f"{tm['compute_seconds'] / 3600:.3g} h of compute, {tm['wall_seconds'] / 3600:.3g} h wall-clock "
+    mfu = f", MFU {tm.mfu:.0%}" if tm.mfu is not None else ""
+    out.print(f"time: {tm.step_seconds:.4g} s/step ({tm.how}{mfu}); {tm.steps} steps = "
+              f"{tm.compute_seconds / 3600:.3g} h of compute, {tm.wall_seconds / 3600:.3g} h wall-clock "
               f"with start-up, checkpoints and expected lost work", markup=False)
     c = p.cost
-    total = "unknown: " + c["formula"] if c["total"] is None else f"{c['total']:.4g} {c['currency']} ({c['formula']})"
+    total = "unknown: " + c.formula if c.total is None else f"{c.total:.4g} {c.currency} ({c.formula})"
     out.print(f"cost: {total}", markup=False)
     ck = p.checkpoint
-    out.print(f"checkpoint: {_gib(ck['bytes'])} each, δ = {ck['delta_seconds']:.3g} s "
-              f"({'async snapshot' if ck['async'] else 'synchronous save'}; {ck['delta_source']}); "
-              f"M = {ck['mtbf_seconds'] / 3600:.3g} h ({ck['mtbf_source']})", markup=False)
-    out.print(f"  every {ck['seconds']:.0f} s (Daly; Young {ck['young_seconds']:.0f} s): "
-              f"{ck['checkpoint_share']:.2%} of time checkpointing, {ck['lost_share']:.2%} expected "
+    out.print(f"checkpoint: {_gib(ck.bytes)} each, δ = {ck.delta_seconds:.3g} s "
+              f"({'async snapshot' if ck.asynchronous else 'synchronous save'}; {ck.delta_source}); "
+              f"M = {ck.mtbf_seconds / 3600:.3g} h ({ck.mtbf_source})", markup=False)
+    iv = ck.interval
+    out.print(f"  every {iv.seconds:.0f} s (Daly; Young {iv.young_seconds:.0f} s): "
+              f"{iv.checkpoint_share:.2%} of time checkpointing, {iv.lost_share:.2%} expected "
               f"lost work and restarts; set [checkpoint] every_seconds = \"auto\" to use it", markup=False)
     out.print(f"verdict: [bold]{p.verdict}[/bold]: " + escape("; ".join(p.reasons)))
+    if p.parallel is not None:
+        render_parallel(p.parallel, out)
+    else:
+        out.print("parallelism: no interconnect measured from this machine; `ember doctor --comm` measures it "
+                  "and then this plan compares DDP, FSDP, TP and pipeline layouts", markup=False)
     for n in p.notes:
         out.print(f"note: {n}", markup=False)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from ember.plan.preflight import preflight
+    from ember.doctor.preflight import preflight
     from ember.recipe import load_recipe
     r = load_recipe(args.recipe, args.overrides)
     if args.steps < 2:
         raise EmberError(f"--steps {args.steps}: must be >= 2 (memory is measured on the second)")
-    console = Console(stderr=True, soft_wrap=True)
-    checks = preflight(r, args.recipe, args.steps, console)
+    checks = preflight(r, args.recipe, args.steps, stderr_events())
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:

@@ -5,11 +5,16 @@ writing run and two runs can write at once; every write is one short transaction
 changes are forward migrations numbered in MIGRATIONS; a ledger written by a newer ember is
 refused rather than touched.
 
-Attempt outcomes, and who sets them (this module's functions, called by the training loop):
+Attempt outcomes, and who sets them (this module's functions, called by ember.launch):
 
     (row inserted at process start, outcome NULL)
-      --finish_attempt--> completed | interrupted | crashed
-      --close_dead_attempts (next start of the same run)--> killed   (died without saying)
+      --Ledger.finish--> completed      reached max_steps
+                       | interrupted    stopped on request (a signal), checkpointed first: exit 75
+                       | failed         an error the user can fix (bad input, out of memory, ...)
+                       | crashed        an unexpected exception
+      --close_dead_attempts (next start of the same run)--> killed   (died without saying:
+                         SIGKILL, the OOM killer, a power cut; the only outcome that counts as
+                         an interruption of the machine, see ledger/history.py)
 """
 
 from __future__ import annotations
@@ -55,6 +60,52 @@ MIGRATIONS: list[str] = [
         up_to_step INTEGER NOT NULL, PRIMARY KEY (run_id, attempt, phase)
     );
     """,
+    # 3: the service's jobs (ember.sched.jobs declares their state machine) and their transitions
+    """
+    CREATE TABLE jobs (
+        id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, recipe TEXT NOT NULL, out TEXT NOT NULL,
+        overrides TEXT NOT NULL, priority INTEGER NOT NULL, state TEXT NOT NULL, hold TEXT,
+        submitted REAL NOT NULL, updated REAL NOT NULL, started REAL, pid INTEGER, pid_start TEXT,
+        devices TEXT, request TEXT NOT NULL, cause TEXT, preemptions INTEGER NOT NULL DEFAULT 0,
+        pause TEXT
+    );
+    CREATE TABLE job_transitions (
+        job_id INTEGER NOT NULL, time REAL NOT NULL, from_state TEXT, to_state TEXT NOT NULL, why TEXT
+    );
+    CREATE INDEX job_transitions_job ON job_transitions(job_id);
+    """,
+    # 4: interconnects `ember doctor --comm` measured (ember.ledger.comm), for the advisor
+    """
+    CREATE TABLE interconnects (
+        id INTEGER PRIMARY KEY, time REAL NOT NULL, hosts TEXT NOT NULL, ranks INTEGER NOT NULL,
+        nodes INTEGER NOT NULL, backend TEXT NOT NULL, links TEXT NOT NULL, samples TEXT NOT NULL
+    );
+    """,
+    # 5: the remote gate's audit log (ember.ledger.audit: append-only, hash-chained) and the remote
+    # jobs (ember.remote.jobs declares their state machine; SQL in ember.ledger.remote)
+    """
+    CREATE TABLE audit (
+        id INTEGER PRIMARY KEY, time REAL NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL,
+        recipe TEXT NOT NULL, recipe_digest TEXT NOT NULL, target TEXT NOT NULL, datasets TEXT NOT NULL,
+        limits TEXT NOT NULL, prediction TEXT NOT NULL, decision TEXT NOT NULL, reasons TEXT NOT NULL,
+        prev_hash TEXT NOT NULL, hash TEXT NOT NULL
+    );
+    CREATE TRIGGER audit_append_only_update BEFORE UPDATE ON audit
+        BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+    CREATE TRIGGER audit_append_only_delete BEFORE DELETE ON audit
+        BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+    CREATE TABLE remote_jobs (
+        id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, target TEXT NOT NULL, slurm_id TEXT,
+        state TEXT NOT NULL, submitted REAL NOT NULL, updated REAL NOT NULL, audit_id INTEGER NOT NULL,
+        audit_hash TEXT NOT NULL,
+        host TEXT NOT NULL, ssh_options TEXT NOT NULL, python TEXT NOT NULL, recipe TEXT NOT NULL, out TEXT NOT NULL,
+        remote_dir TEXT NOT NULL, limits TEXT NOT NULL,
+        prediction TEXT NOT NULL, run_id TEXT, cost REAL, detail TEXT
+    );
+    CREATE TABLE remote_transitions (
+        job_id INTEGER NOT NULL, time REAL NOT NULL, from_state TEXT, to_state TEXT NOT NULL, why TEXT
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -63,12 +114,19 @@ def default_path() -> Path:
     return ember_home() / "ledger.db"
 
 
-def connect(path: Path | None = None) -> sqlite3.Connection:
-    """Open (creating and migrating) the ledger; refuse one from a newer ember."""
-    path = path or default_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+def connect(path: Path | None = None, shared: bool = False) -> sqlite3.Connection:
+    """Open (creating and migrating) the ledger; refuse one from a newer ember. The default
+    ledger's folder ($EMBER_HOME) is created; a named ledger's folder must exist. `shared`: the
+    connection may be used from several threads (the service serialises them with its lock)."""
+    if path is None:
+        path = default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not path.parent.is_dir():
+        raise EmberError(f"ledger {path}: the folder {path.parent} does not exist; create it or "
+                         f"pass another --ledger")
     try:
-        con = sqlite3.connect(path, timeout=10.0, isolation_level=None)  # autocommit; explicit BEGIN
+        con = sqlite3.connect(path, timeout=10.0, isolation_level=None,  # autocommit; explicit BEGIN
+                              check_same_thread=not shared)
         con.execute("PRAGMA busy_timeout = 10000")
         con.execute("PRAGMA journal_mode = WAL")
         con.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoints of the WAL
@@ -78,6 +136,16 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
         raise EmberError(f"ledger {path}: cannot be opened ({e}); move it aside or pass "
                          f"--ledger with another path") from None
     return con
+
+
+def connect_or_warn(path: Path | None, warn: Any) -> sqlite3.Connection | None:
+    """The ledger, or None after a warning when it cannot be opened: what only reads or
+    accounts goes on without it."""
+    try:
+        return connect(path)
+    except EmberError as e:
+        warn(f"{e}; going on without the ledger")
+        return None
 
 
 def migrate(con: sqlite3.Connection, path: Path) -> None:
@@ -90,7 +158,7 @@ def migrate(con: sqlite3.Connection, path: Path) -> None:
             raise EmberError(f"ledger {path}: schema version {version} is newer than this ember "
                              f"understands ({SCHEMA_VERSION}); upgrade ember or use another --ledger")
         for script in MIGRATIONS[version:]:
-            for statement in filter(str.strip, script.split(";")):
+            for statement in statements(script):
                 con.execute(statement)
         if row is None:
             con.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
@@ -100,6 +168,18 @@ def migrate(con: sqlite3.Connection, path: Path) -> None:
     except BaseException:
         con.execute("ROLLBACK")
         raise
+
+
+def statements(script: str) -> list[str]:
+    """A migration's statements, split at the semicolons that end one (a trigger's body has its own)."""
+    out, pending = [], ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending)
+            pending = ""
+    return out
 
 
 @dataclass
@@ -112,6 +192,8 @@ class AttemptRow:
     resumed_from: int | None
     host: str | None
     devices: str | None
+    pid: int | None
+    lost_steps: int = 0  # steps of this attempt computed again later: from the run folder (a report)
 
 
 class Ledger:
@@ -217,7 +299,7 @@ def close_dead_attempts(con: sqlite3.Connection, run_id: str, last_step_time: di
 
 def attempts(con: sqlite3.Connection, run_id: str) -> list[AttemptRow]:
     return [AttemptRow(r["attempt"], r["start"], r["end"], r["last_seen"], r["outcome"],
-                       r["resumed_from"], r["host"], r["devices"])
+                       r["resumed_from"], r["host"], r["devices"], r["pid"])
             for r in con.execute("SELECT * FROM attempts WHERE run_id = ? ORDER BY attempt", (run_id,))]
 
 
@@ -250,3 +332,31 @@ def find_run(con: sqlite3.Connection, ref: str) -> sqlite3.Row | None:
 def all_runs(con: sqlite3.Connection) -> list[sqlite3.Row]:
     return con.execute("SELECT r.*, s.summary FROM runs r LEFT JOIN summaries s ON s.run_id = r.id "
                        "ORDER BY r.created").fetchall()
+
+
+def _runs_at(con: sqlite3.Connection, path: Path) -> list[str]:
+    return [r[0] for r in con.execute("SELECT id FROM runs WHERE path = ? ORDER BY created",
+                                      (str(path.resolve()),))]
+
+
+def run_attempt_outcomes(con: sqlite3.Connection, path: Path) -> list[str | None]:
+    """The outcomes of the attempts of the run in folder `path`, oldest first."""
+    ids = _runs_at(con, path)
+    return [r[0] for i in ids for r in con.execute(
+        "SELECT outcome FROM attempts WHERE run_id = ? ORDER BY attempt", (i,))]
+
+
+def run_attempt_details(con: sqlite3.Connection, path: Path) -> list[str | None]:
+    """What the attempts of the run in folder `path` said about how they ended, oldest first."""
+    ids = _runs_at(con, path)
+    return [r[0] for i in ids for r in con.execute(
+        "SELECT detail FROM attempts WHERE run_id = ? AND outcome IN ('failed', 'crashed') ORDER BY attempt", (i,))]
+
+
+def summary_for_path(con: sqlite3.Connection, path: Path) -> dict | None:
+    """The stored summary of the newest run in folder `path`, if any."""
+    for run_id in reversed(_runs_at(con, path)):
+        row = con.execute("SELECT summary FROM summaries WHERE run_id = ?", (run_id,)).fetchone()
+        if row:
+            return json.loads(row[0])
+    return None

@@ -12,7 +12,16 @@ reserved, or owned. Pure arithmetic; the decision is the duty cycle's, so the ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime as dt
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.errors import EmberError
+from ember.ledger import store as ledger_store
+from ember.metrics.machine import machine_file, read_machine
 
 HOURS_PER_YEAR = 365.25 * 24
 
@@ -34,14 +43,13 @@ class DeviceUse:
     period_seconds: float
     productive_seconds: float
     badput_seconds: float
+    idle_seconds: float = field(init=False)    # fields, not properties: they are in the JSON too
+    duty_cycle: float = field(init=False)
 
-    @property
-    def idle_seconds(self) -> float:
-        return max(0.0, self.period_seconds - self.productive_seconds - self.badput_seconds)
-
-    @property
-    def duty_cycle(self) -> float:
-        return (self.productive_seconds + self.badput_seconds) / self.period_seconds
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "idle_seconds",
+                           max(0.0, self.period_seconds - self.productive_seconds - self.badput_seconds))
+        object.__setattr__(self, "duty_cycle", (self.productive_seconds + self.badput_seconds) / self.period_seconds)
 
 
 @dataclass(frozen=True)
@@ -76,3 +84,93 @@ def options(use: DeviceUse, p: MachinePrices) -> list[Option]:
                           + (f"; break-even d* = {amortized:.4f} / ({p.on_demand_hour} - {energy_hour:.4f})"
                              if even else "")))
     return out
+
+
+@dataclass
+class DeviceReport:
+    use: DeviceUse
+    options: list[Option]
+
+
+@dataclass
+class CapacityReport:
+    period_seconds: float
+    since: str | None               # the --since date, or None for "since the first attempt"
+    devices: list[DeviceReport] = field(default_factory=list)
+    prices: MachinePrices = field(default_factory=MachinePrices)
+    prices_file: str = ""
+
+
+def parse_since(text: str | None, now: float) -> float | None:
+    """--since as Unix time; a date in the future is refused."""
+    if not text:
+        return None
+    try:
+        since = dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise EmberError(f"--since {text!r}: not a date; use e.g. 2026-11-01 or 2026-11-01T08:00") from None
+    if since >= now:
+        raise EmberError(f"--since {text!r}: in the future; give a date before now")
+    return since
+
+
+def capacity_report(con: sqlite3.Connection, since_text: str | None, now: float | None = None) -> CapacityReport:
+    """Duty cycle per device over the period, from every attempt in the ledger, and the cost of
+    that work rented, reserved or owned (prices from machine.toml [capacity])."""
+    now = time.time() if now is None else now
+    since = parse_since(since_text, now)
+    held: dict[str, list[tuple[float, float]]] = {}   # device -> intervals some attempt held it
+    productive: dict[str, float] = {}
+    starts = []
+    for row in ledger_store.all_runs(con):
+        share = _goodput_share(row, con)
+        for a in ledger_store.attempts(con, row["id"]):
+            end = min(a.end or a.last_seen or a.start, now)
+            start = max(a.start, since) if since else a.start
+            starts.append(a.start)
+            if end <= start:
+                continue
+            key = f"{a.host}: {a.devices}"
+            held.setdefault(key, []).append((start, end))
+            productive[key] = productive.get(key, 0.0) + (end - start) * share
+    # Jobs packed onto one device overlap: the device is busy for the union of their intervals
+    # (packing raises the duty cycle, never above 1), productive for their productive seconds.
+    use = {}
+    for key, intervals in held.items():
+        busy = union_seconds(intervals)
+        use[key] = [min(busy, productive[key]), busy - min(busy, productive[key])]
+    try:
+        prices = MachinePrices(**read_machine("capacity"))
+    except TypeError as e:
+        raise EmberError(f"{machine_file()}: [capacity] {e}") from None
+    if not use:
+        return CapacityReport(0.0, since_text, [], prices, str(machine_file()))
+    period = now - (since if since is not None else min(starts))
+    devices = [DeviceReport(u, options(u, prices)) for u in
+               (DeviceUse(name, period, productive, badput) for name, (productive, badput) in sorted(use.items()))]
+    return CapacityReport(period, since_text, devices, prices, str(machine_file()))
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _goodput_share(row: sqlite3.Row, con: sqlite3.Connection) -> float:
+    """Productive share of a run's held time: from its stored summary, else from a fresh report
+    (a run whose last attempt died has no summary); 0 when its folder is gone."""
+    from ember.metrics.report import build_report
+    if row["summary"]:
+        g = json.loads(row["summary"]).get("goodput")
+        if g is not None:
+            return g
+    try:
+        report = build_report(Path(row["path"]), con)
+    except EmberError:
+        return 0.0  # the run folder is gone: count its time as badput
+    return report.goodput.goodput if report.goodput else 0.0

@@ -43,9 +43,12 @@ def flops_per_token(a: Architecture) -> FlopsPerToken:
     return FlopsPerToken(6 * a.matmul_params + attention, "6*N + 12*L*H*Q*T")
 
 
-def mfu(tokens_per_second_per_device: float, flops: FlopsPerToken, peak_flops: float) -> float:
-    """Achieved model FLOP/s over peak FLOP/s, a share in [0, 1] (or above, if the peak is wrong)."""
-    return tokens_per_second_per_device * flops.total / peak_flops
+def mfu(tokens_per_second_per_device: float, flops_per_token: float, peak_flops: float | None) -> float | None:
+    """Achieved model FLOP/s over peak FLOP/s, a share in [0, 1] (or above, if the peak is wrong);
+    None when the peak is unknown (a guessed peak is how a tool reports 563% MFU)."""
+    if not peak_flops or peak_flops <= 0:
+        return None
+    return tokens_per_second_per_device * flops_per_token / peak_flops
 
 
 def architecture_of(model, seq_len: int) -> Architecture:

@@ -65,6 +65,16 @@ def lookup_peak(name: str, dtype: str) -> Peak:
     return Peak(None, f"unknown device '{name}': set [cost] peak_tflops to get MFU")
 
 
+def select_peak(override_tflops: float, device_type: str, name: str, dtype: str, threads: int) -> Peak:
+    """The one rule for the peak MFU divides by: the recipe's [cost] peak_tflops if set, else a
+    measured fp32 matmul peak on a CPU, else the table's figure for the device and dtype."""
+    if override_tflops:
+        return Peak(override_tflops * TERA, "recipe [cost] peak_tflops")
+    if device_type == "cpu":
+        return measured_cpu_peak(threads or os.cpu_count() or 1)
+    return lookup_peak(name, dtype)
+
+
 def measured_cpu_peak(threads: int, size: int = 1024, seconds: float = 0.5) -> Peak:
     """fp32 matmul FLOP/s measured on this CPU with `threads` threads, cached per machine."""
     cache = ember_home() / "cache" / "cpu_peak.json"

@@ -1,4 +1,5 @@
-"""A run's accounting, assembled from its folder (metrics) and the ledger (attempts, events)."""
+"""A run's accounting, assembled from its folder (metrics) and the ledger (attempts, events),
+as typed records: `RunReport` for `ember report`, and the `RunSummary` stored for `ember runs`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import sqlite3
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,122 @@ from ember.ckpt.store import committed_in
 from ember.errors import EmberError
 from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
-from ember.ledger.goodput import Event, Span, Step, account
+from ember.ledger.store import AttemptRow
+from ember.ledger.goodput import Event, Goodput, Span, Step, account
 from ember.metrics.cost import Prices, cost
-from ember.metrics.stats import spread, stalls
+from ember.metrics.flops import mfu
+from ember.metrics.ranks import RanksSummary
+from ember.metrics.heldout import history as held_out_history
+from ember.metrics.ranks import load as load_ranks
+from ember.metrics.machine import read_machine
+from ember.metrics.stats import Histogram, Spread, Stall, histogram, spread, stalls
+
+
+@dataclass
+class RunInfo:
+    id: str | None
+    path: str
+    status: str           # completed | interrupted | failed | crashed | killed | running | unknown
+    steps: int            # optimizer steps that survived (after the newest checkpoint of a dead attempt: not)
+    max_steps: int
+    attempts: int | None
+    created: float | None
+
+
+@dataclass
+class LossInfo:
+    first: float
+    last: float
+
+
+@dataclass
+class Throughput:
+    tokens_per_second: float
+    tokens_per_second_per_device: float
+    samples_per_second: float
+    devices: int
+    tokens: int
+
+
+@dataclass
+class Mfu:
+    value: float | None
+    formula: str | None
+    flops_per_token: float | None
+    peak_flops: float | None
+    peak_source: str | None
+    device: str | None
+    reason: str | None = None  # why value is None
+
+
+@dataclass
+class GoodputInfo:
+    wall_seconds: float
+    goodput: float
+    buckets: dict[str, float]
+    lost_steps: int
+
+
+@dataclass
+class Badput:
+    bucket: str
+    seconds: float
+    share: float
+    evidence: str
+
+
+@dataclass
+class CostInfo:
+    total: float | None
+    per_million_tokens: float | None
+    currency: str
+    formula: str
+    completed: bool
+
+
+@dataclass
+class RunReport:
+    run: RunInfo
+    loss: LossInfo | None
+    notes: list[str]
+    throughput: Throughput | None = None
+    mfu: Mfu | None = None
+    step_time: Spread | None = None
+    stalls: list[Stall] = field(default_factory=list)
+    goodput: GoodputInfo | None = None
+    where_time_goes: list[Badput] = field(default_factory=list)
+    cost: CostInfo | None = None
+    attempts: list[AttemptRow] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+    ranks: RanksSummary | None = None  # a distributed run's ranks, as of its last attempt's end
+    held_out: list[dict[str, Any]] = field(default_factory=list)  # step, loss, perplexity, tokens per evaluation
+    step_histogram: Histogram | None = None  # the surviving steps' times, 40 bins
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunSummary:
+    """The few figures `ember runs` shows, stored in the ledger at the end of every attempt."""
+    status: str
+    steps: int
+    max_steps: int
+    tokens_per_second_per_device: float | None = None
+    mfu: float | None = None
+    goodput: float | None = None
+    wall_seconds: float | None = None
+    cost: float | None = None
+    currency: str | None = None
+    p50: float | None = None
+    p99: float | None = None
+    buckets: dict[str, float] | None = None  # goodput's buckets, seconds (absent in older ledgers)
+
 
 
 def load_run_record(run_path: Path) -> dict[str, Any]:
+    """run.json of a run folder, or a clear error saying why there is none."""
     record_path = run_path / "run.json"
     if not run_path.is_dir():
         raise EmberError(f"{run_path}: no such run folder (give a run folder or a run id from `ember runs`)")
@@ -45,6 +156,7 @@ def resolve_run(ref: str, con: sqlite3.Connection | None) -> Path:
 
 
 def pid_alive(pid: int | None, host: str | None) -> bool:
+    """Whether process `pid` on `host` still runs (only this host's processes can be asked)."""
     if not pid or host != socket.gethostname():
         return False
     try:
@@ -56,12 +168,8 @@ def pid_alive(pid: int | None, host: str | None) -> bool:
     return True
 
 
-def committed_steps(run_path: Path) -> list[int]:
-    return [step for step, _ in committed_in(run_path / "checkpoints")]
-
-
-def build_report(run_path: Path, con: sqlite3.Connection | None) -> dict[str, Any]:
-    """Everything `ember report` shows, as plain data."""
+def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
+    """Everything `ember report` shows."""
     record = load_run_record(run_path)
     notes: list[str] = []
     kept = read_jsonl(run_path / "metrics.jsonl", notes)
@@ -73,91 +181,74 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> dict[str, An
 
     status, spans = "unknown", []
     for a in rows:
-        alive = a.outcome is None and pid_alive(_pid(con, record["id"], a.attempt), a.host)
+        alive = a.outcome is None and pid_alive(a.pid, a.host)
         end = a.end or (time.time() if alive else max(a.last_seen or a.start, _last_time(kept + lost, a.attempt)))
         spans.append(Span(a.attempt, a.start, end))
         status = a.outcome or ("running" if alive else "killed")
     # Steps after the newest checkpoint of an attempt that died are lost too, once resumed.
-    newest = max(committed_steps(run_path), default=0)
-    pending = status in ("killed", "crashed")
+    newest = max((step for step, _ in committed_in(run_path / "checkpoints")), default=0)
+    pending = status in ("killed", "crashed", "failed")
     steps = [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"],
                   lost=pending and r["step"] > newest) for r in kept]
     steps += [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"], True) for r in lost]
     good = [r for r in kept if not (pending and r["step"] > newest)]
 
-    report: dict[str, Any] = {
-        "run": {"id": record.get("id"), "path": str(run_path), "status": status,
-                "steps": good[-1]["step"] if good else 0, "max_steps": recipe["train"]["max_steps"],
-                "attempts": len(rows) or None, "created": record.get("created")},
-        "loss": {"first": good[0]["loss"], "last": good[-1]["loss"]} if good else None,
-        "notes": notes,
-    }
+    report = RunReport(
+        run=RunInfo(record.get("id"), str(run_path), status, good[-1]["step"] if good else 0,
+                    recipe["train"]["max_steps"], len(rows) or None, record.get("created")),
+        loss=LossInfo(good[0]["loss"], good[-1]["loss"]) if good else None,
+        notes=notes, ranks=load_ranks(run_path),
+        held_out=[{k: e[k] for k in ("step", "loss", "perplexity", "tokens")} for e in held_out_history(run_path)
+                  if not good or e["step"] <= good[-1]["step"]])
     devices = perf.get("devices", 1)
     if good:
         seconds = sum(r["step_seconds"] for r in good)
         tokens = sum(r["tokens"] for r in good)
         per_device = tokens / seconds / devices
         seq_len = recipe["data"]["seq_len"]
-        report["throughput"] = {"tokens_per_second": tokens / seconds,
-                                "tokens_per_second_per_device": per_device,
-                                "samples_per_second": tokens / seq_len / seconds, "devices": devices,
-                                "tokens": tokens}
-        report["mfu"] = _mfu(perf, per_device)
+        report.throughput = Throughput(tokens / seconds, per_device, tokens / seq_len / seconds, devices, tokens)
+        report.mfu = _mfu(perf, per_device)
         sp = spread([r["step_seconds"] for r in good])
         first_steps = {a.resumed_from + 1 if a.resumed_from is not None else 1 for a in rows} or {1}
         ck_steps = {e["step"] for e in events if e["kind"] == "checkpoint" and e["step"] is not None}
-        report["step_time"] = asdict(sp)
-        report["stalls"] = [asdict(s) for s in stalls(good, sp.p50, ck_steps, first_steps)]
+        report.step_time = sp
+        report.step_histogram = histogram([r["step_seconds"] for r in good])
+        report.stalls = stalls(good, sp.p50, ck_steps, first_steps)
     if spans:
+        # Only this run's attempts: a copied folder's metrics carry the original run's steps too.
+        known = {a.attempt for a in rows}
+        steps = [s for s in steps if s.attempt in known]
         g = account(spans, [Event(e["attempt"], e["kind"], e["start"], e["end"]) for e in events], steps)
-        report["goodput"] = {"wall_seconds": g.wall_seconds, "goodput": g.goodput,
-                             "buckets": g.buckets,
-                             "lost_steps": sum(1 for s in steps if s.lost)}
-        report["where_time_goes"] = _ranked(g, steps, events)
-        prices = prices_from(recipe.get("cost", {}), devices)
-        c = cost(prices, g.wall_seconds, report.get("throughput", {}).get("tokens", 0))
-        report["cost"] = asdict(c) | {"completed": status == "completed"}
-        report["attempts"] = [asdict(a) | {"lost_steps": sum(1 for s in steps if s.lost and s.attempt == a.attempt)}
-                              for a in rows]
+        report.goodput = GoodputInfo(g.wall_seconds, g.goodput, g.buckets, sum(1 for s in steps if s.lost))
+        report.where_time_goes = _ranked(g, steps, events)
+        c = cost(prices_from(recipe.get("cost", {}), devices), g.wall_seconds,
+                 report.throughput.tokens if report.throughput else 0)
+        report.cost = CostInfo(c.total, c.per_million_tokens, c.currency, c.formula, status == "completed")
+        report.attempts = [replace(a, lost_steps=sum(1 for s in steps if s.lost and s.attempt == a.attempt))
+                           for a in rows]
     else:
-        report["goodput"] = None
         notes.append("no attempts of this run in the ledger (run with --no-ledger, or another "
                      "--ledger): goodput and cost need them")
     if con is not None and "id" in record:
-        report["checkpoints"] = [dict(r) for r in ledger_store.checkpoints(con, record["id"])]
+        report.checkpoints = [dict(r) for r in ledger_store.checkpoints(con, record["id"])]
     return report
-
-
-def _pid(con: sqlite3.Connection, run_id: str, attempt: int) -> int | None:
-    row = con.execute("SELECT pid FROM attempts WHERE run_id = ? AND attempt = ?", (run_id, attempt)).fetchone()
-    return row[0] if row else None
 
 
 def _last_time(records: list[dict[str, Any]], attempt: int) -> float:
     return max((r["time"] for r in records if r.get("attempt") == attempt), default=0.0)
 
 
-def _mfu(perf: dict[str, Any], per_device: float) -> dict[str, Any]:
+def _mfu(perf: dict[str, Any], per_device: float) -> Mfu:
     fpt, peak = perf.get("flops_per_token"), perf.get("peak_flops")
-    base = {"formula": perf.get("flops_formula"), "flops_per_token": fpt,
-            "peak_flops": peak, "peak_source": perf.get("peak_source"), "device": perf.get("device_name")}
-    if not fpt or not peak:
-        return base | {"value": None, "reason": perf.get("peak_source", "no performance record")}
-    return base | {"value": per_device * fpt / peak}
+    value = mfu(per_device, fpt, peak) if fpt else None
+    reason = None if value is not None else perf.get("peak_source", "no performance record")
+    return Mfu(value, perf.get("flops_formula"), fpt, peak, perf.get("peak_source"), perf.get("device_name"),
+               reason)
 
 
 def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
     """Recipe [cost] over $EMBER_HOME/machine.toml [cost]; a 0 or '' in the recipe means unset."""
-    import tomllib
-
-    from ember.paths import ember_home
-    machine: dict[str, Any] = {}
-    path = ember_home() / "machine.toml"
-    if path.is_file():
-        try:
-            machine = tomllib.loads(path.read_text()).get("cost", {})
-        except tomllib.TOMLDecodeError as e:
-            raise EmberError(f"{path}: not valid TOML: {e}") from None
+    machine = read_machine("cost")
 
     def pick(key: str, default: Any) -> Any:
         return cfg.get(key) or machine.get(key) or default
@@ -166,7 +257,7 @@ def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
                   energy_kwh=float(pick("energy_price_kwh", 0.0)), currency=pick("currency", "USD"))
 
 
-def _ranked(g: Any, steps: list[Step], events: list[sqlite3.Row]) -> list[dict[str, Any]]:
+def _ranked(g: Goodput, steps: list[Step], events: list[sqlite3.Row]) -> list[Badput]:
     """Badput buckets, largest first, each with the evidence behind it."""
     out = []
     for name, seconds in g.badput():
@@ -190,34 +281,47 @@ def _ranked(g: Any, steps: list[Step], events: list[sqlite3.Row]) -> list[dict[s
             evidence = f"{sum(1 for e in events if e['kind'] == 'restore')} restores"
         elif name == "other":
             evidence = "shutdown, logging and time between steps not otherwise recorded"
-        out.append({"bucket": name, "seconds": seconds, "share": seconds / g.wall_seconds,
-                    "evidence": evidence})
+        out.append(Badput(name, seconds, seconds / g.wall_seconds, evidence))
     return out
 
 
-def compact(report: dict[str, Any]) -> dict[str, Any]:
+def summarize(report: RunReport) -> RunSummary:
     """The few figures `ember runs` shows, stored in the ledger's summaries."""
-    g, c, m = report.get("goodput") or {}, report.get("cost") or {}, report.get("mfu") or {}
-    return {"status": report["run"]["status"], "steps": report["run"]["steps"],
-            "max_steps": report["run"]["max_steps"],
-            "tokens_per_second_per_device": report.get("throughput", {}).get("tokens_per_second_per_device"),
-            "mfu": m.get("value"), "goodput": g.get("goodput"), "wall_seconds": g.get("wall_seconds"),
-            "cost": c.get("total"), "currency": c.get("currency"),
-            "p50": report.get("step_time", {}).get("p50"), "p99": report.get("step_time", {}).get("p99")}
+    t, m, g, c, st = report.throughput, report.mfu, report.goodput, report.cost, report.step_time
+    return RunSummary(report.run.status, report.run.steps, report.run.max_steps,
+                      t.tokens_per_second_per_device if t else None, m.value if m else None,
+                      g.goodput if g else None, g.wall_seconds if g else None,
+                      c.total if c else None, c.currency if c else None,
+                      st.p50 if st else None, st.p99 if st else None, dict(g.buckets) if g else None)
 
 
-def summary_line(report: dict[str, Any]) -> str:
+def summary_line(report: RunReport) -> str:
     """The four figures a budget owner asks for, and the cost, on one line."""
     parts = []
-    if t := report.get("throughput"):
-        parts.append(f"{t['tokens_per_second_per_device']:,.0f} tokens/s per device")
-    if m := report.get("mfu"):
-        parts.append(f"MFU {m['value']:.1%} ({m['peak_source']})" if m["value"] is not None
-                     else f"MFU n/a ({m.get('reason')})")
-    if s := report.get("step_time"):
-        parts.append(f"step p50 {s['p50'] * 1000:.1f} ms, p99 {s['p99'] * 1000:.1f} ms")
-    if g := report.get("goodput"):
-        parts.append(f"goodput {g['goodput']:.1%} of {g['wall_seconds']:.1f} s")
-    if (c := report.get("cost")) and c["total"] is not None:
-        parts.append(f"cost {c['total']:.4f} {c['currency']}")
+    if t := report.throughput:
+        parts.append(f"{t.tokens_per_second_per_device:,.0f} tokens/s per device")
+    if m := report.mfu:
+        parts.append(f"MFU {m.value:.1%} ({m.peak_source})" if m.value is not None else f"MFU n/a ({m.reason})")
+    if s := report.step_time:
+        parts.append(f"step p50 {s.p50 * 1000:.1f} ms, p99 {s.p99 * 1000:.1f} ms")
+    if g := report.goodput:
+        parts.append(f"goodput {g.goodput:.1%} of {g.wall_seconds:.1f} s")
+    if (c := report.cost) and c.total is not None:
+        parts.append(f"cost {c.total:.4f} {c.currency}")
     return "; ".join(parts)
+
+
+def list_runs(con: sqlite3.Connection) -> list[tuple[sqlite3.Row, RunSummary]]:
+    """Every run in the ledger with its figures: the summary stored at its last attempt's end,
+    or, for a run still running or whose last attempt died without one, a fresh report."""
+    out = []
+    for row in ledger_store.all_runs(con):
+        attempts = ledger_store.attempts(con, row["id"])
+        stored = RunSummary(**json.loads(row["summary"])) if row["summary"] else None
+        if stored is None or not attempts or attempts[-1].outcome is None:
+            try:
+                stored = summarize(build_report(Path(row["path"]), con))
+            except EmberError:
+                stored = stored or RunSummary("folder missing", 0, row["max_steps"])
+        out.append((row, stored))
+    return out

@@ -57,3 +57,26 @@ def stalls(steps: list[dict], median: float, checkpoint_steps: set[int], first_s
         found.append(Stall(s["step"], s["step_seconds"], s["step_seconds"] / median,
                            causes or ["nothing recorded"]))
     return found
+
+
+@dataclass(frozen=True)
+class Histogram:
+    edges: list[float]        # len(counts) + 1 bin edges, ascending
+    counts: list[int]
+
+
+def histogram(values: list[float], bins: int = 40) -> Histogram:
+    """Counts of `values` in `bins` equal-width bins from their minimum to their maximum (the last
+    bin closed), as numpy.histogram does; one value, or all equal, make one bin around it."""
+    if not values:
+        raise ValueError("histogram of no values")
+    if bins < 1:
+        raise ValueError(f"bins {bins}: must be >= 1")
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        lo, hi, bins = lo - 0.5 * (abs(lo) or 1.0), hi + 0.5 * (abs(hi) or 1.0), 1
+    width = (hi - lo) / bins
+    counts = [0] * bins
+    for v in values:
+        counts[min(int((v - lo) / width), bins - 1)] += 1
+    return Histogram([lo + i * width for i in range(bins)] + [hi], counts)

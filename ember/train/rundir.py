@@ -6,6 +6,7 @@
     OUT/metrics.lost.jsonl  lines of steps computed after the last checkpoint of an attempt that died
     OUT/checkpoints/      see ember.ckpt.store
     OUT/final/            the trained weights (safetensors)
+    OUT/.lock             held (flock) by the one process that uses the folder (ember.lock)
 """
 
 from __future__ import annotations
@@ -20,41 +21,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ember.ckpt.store import fsync_dir, fsync_file
+from ember.ckpt.store import committed_in
+from ember.durable import append_durable, fsync_dir, fsync_file, open_append, write_durable
 from ember.errors import EmberError
+from ember.events import Events
 from ember.jsonl import read_jsonl
+from ember.lock import Lock, acquire
 from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes
 from ember.recipe import get_dotted as _get
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
 
 
-def write_durable(path: Path, text: str) -> None:
-    """Replace a small file atomically and durably: temp file, fsync, rename, fsync folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def new_run_id(path: Path) -> str:
+    return f"{path.name}-{secrets.token_hex(3)}"
 
 
-def open_append(path: Path):
-    """Open a log for appending; a file created here gets a durable name (fsync of its folder),
-    or fsyncing its contents later would keep data that a power cut leaves without a name."""
-    new = not path.exists()
-    f = open(path, "a")
-    if new:
-        fsync_dir(path.parent)
-    return f
+def make_folder(path: Path) -> None:
+    """Create the run folder durably, or check that an existing folder is one (or empty)."""
+    if path.exists() and not path.is_dir():
+        raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
+    if path.is_dir():
+        if not (path / RUN_FILE).is_file() and any(p.name != LOCK_FILE for p in path.iterdir()):
+            raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
+                             f"choose a new folder")
+        return
+    path.mkdir(parents=True)
+    fsync_dir(path.parent)  # the run folder itself survives a power cut
 
 
-def append_durable(path: Path, text: str) -> None:
-    with open_append(path) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def folder_identity(path: Path) -> dict[str, int]:
+    """What tells this folder from a copy of it: its device and inode (a rename keeps them)."""
+    st = path.stat()
+    return {"device": st.st_dev, "inode": st.st_ino}
 
 
 class RunDir:
@@ -64,44 +64,89 @@ class RunDir:
         self.metrics_path = path / "metrics.jsonl"
         self.record: dict[str, Any] = {}
         self.attempt = 0
+        self.lock: Lock | None = None
 
     @classmethod
-    def open(cls, path: Path, recipe: Recipe, allow_change: bool, warn: Callable[[str], None]) -> RunDir:
-        """Create the run folder durably, or reopen it after checking the recipe has not changed."""
+    def open(cls, path: Path, recipe: Recipe, allow_change: bool, events: Events) -> RunDir:
+        """Lock the run folder for this process, then create it durably, or reopen it after
+        checking that it is the same run (not a copy) and that its recipe has not changed."""
         run = cls(path)
+        make_folder(path)
+        run.lock = acquire(path / LOCK_FILE, f"--out {path}")
         record_path = path / RUN_FILE
         if record_path.is_file():
             run.record = json.loads(record_path.read_text())
-            run._check_recipe(recipe, allow_change, warn)
-        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
-                             f"choose a new folder")
+            run._check_identity(events)
+            run._check_recipe(recipe, allow_change, events)
         else:
-            path.mkdir(parents=True, exist_ok=True)
-            fsync_dir(path.parent)  # the run folder itself survives a power cut
-            run.record = {"id": f"{path.name}-{secrets.token_hex(3)}", "created": time.time(),
-                          "recipe": recipe.to_dict(),
-                          "recipe_digest": recipe.digest(), "recipe_changes": []}
+            run.record = {"id": new_run_id(path), "created": time.time(), "folder": folder_identity(path),
+                          "recipe": recipe.to_dict(), "recipe_digest": recipe.digest(), "recipe_changes": []}
             write_durable(record_path, json.dumps(run.record, indent=1))
         run.attempt = run._count_attempts() + 1
         return run
 
-    def _check_recipe(self, recipe: Recipe, allow_change: bool, warn: Callable[[str], None]) -> None:
+    @classmethod
+    def read(cls, path: Path) -> RunDir:
+        """The run folder's record, read only (no lock, nothing written)."""
+        run = cls(path)
+        try:
+            run.record = json.loads((path / RUN_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
+        return run
+
+    def material_changes(self, recipe: Recipe) -> list[str]:
+        """Recipe keys that differ from the run's and change what it computes."""
+        return [k for k in diff_recipes(self.record["recipe"], recipe.to_dict()) if k not in OPERATIONAL_KEYS]
+
+    def mark_completed(self, step: int) -> None:
+        """Record, durably, that the run reached `step` = max_steps and wrote its final weights."""
+        self.record["completed_step"] = step
+        self.save_record()
+
+    def _check_identity(self, events: Events) -> None:
+        """A folder copied from another run (cp -a) keeps its run.json but not its inode: it becomes
+        a new run with its own id, so the original keeps its own ledger history."""
+        here, recorded = folder_identity(self.path), self.record.get("folder")
+        if recorded is None:  # a run folder from before identities were recorded
+            self.record["folder"] = here
+            self.save_record()
+            return
+        if recorded == here:
+            return
+        old = self.record["id"]
+        self.record.update(id=new_run_id(self.path), folder=here, copied_from=old)
+        self.save_record()
+        events.warn(f"{self.path} is a copy of run {old} (another folder): registered as a new run, "
+                    f"{self.record['id']}; its checkpoints and metrics carry over, and run {old} keeps "
+                    f"its own history", copied_from=old, run_id=self.record["id"])
+
+    def _check_recipe(self, recipe: Recipe, allow_change: bool, events: Events) -> None:
         old, new = self.record["recipe"], recipe.to_dict()
         changed = diff_recipes(old, new)
         material = [k for k in changed if k not in OPERATIONAL_KEYS]
-        if material and not allow_change:
+        unpinned = not self.has_checkpoints()  # nothing trained yet depends on the old recipe
+        if material and not allow_change and not unpinned:
             lines = "\n".join(f"  {k}: {_get(old, k)!r} -> {_get(new, k)!r}" for k in material)
             raise EmberError(f"--out {self.path}: belongs to a run with a different recipe; changed:\n"
                              f"{lines}\nuse another --out, restore the recipe, or pass "
                              f"--allow-recipe-change to continue with the new one (it is recorded)")
         if changed:
-            if material:
-                warn(f"continuing with a changed recipe: {', '.join(material)} (recorded in {RUN_FILE})")
+            if material and unpinned and not allow_change:
+                events.info(f"no checkpoint yet: starting with the changed recipe ({', '.join(material)}; "
+                            f"recorded in {RUN_FILE})")
+            elif material:
+                events.warn(f"continuing with a changed recipe: {', '.join(material)} (recorded in {RUN_FILE})")
             self.record["recipe_changes"].append(
                 {"time": time.time(), "keys": {k: [_get(old, k), _get(new, k)] for k in changed}})
             self.record["recipe"], self.record["recipe_digest"] = new, recipe.digest()
             self.save_record()
+
+    def has_checkpoints(self) -> bool:
+        """Whether any checkpoint was ever committed here (damaged ones included)."""
+        if not self.ckpt_dir.is_dir():
+            return False
+        return bool(committed_in(self.ckpt_dir)) or any(self.ckpt_dir.glob("corrupt-*"))
 
     def save_record(self) -> None:
         write_durable(self.path / RUN_FILE, json.dumps(self.record, indent=1))

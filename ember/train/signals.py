@@ -1,15 +1,19 @@
 """Stop on request: SIGINT, SIGTERM and SIGUSR1 finish the current optimizer step, checkpoint and
-exit 75; a second SIGINT exits at once."""
+exit 75; a second SIGINT exits at once. Installed before the job is prepared (the model loaded,
+the data tokenized), so a signal during start-up (a scheduler's warning, a preemption) stops the
+run before its first step instead of killing it."""
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
+
+from ember.events import Events
 
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, events: Events) -> None:
+        self.events = events
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -30,9 +34,9 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             # Second Ctrl-C: leave now. Committed checkpoints are safe by construction.
-            sys.stderr.write("\nsecond SIGINT: exiting without a checkpoint\n")
+            self.events.warn("second SIGINT: exiting without a checkpoint")
             os._exit(130)
         if self.signal_name is None:
             self.signal_name = name
-            sys.stderr.write(f"\n{name}: finishing this step, then checkpointing and exiting "
-                             f"(Ctrl-C again to exit at once)\n")
+            self.events.info(f"{name}: stopping at the next step boundary, with a checkpoint "
+                             f"(Ctrl-C again to exit at once)", signal=name)

@@ -85,8 +85,10 @@ def test_compare_identical_perturbed_and_changed(tmp_path):
 
     def compare(x, y, *extra):
         result = run_ember("compare", runs[x], runs[y], "--json", *extra)
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
+        out = json.loads(result.stdout)
+        # Each verdict has its own exit code, for scripts (README): 1 stays "error", 2 "usage".
+        assert result.returncode == {"identical": 0, "close": 3, "diverged": 4}[out["verdict"]], result.stderr
+        return out
 
     same = compare("a", "b")
     assert same["verdict"] == "identical" and same["weights_equal"] and same["first_differing_step"] is None

@@ -60,7 +60,7 @@ def test_power_cuts_keep_every_durable_commit_and_end_identical(tmp_path):
 
 
 @pytest.mark.parametrize("damage", MANIFEST_DAMAGE)
-@pytest.mark.parametrize("target", ["model.safetensors", "optimizer.pt", "train_state.pt", "MANIFEST.json"])
+@pytest.mark.parametrize("target", ["model.safetensors", "optimizer.safetensors", "train_state.pt", "MANIFEST.json"])
 def test_torn_writes_in_any_file_are_detected(tmp_path, target, damage):
     """Truncation, a zeroed 4 KiB block, a flipped bit: in each checkpoint file and the manifest."""
     recipe = write_recipe(tmp_path, train={"max_steps": 12}, checkpoint={"every_steps": 5, "async": False})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    GENESIS,
     assert_same_result,
     losses,
     run_ember,
@@ -86,6 +87,36 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, 
     base = tmp_path / "base"
     assert run_ember("run", recipe, "--out", base).returncode == 0
     resume_to_end(recipe, out)
+    assert_same_result(out, base)
+
+
+def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_path):
+    """A scheduler's warning (SIGUSR1) that arrives while the run is still starting (held here
+    for 3 s in tokenizing its data) no longer kills it: it exits 75 at its first step boundary,
+    having trained nothing, and the same command then runs it as an uninterrupted run."""
+    import time
+    data = tmp_path / "data.txt"  # data of its own: tokenized by this run, not found in the cache
+    data.write_text(GENESIS.read_text() + f"\n{tmp_path.name}\n")
+    recipe = write_recipe(tmp_path, data={"files": [str(data)]})
+    out = tmp_path / "run"
+    # A home of its own: a work folder another test left in the shared token cache (a run killed
+    # while tokenizing) would otherwise be taken for this run's, and the signal sent too early.
+    home = {"EMBER_HOME": str(tmp_path / "home")}
+    proc = start_ember("run", recipe, "--out", out,
+                       env={**home, "EMBER_FAULT": "tokenize.shard", "EMBER_FAULT_HANG": "3"})
+    cache = tmp_path / "home" / "cache" / "tokens"
+    deadline = time.monotonic() + 120
+    while not list(cache.glob(".*.work/plan.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text(), "it trained"
+    base = tmp_path / "base"
+    assert run_ember("run", recipe, "--out", base, env=home).returncode == 0
+    done = run_ember("run", recipe, "--out", out, env=home)
+    assert done.returncode == 0, done.stderr
     assert_same_result(out, base)
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
-from ember.supervise import ChildRun, backoff, child_argv, quick_crashes
+from ember.launch import RunRequest
+from ember.supervise import ChildRun, backoff, quick_crashes
 from tests.helpers import (
     assert_same_result,
     run_ember,
@@ -30,7 +32,7 @@ def test_only_a_crash_loop_backs_off():
 
 
 def test_child_command_drops_restarts():
-    argv = child_argv(["run", "r.toml", "--restarts", "3", "--out", "o", "--restarts=2"])
+    argv = RunRequest(Path("r.toml"), Path("o"), restarts=3).child_argv()
     assert argv[-6:] == ["ember", "run", "r.toml", "--out", "o", "--no-supervise"]
 
 

@@ -24,3 +24,10 @@ def test_duty_cycle_and_the_three_ways_to_pay():
 
 def test_no_prices_no_options():
     assert options(DeviceUse("d", 3600, 0, 0), MachinePrices()) == []
+
+
+def test_jobs_packed_on_one_device_count_once_in_its_duty_cycle():
+    from ember.metrics.capacity import union_seconds
+    assert union_seconds([(0, 10), (5, 15), (20, 30)]) == 25  # two packed jobs overlap 5 s
+    assert union_seconds([(0, 10), (2, 3)]) == 10
+    assert union_seconds([]) == 0

@@ -18,7 +18,10 @@ def test_full_fine_tuning_formula_by_hand():
     assert f.total == 6 * 1_000_000 + 12 * 2 * 4 * 16 * 32 == 6_049_152
     assert f.formula == "6*N + 12*L*H*Q*T"
     # 1000 tokens/s on a 1 TFLOP/s device: 6.049152e9 / 1e12
-    assert mfu(1000.0, f, 1e12) == pytest.approx(0.006049152)
+    assert mfu(1000.0, f.total, 1e12) == pytest.approx(0.006049152)
+    # 2,000 tokens/s at 6e9 FLOPs/token on a 24 TFLOP/s device: 1.2e13 / 2.4e13 = 50%.
+    assert mfu(2000.0, 6e9, 24e12) == pytest.approx(0.5)
+    assert mfu(1000.0, f.total, None) is None  # an unknown peak is never divided by
 
 
 def test_lora_counts_no_weight_gradients_for_frozen_weights():

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import math
-import sqlite3
-
 import pytest
 
-from ember.plan.interval import daly, mtbf_from_ledger, mtbf_seconds, recommend, young
+from ember.ckpt.interval import daly, recommend, young
+from ember.ledger import store
+from ember.ledger.history import mtbf_from_ledger, mtbf_seconds
 
 
 def test_young_and_daly_by_hand():
     # δ = 60 s, M = 24 h: Young sqrt(2 * 60 * 86400) = 3219.94 s; Daly with x = δ/2M = 1/2880:
     # 3219.94 * (1 + sqrt(x)/3 + x/9) - 60 = 3180.06 s.
     assert young(60, 86400) == pytest.approx(3219.938, abs=1e-3)
-    x = 60 / (2 * 86400)
-    assert daly(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400) * (1 + math.sqrt(x) / 3 + x / 9) - 60)
     assert daly(60, 86400) == pytest.approx(3180.06, abs=0.01)
     assert daly(100, 40) == 40  # δ >= 2M: checkpoint every M
 
@@ -30,16 +27,23 @@ def test_recommendation_shares():
     assert waste(iv.seconds) < waste(iv.seconds * 1.2) and waste(iv.seconds) < waste(iv.seconds / 1.2)
 
 
-def test_mtbf_from_the_ledger_counts_only_interruptions():
-    con = sqlite3.connect(":memory:")
-    con.execute("CREATE TABLE attempts (host TEXT, start REAL, end REAL, last_seen REAL, outcome TEXT)")
-    rows = [("box", 0, 3600, None, "killed"), ("box", 4000, 7600, None, "completed"),
-            ("box", 8000, None, 11600, "crashed"), ("box", 12000, 12100, None, "interrupted"),
-            ("other", 0, 99999, None, "killed")]
-    con.executemany("INSERT INTO attempts VALUES (?, ?, ?, ?, ?)", rows)
+def test_mtbf_from_the_ledger_counts_only_interruptions(tmp_path):
+    """Only attempts that died without saying are interruptions: an error (failed, crashed) says
+    nothing about the machine, and a stop on request checkpointed first. The attempts go through
+    the ledger's own functions, as runs write them."""
+    con = store.connect(tmp_path / "ledger.db")
+    store.register_run(con, "r1", tmp_path, "r1", "digest", {}, 10)
+    store.register_run(con, "r2", tmp_path / "other", "r2", "digest", {}, 10)
+    attempts = [("r1", "box", 0, 3600, "killed"), ("r1", "box", 4000, 7600, "completed"),
+                ("r1", "box", 8000, 11600, "crashed"), ("r1", "box", 12000, 12100, "interrupted"),
+                ("r1", "box", 13000, 13010, "failed"), ("r2", "other", 0, 99999, "killed")]
+    for n, (run, host, start, end, outcome) in enumerate(attempts, 1):
+        store.start_attempt(con, run, n, start, host, 100 + n, "cpu x1", None)
+        store.Ledger(con, run, n, print).finish(outcome)
+        con.execute("UPDATE attempts SET end = ? WHERE run_id = ? AND attempt = ?", (end, run, n))
     seconds, why = mtbf_from_ledger(con, "box")
-    assert seconds == pytest.approx((3600 + 3600 + 3600 + 100) / 2)
-    assert "2 interruptions" in why
+    assert seconds == 10910  # 3600 + 3600 + 3600 + 100 + 10 seconds of attempts, 1 interruption
+    assert "1 interruption in" in why
     assert mtbf_from_ledger(con, "nowhere") is None
     assert mtbf_seconds(2.0, con, "box")[0] == 7200  # the recipe's setting wins
     assert mtbf_seconds(0.0, con, "nowhere")[0] == 24 * 3600

@@ -32,14 +32,14 @@ def stream(tmp_path: Path, n_tokens: int) -> Path:
 def test_each_epoch_is_a_permutation_seeded_by_seed_and_epoch(tmp_path):
     batches = PackedBatches(stream(tmp_path, 100 * 4), seq_len=4, micro_batch=10, seed=5,
                             start=DataCursor())
-    epoch0 = torch.cat([batches.batch(k) for k in range(10)])  # 10 batches of 10 = one epoch
-    epoch1 = torch.cat([batches.batch(k) for k in range(10, 20)])
+    epoch0 = torch.cat([batches.batch(k).ids for k in range(10)])  # 10 batches of 10 = one epoch
+    epoch1 = torch.cat([batches.batch(k).ids for k in range(10, 20)])
     firsts0, firsts1 = sorted(epoch0[:, 0].tolist()), sorted(epoch1[:, 0].tolist())
     assert firsts0 == firsts1 == list(range(0, 400, 4))  # every sequence once per epoch
     assert not torch.equal(epoch0, epoch1)  # a new order each epoch
     again = PackedBatches(stream(tmp_path, 400), 4, 10, seed=5, start=DataCursor())
     other = PackedBatches(stream(tmp_path, 400), 4, 10, seed=6, start=DataCursor())
-    assert torch.equal(again.batch(3), batches.batch(3)) and not torch.equal(other.batch(3), batches.batch(3))
+    assert torch.equal(again.batch(3).ids, batches.batch(3).ids) and not torch.equal(other.batch(3).ids, batches.batch(3).ids)
 
 
 def test_resume_at_a_cursor_yields_exactly_the_continuation(tmp_path):
@@ -51,7 +51,7 @@ def test_resume_at_a_cursor_yields_exactly_the_continuation(tmp_path):
     resumed = PackedBatches(path, 8, 3, seed=1, start=cursor)
     for k in range(20):
         assert resumed[k][0] == full[29 + k][0] == 29 + k  # the ordinal in the stream
-        assert torch.equal(resumed.batch(k), full.batch(29 + k))
+        assert torch.equal(resumed.batch(k).ids, full.batch(29 + k).ids)
 
 
 def test_jump_cost_does_not_grow_with_position(tmp_path):
@@ -74,7 +74,7 @@ def test_loader_delivers_the_same_batches_with_any_worker_count(tmp_path, worker
     got = list(make_loader(batches, 30, workers=workers, pin=False))
     assert len(got) == 30
     for k, (ordinal, batch) in enumerate(got):
-        assert ordinal == batches.first_ordinal + k and torch.equal(batch, batches.batch(k))
+        assert ordinal == batches.first_ordinal + k and torch.equal(batch.ids, batches.batch(k).ids)
 
 
 def test_loader_leaves_out_skipped_batches(tmp_path):

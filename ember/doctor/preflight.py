@@ -1,7 +1,7 @@
 """`ember preflight`: a few real steps before a long run, each check passed or failed with figures.
 
     data        the data tokenizes (into the cache the run will use) and holds a micro batch
-    memory      the measured peak of a step (ember/plan/measure.py) against the plan's estimate
+    memory      the measured peak of a step (ember/doctor/measure.py) against the plan's estimate
     input       batches/s the input pipeline delivers alone, against batches/s the model consumes
     loss        a short run of --steps optimizer steps: every loss finite, no step skipped
     resume      that run checkpoints before its last step; a fresh process restores the
@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -22,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from rich.console import Console
-
+from ember.doctor.measure import build_for_measurement, calibrate, loader_rate
 from ember.errors import EmberError
+from ember.events import Events
+from ember.metrics.compare import weight_differences
 from ember.paths import scratch_dir
+from ember.plan.planner import make_plan
 from ember.recipe import Recipe
+from ember.train.data import data_fingerprint, tokenize
 
 INPUT_HEADROOM = 1.2  # the loader should deliver at least this many times what the model uses
 
@@ -41,63 +42,13 @@ class Check:
     warn_only: bool = False
 
 
-def _build(r: Recipe) -> tuple[Any, torch.device]:
-    from ember.ckpt.state import seed_all
-    from ember.device import configure_determinism, pick_device
-    from ember.train.model import load_model
-    device = pick_device(r.train.device)
-    configure_determinism(False, r.train.threads, device)
-    seed_all(r.train.seed)
-    bundle = load_model(r.model, r.method, r.train.activation_checkpointing)
-    bundle.model.to(device).train()
-    return bundle, device
-
-
-def calibrate(r: Recipe, steps: int = 3, bundle: Any = None, device: torch.device | None = None) -> dict[str, float]:
-    """Measure, on this machine, a micro-batch's forward/backward/update time and the step's peak
-    memory, with random tokens of the recipe's shape and the real model."""
-    from ember.plan.measure import step_peak, training_step
-    from ember.train.model import trainable_parameters
-    if bundle is None:
-        bundle, device = _build(r)
-    model = bundle.model
-    opt = torch.optim.AdamW(trainable_parameters(model), lr=r.optimizer.lr,
-                            betas=(r.optimizer.beta1, r.optimizer.beta2), eps=r.optimizer.eps,
-                            weight_decay=r.optimizer.weight_decay)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (r.train.micro_batch, r.data.seq_len), device=device)
-    step = training_step(model, opt, ids, device, r.precision.mode, r.train.loss_chunk)
-    step()  # the optimizer state exists from here on
-    peak = step_peak(step, device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return {"step_seconds": statistics.median(times), "peak_bytes": peak}
-
-
-def loader_rate(r: Recipe, tokens_path: Path, batches: int = 50) -> float:
-    """Micro-batches per second the input pipeline delivers with nothing consuming them."""
-    from ember.ckpt.state import DataCursor
-    from ember.train.data import PackedBatches, make_loader
-    packed = PackedBatches(tokens_path, r.data.seq_len, r.train.micro_batch, r.train.seed, DataCursor())
-    loader = make_loader(packed, batches, r.data.workers, pin=False)
-    t0 = time.perf_counter()
-    n = sum(1 for _ in loader)
-    return n / max(time.perf_counter() - t0, 1e-9)
-
-
-def preflight(r: Recipe, recipe_file: Path, steps: int, console: Console) -> list[Check]:
-    from ember.plan.planner import make_plan
-    from ember.train.data import data_fingerprint, tokenize
+def preflight(r: Recipe, recipe_file: Path, steps: int, events: Events) -> list[Check]:
+    """Every check in the module docstring's order, each passed or failed with its figures."""
     checks: list[Check] = []
-    console.print("preflight: building the model and tokenizing the data")
-    bundle, device = _build(r)
+    events.stage("preflight: building the model and tokenizing the data")
+    bundle, device = build_for_measurement(r)
     try:
-        tokens_path = tokenize(r.data, bundle.tokenizer, data_fingerprint(r.data.files, bundle.tokenizer))
+        tokens_path = tokenize(r.data, bundle.tokenizer, data_fingerprint(r.data.files, bundle.tokenizer), ev=r.eval)
         import numpy as np
         n = len(np.load(tokens_path, mmap_mode="r"))
         need = r.train.micro_batch * r.data.seq_len
@@ -106,24 +57,24 @@ def preflight(r: Recipe, recipe_file: Path, steps: int, console: Console) -> lis
     except EmberError as e:
         return [Check("data", False, str(e), {})]
 
-    console.print("preflight: measuring a step")
+    events.stage("preflight: measuring a step")
     try:
         cal = calibrate(r, bundle=bundle, device=device)
     except (RuntimeError, ValueError) as e:  # e.g. an lr that overflows fp32, an out-of-memory
         return checks + [Check("memory", False, f"a training step failed: {type(e).__name__}: {e}", {})]
     try:
         plan = make_plan(r, None, cal)
-        est, measured = plan.memory["peak"], cal["peak_bytes"]
+        est, measured = plan.memory.peak, cal.peak_bytes
         err = est / measured - 1
         ok = -0.05 <= err <= 0.10 and plan.fits
         checks.append(Check("memory", ok, f"peak {measured / 2**20:.1f} MiB measured, {est / 2**20:.1f} MiB "
                             f"planned ({err:+.1%}); {'fits' if plan.fits else 'does NOT fit'} "
-                            f"{plan.devices[0]['free'] / 2**30:.1f} GiB free",
+                            f"{plan.devices[0].free / 2**30:.1f} GiB free",
                             {"measured_bytes": measured, "estimated_bytes": est, "error": err}))
     except EmberError as e:
-        checks.append(Check("memory", True, f"peak {cal['peak_bytes'] / 2**20:.1f} MiB measured; no "
-                            f"estimate: {e}", {"measured_bytes": cal["peak_bytes"]}, warn_only=True))
-    consume = 1 / cal["step_seconds"]
+        checks.append(Check("memory", True, f"peak {cal.peak_bytes / 2**20:.1f} MiB measured; no "
+                            f"estimate: {e}", {"measured_bytes": cal.peak_bytes}, warn_only=True))
+    consume = 1 / cal.step_seconds
     deliver = loader_rate(r, tokens_path)
     checks.append(Check("input", deliver >= INPUT_HEADROOM * consume,
                         f"loader alone {deliver:,.0f} micro-batches/s, model consumes {consume:,.1f}/s "
@@ -132,7 +83,7 @@ def preflight(r: Recipe, recipe_file: Path, steps: int, console: Console) -> lis
                         {"loader_batches_per_s": deliver, "model_batches_per_s": consume}, warn_only=True))
     del bundle
 
-    console.print(f"preflight: {steps} optimizer steps, then a resume in a fresh process")
+    events.stage(f"preflight: {steps} optimizer steps, then a resume in a fresh process")
     checks += _loss_and_resume(r, recipe_file, steps)
     return checks
 
@@ -143,17 +94,13 @@ def _ember(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
-    from safetensors.torch import load_file
-
-    from ember.cli.plan import write_recipe
-    from ember.plan.planner import apply_changes
     work = scratch_dir("preflight-")
     try:
-        short = apply_changes(r, {"train.max_steps": steps, "checkpoint.every_steps": steps - 1,
-                                  "checkpoint.every_seconds": 0.0, "checkpoint.keep_last": 2,
-                                  "train.restarts": 0})
+        short = r.with_changes({"train.max_steps": steps, "checkpoint.every_steps": steps - 1,
+                                "checkpoint.every_seconds": 0.0, "checkpoint.keep_last": 2,
+                                "train.restarts": 0}, "preflight's short run")
         recipe = work / "recipe.toml"
-        write_recipe(short, recipe)
+        recipe.write_text(short.to_toml())
         a = _ember(["run", str(recipe), "--out", str(work / "a"), "--no-ledger"])
         rows = [json.loads(x) for x in (work / "a" / "metrics.jsonl").read_text().splitlines()] \
             if (work / "a" / "metrics.jsonl").exists() else []
@@ -185,9 +132,8 @@ def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
         diffs = []
         if again["loss"] != rows[-1]["loss"]:
             diffs.append(f"loss of step {steps}: {rows[-1]['loss']!r} uninterrupted, {again['loss']!r} resumed")
-        for f in sorted((work / "a" / "final").glob("*.safetensors")):
-            x, y = load_file(f), load_file(b / "final" / f.name)
-            diffs += [f"{f.name}: {k} differs" for k in x if not torch.equal(x[k], y[k])][:3]
+        weights = weight_differences(work / "a" / "final", b / "final")
+        diffs += ["no final weights to compare"] if weights is None else weights
         checks.append(Check("resume", not diffs, "restored in a fresh process and redid the last step: "
                             + ("loss and final weights bit-identical" if not diffs else "; ".join(diffs))
                             + f" ({took:.1f} s)", {"differences": diffs}))

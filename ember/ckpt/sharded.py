@@ -1,0 +1,96 @@
+"""Checkpoints of a distributed run, through torch.distributed.checkpoint (DCP), committed under
+the store's protocol (ember.ckpt.store): one checkpoint, whatever the world size.
+
+    .metadata          DCP's index of every tensor and object (written by rank 0)
+    __R_0.distcp       rank R's shards (DDP's replicated tensors are written once, by rank 0)
+
+Under fixed keys: `model` and `optim` as torch.distributed.checkpoint.state_dict gives them (by
+parameter name, the same for a plain, DDP and FSDP model: so a checkpoint saved by N ranks loads
+into M ranks and into another strategy; DCP reshards), and `rank{R}`: rank R's RunState (its
+RNG streams), scheduler and grad-scaler state, as bytes.
+
+A one-process run's checkpoint (model.safetensors, optimizer.safetensors, train_state.pt: see
+ember.ckpt.contents) loads into a distributed run too: `read_full` hands the full tensors to
+set_state_dict, which shards them.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ember.ckpt.contents import MODEL_FILE, STATE_FILE, read_optimizer
+from ember.ckpt.state import RunState
+from ember.world import World
+
+METADATA = ".metadata"
+TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapters, as a one-process run
+
+
+def is_sharded(folder: Path) -> bool:
+    return (folder / METADATA).is_file()
+
+
+def _extra(state: RunState, scheduler: Any, scaler: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save({"run_state": state.to_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict()}, buf)
+    buf.seek(0)
+    return buf
+
+
+def write_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  scaler: Any, state: RunState, world: World) -> None:
+    """Every rank writes its part into `folder` (a collective). DCP's writer fsyncs each file it
+    writes (sync_files), before the store checksums them."""
+    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    sd = {"model": msd, "optim": osd, f"rank{world.rank}": _extra(state, scheduler, scaler)}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
+
+
+def own_files(folder: Path, world: World) -> list[Path]:
+    """The files of `folder` this rank wrote (rank 0 also the metadata)."""
+    mine = [p for p in folder.iterdir() if p.name.startswith(f"__{world.rank}_")]
+    return mine + ([folder / METADATA] if world.main and (folder / METADATA).exists() else [])
+
+
+def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: Any, world: World) -> tuple[RunState, bool]:
+    """Load a DCP checkpoint into the live objects at any world size (DCP reshards); return the
+    RunState and whether it is this rank's own (False: saved by fewer ranks, so this rank starts
+    from rank 0's RNG streams)."""
+    names = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    saved = {k.partition(".")[0] for k in names if k.startswith("rank")}
+    key = f"rank{world.rank}" if f"rank{world.rank}" in saved else "rank0"
+    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    sd = {"model": msd, "optim": osd, key: io.BytesIO()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=TRAINABLE)
+    sd[key].seek(0)
+    extra = torch.load(sd[key], weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    scaler.load_state_dict(extra["scaler"])
+    return RunState.from_dict(extra["run_state"]), key == f"rank{world.rank}"
+
+
+def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer: torch.optim.Optimizer,
+              scheduler: Any, scaler: Any) -> RunState:
+    """Load a one-process checkpoint into a distributed model: every rank reads the full
+    tensors and set_state_dict keeps its own shard. `names`: the trainable parameters' names
+    in the optimizer's order (the optimizer file keys its state by that position)."""
+    from safetensors.torch import load_file
+    weights = load_file(folder / MODEL_FILE)
+    osd = read_optimizer(folder)
+    by_name = {"state": {names[i]: s for i, s in osd["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    extra = torch.load(folder / STATE_FILE, weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    scaler.load_state_dict(extra["scaler"])
+    return RunState.from_dict(extra["run_state"])

@@ -1,0 +1,194 @@
+"""`ember serve` and the commands that talk to it: submit, queue, pause, resume, cancel, logs,
+yield. Argument parsing, one call, printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ember.errors import EXIT_ERROR, EmberError
+
+COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "logs", "yield")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="the local service: a queue of training jobs that steps aside "
+                       "for the owner and for inference",
+                       description="Run the service in the foreground (systemd: see README). Rules "
+                       "and settings: $EMBER_HOME/owner.toml.")
+    s.add_argument("--host", help="address to listen on (default [service] host, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default [service] port, 8765; 0: any free port)")
+    s.add_argument("--devices", help="declare simulated devices instead of detecting them, e.g. "
+                   "sim:2x8GiB (tests, rehearsals); also EMBER_DEVICES")
+    s.add_argument("--explain", action="store_true", help="ask the running service which owner rule "
+                   "holds each job right now, and exit")
+    s.add_argument("--ledger", type=Path, help="the ledger database (default $EMBER_HOME/ledger.db)")
+
+    s = sub.add_parser("ui", help="the dashboard alone (runs, machine, plan), when no service runs; with one, "
+                       "print where its dashboard is and a link that signs you in",
+                       description="Serve the web dashboard and its JSON API, /metrics and /openapi.json over "
+                       "the ledger, on [service] host:port (127.0.0.1:8765). Prints a sign-in link (it holds "
+                       "the service's token) for changing jobs.")
+    s.add_argument("--host", help="address to listen on (default [service] host, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default [service] port, 8765; 0: any free port)")
+    s.add_argument("--ledger", type=Path, help="the ledger database (default $EMBER_HOME/ledger.db)")
+
+    s = sub.add_parser("submit", help="queue a training job with the service, or with --target send it "
+                       "through the gate to remote compute")
+    s.add_argument("recipe", type=Path)
+    s.add_argument("--priority", type=int, default=0, help="higher runs first and may preempt lower (default 0)")
+    s.add_argument("--name", help="the job's name (default RECIPE-ID)")
+    s.add_argument("--out", type=Path, help="the run folder (default $EMBER_HOME/runs/NAME)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    from ember.cli.remote import add_remote_args
+    add_remote_args(s, required=False)  # --target: through the gate to remote compute instead
+
+    s = sub.add_parser("queue", help="the service's jobs: state, priority, devices, progress, goodput")
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("pause", help="pause a job: soft (at the next step, keeping the process) or --hard")
+    s.add_argument("job")
+    s.add_argument("--hard", action="store_true", help="checkpoint and exit, freeing the device; stays "
+                   "queued until `ember resume`")
+    for name, text in (("resume", "lift a pause or hold"), ("cancel", "cancel a job (checkpointing first)")):
+        sub.add_parser(name, help=text).add_argument("job")
+
+    s = sub.add_parser("logs", help="a job's output")
+    s.add_argument("job")
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing as it grows")
+
+    s = sub.add_parser("yield", help="give the devices back now: returns once every job is off them")
+    s.add_argument("--for", dest="duration", help="how long, e.g. 30m, 2h, 90s (default: until "
+                   "`ember yield --release`)")
+    s.add_argument("--release", action="store_true", help="end a yield now")
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|h|d)?\s*", text)
+    if not m:
+        raise EmberError(f"--for {text!r}: write a duration like 90s, 30m, 2h or 1d")
+    return float(m.group(1)) * {"s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def request(method: str, path: str, body: dict | None = None, timeout: float = 30.0) -> Any:
+    """Call the running service; its 4xx answers become EmberErrors with its message."""
+    import httpx
+
+    from ember.web.server import client_target
+    url, token = client_target()
+    try:
+        r = httpx.request(method, url + path, json=body, timeout=timeout,
+                          headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as e:
+        raise EmberError(f"the service at {url} does not answer ({e}); is `ember serve` running?") from None
+    if r.status_code >= 400:
+        try:
+            message = r.json().get("error", r.text)
+        except ValueError:
+            message = r.text
+        raise EmberError(f"{message} (HTTP {r.status_code})")
+    return r
+
+
+def cmd(args: argparse.Namespace) -> int:
+    return {"serve": cmd_serve, "ui": cmd_ui, "submit": cmd_submit, "queue": cmd_queue, "pause": cmd_job,
+            "resume": cmd_job, "cancel": cmd_job, "logs": cmd_logs, "yield": cmd_yield}[args.command](args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.explain:
+        out = Console(soft_wrap=True)
+        rows = request("GET", "/api/explain").json()
+        for row in rows:
+            held = "; ".join(row["held_by"]) or "nothing holds it"
+            extra = "".join(f", {k} {row[k]}" for k in ("hold", "pause") if row[k])
+            out.print(f"{row['job']} ({row['state']}{extra}): {held}", markup=False, highlight=False)
+        if not rows:
+            out.print("no unfinished jobs", markup=False)
+        return 0
+    from ember.cli.render import stderr_events
+    from ember.web.server import ServeOptions, serve
+    return serve(ServeOptions(args.host, args.port, args.devices, args.ledger), stderr_events())
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from ember.cli.render import stderr_events
+    from ember.web.server import UiOptions, ui
+    return ui(UiOptions(args.host, args.port, args.ledger), stderr_events())
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from ember.cli import remote
+    if args.target:
+        return remote.cmd_submit_remote(args)
+    remote.require_no_limits_without_target(args)
+    body = {"recipe": str(args.recipe.resolve()), "priority": args.priority, "overrides": args.overrides}
+    if args.name:
+        body["name"] = args.name
+    if args.out:
+        body["out"] = str(args.out.resolve())
+    job = request("POST", "/api/jobs", body, timeout=900).json()
+    print(f"job {job['id']} {job['name']}: {job['state']} (priority {job['priority']}; run folder {job['out']})")
+    return 0
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    jobs = request("GET", "/api/jobs").json()
+    if args.json:
+        print(json.dumps(jobs, indent=1))
+        return 0
+    table = Table("id", "name", "state", "priority", "devices", "progress", "goodput", "note")
+    for j in jobs:
+        note = j["hold"] and f"held: {j['hold']}" or j["pause"] and f"pause: {j['pause']}" or ""
+        if j["held_by"] and j["state"] not in ("completed", "failed", "cancelled"):
+            note = "; ".join(filter(None, [note, *j["held_by"]]))
+        if j["state"] == "failed" and j["cause"]:
+            note = j["cause"]
+        table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
+                      ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
+                      "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
+    Console(soft_wrap=True).print(table)
+    return 0
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    body = {"hard": True} if getattr(args, "hard", False) else {}
+    j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
+    extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
+    print(f"job {j['id']} {j['name']}: {j['state']}{extra}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    offset = 0
+    while True:
+        r = request("GET", f"/api/jobs/{args.job}/logs?offset={offset}")
+        sys.stdout.buffer.write(r.content)
+        sys.stdout.flush()
+        offset = int(r.headers.get("X-Ember-Offset", offset))
+        if not args.follow:
+            return 0
+        state = request("GET", f"/api/jobs/{args.job}").json()["state"]
+        if state in ("completed", "failed", "cancelled") and not r.content:
+            return 0
+        time.sleep(0.5)
+
+
+def cmd_yield(args: argparse.Namespace) -> int:
+    if args.release:
+        request("POST", "/api/yield", {"release": True})
+        print("yield released: jobs may start again")
+        return 0
+    seconds = parse_duration(args.duration) if args.duration else None
+    r = request("POST", "/api/yield", {"seconds": seconds}, timeout=900).json()
+    until = "until `ember yield --release`" if seconds is None else f"for {args.duration}"
+    print(f"devices free after {r['freed_after_seconds']:.2f} s; training held {until}")
+    return 0 if r else EXIT_ERROR

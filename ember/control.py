@@ -1,0 +1,151 @@
+"""Soft pause: how the service asks a training process to stop at its next step boundary while
+keeping the process (and how the process answers). No torch here: the service uses it too.
+
+Two small files in a folder the service keeps per job ($EMBER_HOME/serve/control/JOB, named to
+the job's process by EMBER_CONTROL; never the run folder, which the job itself creates), each
+replaced atomically (write, rename):
+
+    control.json   written by the service: {"seq": n, "pause": null | "inference" | "owner" | "user"}
+    control.ack    written by the training process: {"seq": n, "state": "paused" | "running",
+                   "pid": p, "time": t} once it has acted on request n
+
+The training loop calls `PausePoint.check()` between optimizer steps: one stat() of control.json
+(a few microseconds) when nothing changed. When asked to pause it releases its allocator's cached
+memory, acknowledges, and waits, looking at the file every POLL_SECONDS, until the pause is
+lifted or a stop signal arrives; then it acknowledges again and returns the pause for the
+ledger. So a pause takes effect within one optimizer step of the request (plus one poll), and
+the paused time is accounted in its own goodput bucket (ember.ledger.goodput).
+
+Neither file needs to survive a power cut: after any restart the service writes the request
+again and a fresh training process starts unpaused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "EMBER_CONTROL"
+CONTROL = "control.json"
+ACK = "control.ack"
+POLL_SECONDS = 0.01
+REASONS = ("inference", "owner", "user")
+EVENT_KIND = {"inference": "pause_inference", "owner": "pause", "user": "pause"}
+
+
+@dataclass(frozen=True)
+class Pause:
+    reason: str        # one of REASONS
+    start: float
+    end: float
+
+    @property
+    def kind(self) -> str:
+        """The ledger event kind: its goodput bucket (paused_for_inference or paused)."""
+        return EVENT_KIND[self.reason]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # atomic; no fsync: see the module docstring
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def request(run: Path, pause: str | None) -> int:
+    """Ask the training process in `run` to pause (for `pause`, a reason) or go on (None);
+    returns the request's number, which its acknowledgement will carry."""
+    if pause is not None and pause not in REASONS:
+        raise ValueError(f"pause reason {pause!r}: one of {REASONS}")
+    current = _read_json(run / CONTROL) or {}
+    if current.get("pause") == pause and "seq" in current:
+        return int(current["seq"])
+    seq = int(current.get("seq", 0)) + 1
+    _write_json(run / CONTROL, {"seq": seq, "pause": pause, "time": time.time()})
+    return seq
+
+
+def requested(run: Path) -> str | None:
+    """The pause now asked of the run, or None."""
+    return (_read_json(run / CONTROL) or {}).get("pause")
+
+
+def acknowledged(run: Path) -> dict | None:
+    """The training process's last acknowledgement, or None."""
+    return _read_json(run / ACK)
+
+
+def clear(run: Path) -> None:
+    """Forget both files (a job that starts again starts unpaused)."""
+    for name in (CONTROL, ACK):
+        try:
+            (run / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def from_environment() -> Path | None:
+    """The control folder the service named for this process, or None (not run by a service)."""
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+class PausePoint:
+    """The training loop's side: `check()` between steps; a no-op without a control folder."""
+
+    def __init__(self, folder: Path | None, stopping: Callable[[], bool], release: Callable[[], None]):
+        self.path = folder / CONTROL if folder is not None else None
+        self.ack = folder / ACK if folder is not None else None
+        self.stopping, self.release = stopping, release
+        self._seen: int | None = None  # mtime_ns of the control file last read
+
+    def _changed(self) -> dict | None:
+        if self.path is None:
+            return None
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if mtime == self._seen:
+            return None
+        self._seen = mtime
+        return _read_json(self.path)
+
+    def check(self) -> Pause | None:
+        """Pause here if asked; return the pause once it is lifted (None if there was none)."""
+        ctl = self._changed()
+        if not ctl:
+            return None
+        if not ctl.get("pause"):
+            self._acknowledge(ctl, "running")
+            return None
+        reason, start = str(ctl["pause"]), time.time()
+        self.release()  # the allocator's cached memory goes back to the device
+        self._acknowledge(ctl, "paused")
+        while not self.stopping():
+            time.sleep(POLL_SECONDS)
+            new = self._changed()
+            if new is None:
+                continue
+            ctl = new
+            if not ctl.get("pause"):
+                break
+            reason = str(ctl["pause"]) if ctl["pause"] in REASONS else reason
+            self._acknowledge(ctl, "paused")
+        self._acknowledge(ctl, "running")
+        return Pause(reason if reason in REASONS else "user", start, time.time())
+
+    def _acknowledge(self, ctl: dict, state: str) -> None:
+        _write_json(self.ack, {"seq": ctl.get("seq", 0), "state": state, "pid": os.getpid(),
+                               "time": time.time()})

@@ -1,0 +1,94 @@
+"""`ember plan` as one library call: the plan's arithmetic, with a measured step when asked for
+(--calibrate) or when the estimator does not know the architecture, and the best remedy written
+out as a recipe (--apply). The measuring is why this lives with the doctor, not in ember/plan."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.doctor.measure import calibrate
+from ember.errors import EmberError
+from ember.events import Events
+from ember.doctor.comm import to_interconnect
+from ember.ledger import comm
+from ember.ledger import store as ledger_store
+from ember.plan.devices import detect_devices, replace_memory
+from ember.plan.memory import GiB, estimate
+from ember.plan.parallel import Advice, advise
+from ember.plan.planner import Plan, UnknownArchitecture, make_plan
+from ember.plan.remedies import Remedy, train_shape
+from ember.recipe import Recipe, load_recipe
+
+
+@dataclass
+class PlanRequest:
+    recipe_file: Path
+    overrides: list[str] = field(default_factory=list)
+    target_micro_batch: int | None = None
+    calibrate: bool = False
+    device_memory_gib: float | None = None
+    ledger: Path | None = None
+    apply: Path | None = None          # write the recipe with the best remedy that fits here
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    target_micro_batch: int | None
+    applied: Remedy | None = None      # the remedy written to request.apply
+    apply_note: str = ""               # why nothing was written, when nothing was
+
+
+def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
+    """The plan for a recipe file on this machine (or a device of --device-memory GiB)."""
+    r = load_recipe(req.recipe_file, req.overrides, events.warn)
+    if req.target_micro_batch is not None:
+        if req.target_micro_batch < 1:
+            raise EmberError(f"--target-micro-batch {req.target_micro_batch}: must be >= 1")
+        r = r.with_changes({"train.micro_batch": req.target_micro_batch}, "--target-micro-batch")
+    devices = detect_devices(r.train.device)
+    if req.device_memory_gib is not None:
+        if req.device_memory_gib <= 0:
+            raise EmberError(f"--device-memory {req.device_memory_gib:g}: must be > 0 GiB")
+        devices = replace_memory(devices, int(req.device_memory_gib * GiB))
+    con = ledger_store.connect_or_warn(req.ledger, events.warn)  # this machine's history
+    measured = calibrate(r) if req.calibrate else None
+    try:
+        plan = make_plan(r, con, measured, devices)
+    except UnknownArchitecture as e:
+        events.warn(f"{e}: measuring a step here instead (calibration)")
+        plan = make_plan(r, con, calibrate(r), devices)
+    if con is not None and plan.model is not None:
+        plan.parallel = parallel_advice(r, plan, con)
+    result = PlanResult(plan, req.target_micro_batch)
+    if req.apply is not None:
+        usable = [x for x in plan.remedies if x.fits and x.available and x.changes]
+        if plan.fits:
+            result.apply_note = f"fits as written: nothing to apply; {req.apply} not written"
+        elif not usable:
+            raise EmberError("no remedy ember can apply makes this recipe fit; see the verdict")
+        else:
+            result.applied = usable[0]
+            req.apply.write_text(r.with_changes(usable[0].changes, f"remedy {usable[0].name}").to_toml())
+    return result
+
+
+def parallel_advice(r: Recipe, plan: Plan, con: sqlite3.Connection) -> Advice | None:
+    """The advisor's table for this recipe over the newest interconnect measured from this host
+    (`ember doctor --comm`); None when none was measured or the step time is unknown."""
+    row = comm.newest(con, socket.gethostname())
+    if row is None or not math.isfinite(plan.time.step_seconds):
+        return None
+    m, t = plan.model.shape, train_shape(r)
+    dev = plan.devices[0]
+    slots = None
+    if dev.kind == "cpu":  # ranks on this machine share its cores: as many compute at once as fit
+        threads = r.train.threads or (os.cpu_count() or 1)
+        slots = max(1, (os.cpu_count() or 1) // threads) * max(1, len(row.hosts))
+    return advise(m, t, estimate(m, t), r.train.grad_accum, plan.time.step_seconds, to_interconnect(row),
+                  dev.free, slots=slots)

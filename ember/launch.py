@@ -1,0 +1,239 @@
+"""`ember run` as one library call: what the command, and later the service, call to train.
+
+    run(request, events) -> RunOutcome
+      recipe           load and validate (a bad recipe fails here and is never restarted)
+      completed?       a run that already reached max_steps answers so and touches nothing
+      memory           the plan's estimated peak against this machine's free memory, before
+                       anything is built; a recipe that does not fit is refused with the remedy
+      preflight        optional: the checks of `ember preflight`, stopping on a failure
+      supervise        with restarts: the training runs in a child process, restarted after crashes
+      train            prepare the job (ember.train.job) and run the loop (ember.train.loop)
+      account          the attempt's outcome and the run's summary into the ledger
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ember.ckpt.store import CheckpointStore
+from ember.doctor.preflight import Check, preflight
+from ember.errors import EXIT_OK, EmberError
+from ember.events import Events
+from ember.ledger.store import Ledger
+from ember.lock import acquire
+from ember.metrics.report import RunReport, build_report, summarize
+from ember.plan.devices import detect_devices
+from ember.plan.memory import GiB
+from ember.plan.planner import UnknownArchitecture, make_plan
+from ember.ranks import Topology, launch
+from ember.metrics.compare import Comparison
+from ember.recipe import Recipe, load_recipe, to_toml
+from ember.supervise import supervise
+from ember.train.data import data_file_hashes
+from ember.train.rundir import LOCK_FILE, RunDir, make_folder
+from ember.world import launched
+
+
+@dataclass
+class RunRequest:
+    recipe_file: Path
+    out: Path
+    overrides: list[str] = field(default_factory=list)
+    allow_recipe_change: bool = False
+    restarts: int | None = None            # None: the recipe's [train] restarts
+    preflight: bool = False
+    ledger: Path | None | bool = None      # None: the default ledger; False: no accounting
+    restart_from_scratch: bool = False
+    supervised_child: bool = False         # this process is the child of a supervisor
+    topology: Topology = field(default_factory=Topology)  # ranks and nodes (--nproc, --nnodes)
+
+    def child_argv(self) -> list[str]:
+        """The command line of the supervised child: this request, without supervision."""
+        return [sys.executable] + self.rank_argv()[:-1] + self.topology.argv() + ["--no-supervise"]
+
+    def rank_argv(self) -> list[str]:
+        """What each rank runs after `python`: this request, one process, no supervision."""
+        argv = ["-m", "ember", "run", str(self.recipe_file), "--out", str(self.out)]
+        for item in self.overrides:
+            argv += ["--set", item]
+        if self.allow_recipe_change:
+            argv.append("--allow-recipe-change")
+        if self.restart_from_scratch:
+            argv.append("--restart-from-scratch")
+        if self.ledger is False:
+            argv.append("--no-ledger")
+        elif self.ledger is not None:
+            argv += ["--ledger", str(self.ledger)]
+        return argv + ["--no-supervise"]
+
+
+@dataclass
+class RunOutcome:
+    code: int                          # the process exit code (ember.errors)
+    report: RunReport | None = None    # the run's figures when this process trained it
+    completed_step: int | None = None  # set when the run had already completed: nothing was done
+    checks: list[Check] = field(default_factory=list)  # preflight's, when asked for
+
+
+def run(req: RunRequest, events: Events) -> RunOutcome:
+    """Train the recipe into the run folder, resuming it; see the module docstring."""
+    recipe = load_recipe(req.recipe_file, req.overrides, events.warn)
+    restarts = recipe.train.restarts if req.restarts is None else req.restarts
+    if restarts < 0:
+        raise EmberError(f"--restarts {restarts}: must be >= 0")
+    req.topology.check()  # bad flags are refused whatever the run folder holds
+    launcher = req.topology.world > 1 and not launched()  # this process starts the ranks
+    if launcher:
+        from ember.train.parallel import check_distributed
+        check_distributed(recipe, req.topology.world, str(req.recipe_file))
+    done = completed_step(req.out, recipe)
+    if done is not None:  # nothing is loaded, no attempt is logged, the figures stay as they are
+        return RunOutcome(EXIT_OK, completed_step=done)
+    if not launched():  # the launcher checked for all its ranks
+        check_memory(recipe)
+    outcome = RunOutcome(EXIT_OK)
+    if req.preflight and not req.supervised_child:
+        outcome.checks = preflight(recipe, req.recipe_file, 3, events)
+        failed = [c.name for c in outcome.checks if not (c.ok or c.warn_only)]
+        if failed:
+            raise PreflightFailed(outcome.checks, failed)
+    if restarts and not req.supervised_child:
+        make_folder(req.out)
+        lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")  # held across every restart
+        outcome.code = supervise(req.child_argv(), restarts, recipe.train.restart_backoff_seconds, events,
+                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock.fd)
+        return outcome
+    if launcher:
+        return launch_ranks(req, events, outcome)
+    return train_here(req, recipe, events, outcome)
+
+
+def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOutcome:
+    """Start this node's ranks (ember.ranks) holding the run folder's lock for them."""
+    lock = None
+    if req.topology.node_rank == 0:  # the node of rank 0, which writes the run folder
+        make_folder(req.out)
+        lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")
+    try:
+        outcome.code = launch(req.topology, req.rank_argv(), req.out.name, events)
+    finally:
+        if lock is not None:
+            lock.release()
+    return outcome
+
+
+def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutcome) -> RunOutcome:
+    """Prepare the job and run the loop in this process; record how the attempt ended."""
+    from ember.train.job import prepare
+    from ember.train.loop import train
+    from ember.train.signals import StopRequest
+    stop = StopRequest(events).install()  # before the model loads: a signal then stops it at the first step
+    try:
+        job = prepare(recipe, req.out, req.allow_recipe_change, events, req.recipe_file, req.ledger,
+                      req.restart_from_scratch)
+    except BaseException:
+        stop.restore()
+        raise
+    try:
+        outcome.code = train(job, stop)
+        if not job.world.main:  # rank 0 reports and records the run
+            job.world.close()
+            return outcome
+    except EmberError as e:  # bad input, out of memory, a disk that stays full: the user can act
+        job.ledger.finish("failed", str(e))
+        _record_summary(job)
+        raise
+    except BaseException as e:  # unexpected: recorded, then re-raised for the command to report
+        job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
+        raise
+    outcome.report = _record_summary(job)
+    job.ledger.close()
+    job.world.close()
+    return outcome
+
+
+def _record_summary(job) -> RunReport:
+    """The run's figures as of this attempt's end, stored for `ember runs`."""
+    report = build_report(job.run.path, getattr(job.ledger, "con", None))
+    if isinstance(job.ledger, Ledger):
+        job.ledger.summary(asdict(summarize(report)))
+    return report
+
+
+def completed_step(out: Path, recipe: Recipe) -> int | None:
+    """The step a run folder completed at, if it completed this very recipe's max_steps."""
+    if not (out / "run.json").is_file() or not (out / "final").is_dir():
+        return None
+    try:
+        run = RunDir.read(out)
+    except EmberError:
+        return None
+    done = run.record.get("completed_step")
+    same = run.record.get("recipe_digest") == recipe.digest() or not run.material_changes(recipe)
+    # Changed data is not "completed": the run goes on to refuse it, saying what changed.
+    same_data = run.record.get("data_files") == data_file_hashes(recipe.data.files)
+    return done if done is not None and done >= recipe.train.max_steps and same and same_data else None
+
+
+def check_memory(recipe: Recipe) -> None:
+    """Refuse, before anything is built, a recipe whose estimated peak does not fit this
+    machine's free memory, naming the remedy the plan would apply."""
+    try:
+        plan = make_plan(recipe, None, None, detect_devices(recipe.train.device))
+    except UnknownArchitecture:
+        return  # no estimate for this architecture: the run measures as it goes
+    if plan.fits:
+        return
+    dev = plan.devices[0]
+    usable = [x for x in plan.remedies if x.fits and x.available]
+    fix = (f"{usable[0].name} makes it fit ({usable[0].peak / GiB:.2f} GiB; "
+           f"{', '.join(f'{k} = {v}' for k, v in usable[0].changes.items())}): `ember plan RECIPE "
+           f"--apply fitted.toml` writes it") if usable else "no remedy ember can apply makes it fit here"
+    raise EmberError(f"the plan estimates a peak of {plan.memory.with_margin / GiB:.2f} GiB per device "
+                     f"(with its {plan.memory.margin:.0%} margin) and {dev.name} has {dev.free / GiB:.2f} GiB "
+                     f"free: it does not fit; {fix}")
+
+
+class PreflightFailed(EmberError):
+    """A preflight check failed: the run was not started."""
+
+    def __init__(self, checks: list[Check], failed: list[str]):
+        self.checks = checks
+        super().__init__(f"preflight failed ({', '.join(failed)}): not starting the run; fix the cause "
+                         f"or run without --preflight")
+
+
+def fast_exit(code: int) -> None:
+    """Leave without interpreter teardown once everything is durable (checkpoint committed,
+    metrics fsynced, ledger committed): with torch and transformers loaded it took 1.4 s, so a
+    SIGTERM'd run hands the machine back one step and one save later."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def repro(source: Path, out: Path, tolerance: float, ledger: Path | None) -> Comparison:
+    """Re-run a run from its record (recipe and numerics environment) into a new folder, in a
+    child process, then compare the two."""
+    import subprocess
+
+    from ember.metrics.compare import compare_folders
+    from ember.metrics.report import load_run_record
+    record = load_run_record(source)
+    if out.exists():
+        raise EmberError(f"--out {out}: exists; repro needs a new folder")
+    out.mkdir(parents=True)
+    recipe_file = out.parent / f".{out.name}.recipe.toml"
+    recipe_file.write_text(to_toml(record["recipe"]))
+    cmd = RunRequest(recipe_file, out, ledger=ledger).child_argv()[:-1]  # supervised as the recipe says
+    env = {**os.environ, **record.get("manifest", {}).get("env", {})}
+    try:
+        code = subprocess.run(cmd, env=env).returncode
+    finally:
+        recipe_file.unlink()
+    if code != 0:
+        raise EmberError(f"the re-run exited {code}; {out} holds what it did")
+    return compare_folders(source, out, tolerance)

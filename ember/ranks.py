@@ -1,0 +1,114 @@
+"""Starting the ranks of a distributed run with torchrun's launcher (torch.distributed.run's
+`elastic_launch`), and reading how they ended.
+
+    ember run R --nproc N                        one node: N ranks, rendezvous on loopback
+    ember run R --nproc N --nnodes M --node-rank K --rdzv HOST:PORT
+                                                 node K of M; node 0 hosts the rendezvous at
+                                                 HOST:PORT and global rank 0 (static rendezvous:
+                                                 rank 0 must be on the node whose launcher holds
+                                                 the run folder's lock)
+
+This process is the launcher: it holds the run folder's lock for the ranks (ember.lock) and
+waits. torchrun's own restarts are off (max_restarts 0): when one rank dies, the agent tears the
+group down, and ember's supervisor (--restarts) restarts the whole group from the last durable
+checkpoint with its backoff and its crash-loop rules, the same as a one-process run. A signal to
+the launcher reaches every rank (the agent forwards it); they agree at the step boundary to
+stop, write one checkpoint and exit 75; the agent waits `SHUTDOWN_SECONDS` for that before it
+kills them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EmberError
+from ember.events import Events
+from ember.lock import LAUNCHER
+
+SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
+
+
+@dataclass
+class Topology:
+    nproc: int = 1                 # ranks on this node
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv: str = ""                 # HOST:PORT of node 0 (several nodes)
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+    def check(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1:
+            raise EmberError(f"--nproc {self.nproc} --nnodes {self.nnodes}: both must be >= 1")
+        if self.nnodes > 1:
+            host, _, port = self.rdzv.rpartition(":")
+            if not host or not port.isdigit():
+                raise EmberError(f"--rdzv {self.rdzv!r}: give node 0's address as HOST:PORT (every node the same)")
+            if not 0 <= self.node_rank < self.nnodes:
+                raise EmberError(f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1}")
+        elif self.node_rank or self.rdzv:
+            raise EmberError("--node-rank and --rdzv are for several nodes: add --nnodes M (M >= 2), the same on "
+                             "every node")
+
+    def argv(self) -> list[str]:
+        """These flags again, for a supervised child (none for one process)."""
+        if self.world == 1:
+            return []
+        out = ["--nproc", str(self.nproc)]
+        if self.nnodes > 1:
+            out += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--rdzv", self.rdzv]
+        return out
+
+
+def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Events) -> int:
+    """Run `python rank_argv...` as every rank of this node; the exit code the run ends with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs each rank's end at ERROR, exit 75 included; ended() says what happened.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    t = topology
+    if t.nnodes > 1:  # static: node K's ranks are K*nproc .. K*nproc+nproc-1, rank 0 on node 0
+        rdzv = {"rdzv_backend": "static", "rdzv_endpoint": t.rdzv, "rdzv_configs": {"rank": t.node_rank}}
+    else:
+        rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_configs": {}}
+    config = LaunchConfig(min_nodes=t.nnodes, max_nodes=t.nnodes, nproc_per_node=t.nproc,
+                          run_id=f"ember-{run_name}", max_restarts=0, monitor_interval=0.1,
+                          shutdown_timeout=SHUTDOWN_SECONDS, **rdzv)
+    os.environ[LAUNCHER] = str(os.getpid())
+    events.stage(f"starting {t.nproc} ranks" + (f" on node {t.node_rank} of {t.nnodes}" if t.nnodes > 1 else ""))
+    try:
+        elastic_launch(config, sys.executable)(*rank_argv)
+        return EXIT_OK
+    except SignalException as e:  # the agent forwarded it and waited for the ranks
+        events.info(f"{e.sigval.name}: the ranks were asked to checkpoint and stop")
+        return EXIT_INTERRUPTED
+    except ChildFailedError as e:
+        return ended(e.failures, events)
+    finally:
+        os.environ.pop(LAUNCHER, None)
+
+
+def ended(failures: dict, events: Events) -> int:
+    """The run's exit code from the ranks that did not exit 0 (global rank -> ProcessFailure).
+    Interrupted when a rank exited 75 and the others did too or were stopped by the agent
+    after it (SIGTERM); otherwise a crash, naming the rank that failed first."""
+    codes = {rank: f.exitcode for rank, f in failures.items()}
+    if EXIT_INTERRUPTED in codes.values() and all(c in (EXIT_INTERRUPTED, -signal.SIGTERM) for c in codes.values()):
+        return EXIT_INTERRUPTED
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); the group was torn down: "
+                + ", ".join(f"rank {r} {_how(c)}" for r, c in sorted(codes.items())))
+    return EXIT_ERROR
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"

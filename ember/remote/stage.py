@@ -1,0 +1,67 @@
+"""Staging: the datasets a job was allowed to take, copied into its folder on the cluster and
+verified there, and its recipe rewritten to read the copies.
+
+    JOB/data/NAME/PLACE      each file of dataset NAME at its place (ember.policy.registry.members:
+                             '0/genesis.jsonl'), so the copy's fingerprint is computed over the
+                             same names as the registered one
+    JOB/data.sha256          every staged file's SHA-256 as hashed on arrival (`sha256sum` there);
+                             each allocation checks it again before training
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from ember.errors import EmberError
+from ember.policy.registry import Dataset, fingerprint
+from ember.remote.shell import Shell
+
+
+def link_datasets(bundle: Path, datasets: list[Dataset]) -> None:
+    """Lay out `bundle/data/NAME/I/BASENAME` as symbolic links to the registered paths (tar
+    follows them while it copies)."""
+    for ds in datasets:
+        for i, p in enumerate(ds.paths):
+            place = bundle / "data" / ds.name / str(i)
+            place.mkdir(parents=True)
+            (place / Path(p).name).symlink_to(p)
+
+
+def staged_path(file: str, datasets: list[Dataset]) -> str:
+    """Where data file `file` (a registered path, or a file inside a registered folder) is
+    staged, relative to the job's folder."""
+    for ds in datasets:
+        for i, p in enumerate(ds.paths):
+            base = f"data/{ds.name}/{i}/{Path(p).name}"
+            if file == p:
+                return base
+            if file.startswith(p.rstrip("/") + "/"):
+                return f"{base}/{file[len(p.rstrip('/')) + 1:]}"
+    raise EmberError(f"{file}: in no staged dataset")  # the gate refused such a job already
+
+
+def verify_arrival(shell: Shell, job_dir: str, datasets: list[Dataset]) -> str:
+    """Hash every staged file where it arrived; refuse unless each dataset's copy has its
+    registered fingerprint. Returns data.sha256's text."""
+    out = shell.text(["sh", "-c", f"cd {shlex.quote(job_dir)} && find data -type f -exec sha256sum {{}} +"],
+                     timeout=3600)
+    per: dict[str, list[tuple[str, str]]] = {ds.name: [] for ds in datasets}
+    lines = []
+    for line in out.splitlines():
+        if line.startswith("\\"):
+            raise EmberError(f"a staged file's name holds a backslash or a newline ({line[:80]!r}): rename it")
+        digest, _, name = line.partition("  ")
+        parts = name.split("/", 2)
+        if len(parts) != 3 or parts[1] not in per:
+            raise EmberError(f"{job_dir}/{name}: staged, but in no dataset of this job")
+        per[parts[1]].append((parts[2], digest))
+        lines.append(f"{digest}  {name}\n")
+    for ds in datasets:
+        got = fingerprint(per[ds.name])
+        if got != ds.fingerprint:
+            raise EmberError(f"dataset '{ds.name}' arrived at {shell.where()}:{job_dir} with fingerprint "
+                             f"{got[:19]}..., not the registered {ds.fingerprint[:19]}...: the copy is "
+                             f"refused; the job was not submitted")
+    return "".join(sorted(lines))
+

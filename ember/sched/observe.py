@@ -1,0 +1,105 @@
+"""Readings of the machine for the owner's rules: input idle time, other processes' CPU load,
+battery, running programs, foreign processes on accelerators. No torch; psutil and NVML.
+
+Input idle time, first that answers: X11's screensaver extension through `xprintidle` (where
+DISPLAY is set and it is installed), then logind's IdleHint/IdleSinceHint of graphical sessions
+(`loginctl`, which asks logind over D-Bus; Wayland compositors and GNOME/KDE set it). Text
+sessions (ssh, a console) say nothing about a person at the machine and are not counted.
+Without a graphical session, idle time is unknown and the activity rules do not hold.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import psutil
+
+from ember.sched.owner import Observation, OwnerRules
+from ember.sched.resources import foreign_accelerator_pids
+
+
+def idle_seconds() -> tuple[float | None, str]:
+    """Seconds since the last input at the desktop, and where that came from."""
+    if os.environ.get("DISPLAY") and shutil.which("xprintidle"):
+        r = subprocess.run(["xprintidle"], capture_output=True, text=True, timeout=2)
+        if r.returncode == 0 and r.stdout.strip().isdigit():
+            return int(r.stdout) / 1000, "X11 screensaver extension (xprintidle)"
+    if shutil.which("loginctl"):
+        r = subprocess.run(["loginctl", "list-sessions", "--no-legend"], capture_output=True, text=True, timeout=2)
+        best: float | None = None
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            sid = line.split()[0]
+            s = subprocess.run(["loginctl", "show-session", sid, "-p", "Type", "-p", "IdleHint",
+                                "-p", "IdleSinceHint", "-p", "Active"], capture_output=True, text=True, timeout=2)
+            props = dict(p.split("=", 1) for p in s.stdout.splitlines() if "=" in p)
+            if props.get("Type") not in ("x11", "wayland", "mir") or props.get("Active") != "yes":
+                continue
+            idle = 0.0
+            if props.get("IdleHint") == "yes" and props.get("IdleSinceHint", "0").isdigit():
+                idle = max(0.0, time.time() - int(props["IdleSinceHint"]) / 1e6)
+            best = idle if best is None else min(best, idle)
+        if best is not None:
+            return best, "logind IdleHint"
+    return None, "no graphical session"
+
+
+def process_tree(pids: set[int]) -> set[int]:
+    """The PIDs and all their descendants that are alive."""
+    out = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.add(pid)
+            out |= {c.pid for c in p.children(recursive=True)}
+        except psutil.Error:
+            continue
+    return out
+
+
+class Observer:
+    """Takes an Observation per call; CPU shares are over the time since the previous call."""
+
+    def __init__(self) -> None:
+        self._busy: float | None = None
+        self._when = time.monotonic()
+        self._ours: dict[int, float] = {}
+
+    def _cpu(self, ours: set[int]) -> float:
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+        now = time.monotonic()
+        seconds = {}
+        for pid in ours:
+            try:
+                c = psutil.Process(pid).cpu_times()
+                seconds[pid] = c.user + c.system
+            except psutil.Error:
+                continue
+        if self._busy is None:
+            share = 0.0
+        else:
+            ours_delta = sum(s - self._ours.get(pid, 0.0) for pid, s in seconds.items())
+            elapsed = max(1e-3, now - self._when) * (psutil.cpu_count() or 1)
+            share = max(0.0, (busy - self._busy) - ours_delta) / elapsed
+        self._busy, self._when, self._ours = busy, now, seconds
+        return min(1.0, share)
+
+    def observe(self, rules: OwnerRules, ours: set[int]) -> Observation:
+        """What the rules need, read now; `ours`: the PIDs of ember's jobs and the service."""
+        tree = process_tree(ours)
+        idle, source = idle_seconds()
+        battery = psutil.sensors_battery() if hasattr(psutil, "sensors_battery") else None
+        programs: frozenset[str] = frozenset()
+        if rules.programs.suspend_while:
+            wanted = set(rules.programs.suspend_while)
+            names = set()
+            for p in psutil.process_iter(["name"]):
+                if p.info["name"] in wanted and p.pid not in tree:
+                    names.add(p.info["name"])
+            programs = frozenset(names)
+        foreign = {i: (len(pids), 0) for i, pids in foreign_accelerator_pids(tree).items()}
+        return Observation(idle, source, self._cpu(tree), None if battery is None else not battery.power_plugged,
+                           programs, foreign)

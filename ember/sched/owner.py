@@ -1,0 +1,258 @@
+"""The owner's rules: `$EMBER_HOME/owner.toml`, validated like a recipe (same validator, same
+errors), and one pure function saying which rules hold training right now.
+
+    holds(rules, observation, now) -> list[Hold]
+
+Each hold is soft (stop at the next step boundary, keep the process, release cached memory) or
+hard (checkpoint and exit: the device is free). Soft holds become hard after
+[pause] hard_after_minutes. `ember serve --explain` prints the holds on each job.
+
+    rule                           default       pause   applies to
+    activity.suspend_while_active  false         soft    every job, while input was seen within idle_minutes
+    activity.accelerators_while_active false     soft    accelerator jobs, while the user is active
+    cpu.max_other_load             0 (off)       soft    every job, while non-ember load exceeds the share
+    schedule.<day>                 all day       hard    every job, outside the day's windows
+    power.run_on_battery           false         hard    every job, on battery
+    programs.suspend_while         []            soft    every job, while one of these programs runs
+    accelerators.pause_on_foreign_process true   soft    the jobs on that accelerator
+    accelerators.foreign_memory_max "1GiB"       soft    the jobs on that accelerator
+    memory.max_share_active/idle   0.5 / 0.9     admission: jobs' planned host memory within the share
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.errors import EmberError
+from ember.paths import ember_home
+from ember.recipe import build_section, did_you_mean, read_toml, setting
+
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
+
+
+@dataclass
+class ServiceRules:
+    host: str = setting("127.0.0.1", "Address the service listens on; anything but loopback "
+                        "requires the token for every request.")
+    port: int = setting(8765, "Port the service listens on (0: any free port).", min=0, max=65535)
+    allowed: list[str] = setting(lambda: ["~"], "Folders recipes (and run folders) must lie under.",
+                                 factory=True)
+    max_body_bytes: int = setting(1 << 20, "Largest request body accepted.", min=1024)
+
+
+@dataclass
+class ActivityRules:
+    idle_minutes: float = setting(3.0, "The user is active when input was seen within this window.",
+                                  min=0)
+    suspend_while_active: bool = setting(False, "Pause all training while the user is active.")
+    accelerators_while_active: bool = setting(False, "Allow accelerator jobs while the user is active "
+                                              "(BOINC's 'GPU work while in use'; off by default).")
+
+
+@dataclass
+class CpuRules:
+    max_other_load: float = setting(0.0, "Pause when processes other than ember's jobs use more than "
+                                    "this share of all cores (0 = no such rule).", min=0, max=1)
+
+
+@dataclass
+class MemoryRules:
+    max_share_active: float = setting(0.5, "Share of host RAM jobs may plan to use while the user "
+                                      "is active.", min=0, max=1)
+    max_share_idle: float = setting(0.9, "Share of host RAM jobs may plan to use while idle.", min=0, max=1)
+
+
+@dataclass
+class PowerRules:
+    run_on_battery: bool = setting(False, "Train while the machine runs on battery.")
+
+
+@dataclass
+class ProgramRules:
+    suspend_while: list[str] = setting(list, "Pause while a process of one of these names runs.",
+                                       factory=True)
+
+
+@dataclass
+class AcceleratorRules:
+    pause_on_foreign_process: bool = setting(True, "Pause jobs on an accelerator when a process that "
+                                             "is not ember's appears on it (NVML).")
+    foreign_memory_max: str = setting("1GiB", "Pause jobs on an accelerator when processes that are "
+                                      "not ember's use more than this much of its memory.")
+
+
+@dataclass
+class ScheduleRules:
+    mon: list[str] | None = setting(None, "Monday's windows when training may run, e.g. "
+                                    "['00:00-08:00', '18:00-24:00']; unset: all day; []: not at all.")
+    tue: list[str] | None = setting(None, "Tuesday's windows.")
+    wed: list[str] | None = setting(None, "Wednesday's windows.")
+    thu: list[str] | None = setting(None, "Thursday's windows.")
+    fri: list[str] | None = setting(None, "Friday's windows.")
+    sat: list[str] | None = setting(None, "Saturday's windows.")
+    sun: list[str] | None = setting(None, "Sunday's windows.")
+
+
+@dataclass
+class PauseRules:
+    hard_after_minutes: float = setting(10.0, "A soft pause that lasts longer becomes hard: the job "
+                                        "checkpoints and exits, freeing its device.", min=0)
+
+
+@dataclass
+class InferenceRules:
+    upstream: str = setting("", "Forward /v1 requests to this engine (llama.cpp's llama-server, vLLM, "
+                            "Ollama), e.g. 'http://127.0.0.1:8080'; empty: the built-in engine.")
+    model: str = setting("builtin:tiny", "The built-in engine's base model (a recipe's model.path).")
+    runs: list[str] = setting(list, "Run folders whose latest adapters the built-in engine serves "
+                              "(the service's own jobs are added).", factory=True)
+    seed: int = setting(0, "builtin:tiny only: the seed its runs were trained with (the base is a "
+                        "random initialisation from it).", min=0)
+    device: int = setting(0, "The device inference runs on: training there pauses during requests.",
+                          min=0)
+    idle_gap_seconds: float = setting(2.0, "Training resumes after inference has been idle this long.",
+                                      min=0)
+    enabled: bool = setting(True, "Answer /v1 requests at all.")
+
+
+@dataclass
+class OwnerRules:
+    service: ServiceRules = field(default_factory=ServiceRules)
+    activity: ActivityRules = field(default_factory=ActivityRules)
+    cpu: CpuRules = field(default_factory=CpuRules)
+    memory: MemoryRules = field(default_factory=MemoryRules)
+    power: PowerRules = field(default_factory=PowerRules)
+    programs: ProgramRules = field(default_factory=ProgramRules)
+    accelerators: AcceleratorRules = field(default_factory=AcceleratorRules)
+    schedule: ScheduleRules = field(default_factory=ScheduleRules)
+    pause: PauseRules = field(default_factory=PauseRules)
+    inference: InferenceRules = field(default_factory=InferenceRules)
+
+
+SECTIONS = {"service": ServiceRules, "activity": ActivityRules, "cpu": CpuRules, "memory": MemoryRules,
+            "power": PowerRules, "programs": ProgramRules, "accelerators": AcceleratorRules,
+            "schedule": ScheduleRules, "pause": PauseRules, "inference": InferenceRules}
+
+
+def owner_file() -> Path:
+    return ember_home() / "owner.toml"
+
+
+def load_rules(path: Path | None = None) -> OwnerRules:
+    """owner.toml (absent: every default), with unknown keys, wrong types and bad ranges refused."""
+    from ember.sched.resources import parse_size
+    path = path or owner_file()
+    if not path.is_file():
+        return OwnerRules()
+    raw = read_toml(path)
+    classes = SECTIONS
+    sections = {}
+    for name, value in raw.items():
+        if name not in classes:
+            raise EmberError(f"{path}: unknown section [{name}]{did_you_mean(name, classes)}; sections "
+                             f"are {', '.join(classes)}")
+        if not isinstance(value, dict):
+            raise EmberError(f"{path}: '{name}' must be a [{name}] table")
+        sections[name] = build_section(classes[name], name, value, str(path))
+    rules = OwnerRules(**sections)
+    for day in DAYS:
+        for w in getattr(rules.schedule, day) or []:
+            if not WINDOW.match(w) or minutes(w.split("-")[0]) >= minutes(w.split("-")[1]):
+                raise EmberError(f"{path}: [schedule] {day}: window {w!r}: write HH:MM-HH:MM with the "
+                                 f"start before the end, e.g. '18:00-24:00'")
+    parse_size(rules.accelerators.foreign_memory_max, f"{path}: [accelerators] foreign_memory_max")
+    if rules.inference.upstream and not re.match(r"^https?://[^/\s]+", rules.inference.upstream):
+        raise EmberError(f"{path}: [inference] upstream = {rules.inference.upstream!r}: write a URL like "
+                         f"'http://127.0.0.1:8080'")
+    return rules
+
+
+def minutes(hhmm: str) -> int:
+    h, m = hhmm.split(":")
+    return int(h) * 60 + int(m)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The machine as the service saw it a moment ago (ember.sched.observe)."""
+    idle_seconds: float | None                 # since the last input; None: no desktop session found
+    idle_source: str
+    other_cpu_share: float                     # of all cores, processes other than ember's jobs
+    on_battery: bool | None
+    programs: frozenset[str] = frozenset()     # names of running processes the rules mention
+    foreign: dict[int, tuple[int, int]] = field(default_factory=dict)  # accelerator -> (processes, bytes)
+
+
+@dataclass(frozen=True)
+class Hold:
+    rule: str                      # the owner.toml key that holds, or "yield"
+    kind: str                      # "soft" or "hard"
+    devices: tuple[int, ...] | None  # None: every device
+    accelerators_only: bool
+    detail: str
+
+
+def in_window(schedule: ScheduleRules, now: dt.datetime) -> tuple[bool, str]:
+    """Whether `now` (local time) is inside the day's windows, and the day's rule."""
+    day = DAYS[now.weekday()]
+    windows = getattr(schedule, day)
+    if windows is None:
+        return True, f"{day}: all day"
+    t = now.hour * 60 + now.minute
+    ok = any(minutes(w.split("-")[0]) <= t < minutes(w.split("-")[1]) for w in windows)
+    return ok, f"{day}: {', '.join(windows) or 'no windows'}"
+
+
+def active(rules: OwnerRules, obs: Observation) -> bool:
+    return obs.idle_seconds is not None and obs.idle_seconds < rules.activity.idle_minutes * 60
+
+
+def holds(rules: OwnerRules, obs: Observation, now: dt.datetime) -> list[Hold]:
+    """The owner's rules that hold training now (see the module docstring)."""
+    from ember.sched.resources import parse_size
+    out = []
+    if active(rules, obs):
+        idle = f"input {obs.idle_seconds:.0f} s ago ({obs.idle_source}), within idle_minutes = " \
+               f"{rules.activity.idle_minutes:g}"
+        if rules.activity.suspend_while_active:
+            out.append(Hold("activity.suspend_while_active", "soft", None, False, idle))
+        elif not rules.activity.accelerators_while_active:
+            out.append(Hold("activity.accelerators_while_active", "soft", None, True, idle))
+    limit = rules.cpu.max_other_load
+    if limit and obs.other_cpu_share > limit:
+        out.append(Hold("cpu.max_other_load", "soft", None, False,
+                        f"other processes use {obs.other_cpu_share:.0%} of all cores, above {limit:.0%}"))
+    ok, which = in_window(rules.schedule, now)
+    if not ok:
+        out.append(Hold(f"schedule.{DAYS[now.weekday()]}", "hard", None, False,
+                        f"{now:%a %H:%M} is outside the windows ({which})"))
+    if obs.on_battery and not rules.power.run_on_battery:
+        out.append(Hold("power.run_on_battery", "hard", None, False, "the machine runs on battery"))
+    running = sorted(obs.programs & set(rules.programs.suspend_while))
+    if running:
+        out.append(Hold("programs.suspend_while", "soft", None, False, f"{', '.join(running)} running"))
+    cap = parse_size(rules.accelerators.foreign_memory_max, "foreign_memory_max")
+    for index, (count, used) in sorted(obs.foreign.items()):
+        if count and rules.accelerators.pause_on_foreign_process:
+            out.append(Hold("accelerators.pause_on_foreign_process", "soft", (index,), True,
+                            f"{count} process(es) that are not ember's on accelerator {index}"))
+        elif used > cap:
+            out.append(Hold("accelerators.foreign_memory_max", "soft", (index,), True,
+                            f"other processes use {used / 2**30:.2f} GiB on accelerator {index}"))
+    return out
+
+
+def applies(hold: Hold, devices: tuple[int, ...], accelerator: bool) -> bool:
+    """Whether a hold stops a job on `devices` (accelerator: not host RAM)."""
+    if hold.accelerators_only and not accelerator:
+        return False
+    return hold.devices is None or bool(set(hold.devices) & set(devices))
+
+
+def ram_share(rules: OwnerRules, obs: Observation) -> float:
+    """The share of host RAM jobs may plan to use now."""
+    return rules.memory.max_share_active if active(rules, obs) else rules.memory.max_share_idle

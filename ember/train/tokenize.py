@@ -1,0 +1,292 @@
+"""The sharded, streaming, resumable writer of a token store (layout: ember.train.data).
+
+    plan (ember.train.sources) -> shards tokenized by a process pool into WORK/ -> assemble -> rename
+
+WORK is `.<key>.work/` beside the store. Its states, changed only by this module:
+
+    absent --build--> WORK/plan.json (the shard list; a different plan empties WORK first)
+    shard i missing --worker--> WORK/i.tmp<pid>/ --rename--> WORK/i/ (committed: never rewritten)
+    every shard committed --assemble--> .<key>.<pid>/ --rename--> <key>/ (the store), WORK removed
+
+A tokenization killed at any point leaves committed shards and at most some .tmp folders
+(removed when seen); run again, only the missing shards are tokenized. A shard holds raw
+little-endian files per split: `tokens` (uint32), `targets` (uint8, absent when all are
+learned), `lengths` (int64 per document) and `info.json` with their counts. The store's .npy
+files are one header followed by the shards' raw bytes in order: nothing is held whole in
+memory, and the bytes do not depend on how many processes tokenized them. A cache, like the
+store: renames for atomicity, no fsync (a power cut costs a re-tokenization, not a wrong
+store: a shard whose files do not match its counts is redone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ember import faults
+from ember.errors import EmberError
+from ember.events import Events
+from ember.lock import acquire
+from ember.train.formats import _field, encode
+from ember.train.sources import Shard, held_out, plan, records
+
+SPLITS = ("train", "eval")
+TEXT_BATCH = 256            # plain-text records per tokenizer call (the fast tokenizers' batch path)
+FLUSH_TOKENS = 1 << 20      # tokens buffered per split before they are appended to the shard's files
+POOL_MIN_BYTES = 8 << 20    # below this much input, a process pool costs more than it saves
+
+
+def build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, store: Path,
+          events: Events, workers: int) -> None:
+    """Tokenize (file, held-out share) pairs into the token store `store`, resuming the
+    shards a previous, interrupted build committed. One process builds a store at a time: a
+    second one waits (a lock per store, dropped by the kernel however the holder ends), then
+    uses the store the first built, or resumes its work folder if it died."""
+    locks = store.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = acquire(locks / f"tokens-{store.name}", f"the token store {store}", wait=lambda pid: events.info(
+        f"another process (PID {pid}) is tokenizing the same data into {store}; waiting for it"))
+    try:
+        if not (store / "info.json").is_file():  # else: built while this process waited
+            _build(files, cfg, tokenizer, seed, store, events, workers)
+    finally:
+        lock.release()
+
+
+def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, store: Path,
+           events: Events, workers: int) -> None:
+    shards, formats = plan(files, cfg.format, cfg.text_field, seed)
+    if len(set(formats.values())) > 1:
+        raise EmberError("[data] files: records of different formats (" + ", ".join(
+            f"{Path(f).name}: {fmt}" for f, fmt in formats.items()) + "); use one format, or set [data] format")
+    work = store.with_name(f".{store.name}.work")
+    plan_json = json.dumps([asdict(s) for s in shards], indent=0)
+    if not (work / "plan.json").is_file() or (work / "plan.json").read_text() != plan_json:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        (work / "plan.json").write_text(plan_json)
+    todo = [i for i in range(len(shards)) if shard_info(work / f"{i:06d}") is None]
+    big = sum(shards[i].size for i in todo) >= POOL_MIN_BYTES
+    procs = max(1, min(workers, len(todo))) if big else 1
+    events.stage(f"tokenizing {len(todo)} of {len(shards)} shard(s) with {procs} process(es)",
+                 shards=len(shards), todo=len(todo), done=len(shards) - len(todo), workers=procs)
+    args = (tokenizer, cfg.text_field, cfg.train_on, seed, dict(files))
+    if procs == 1:
+        for i in todo:
+            tokenize_shard(shards[i], work / f"{i:06d}", *args)
+    else:
+        _pool(shards, todo, work, args, procs)
+    assemble(shards, work, store, formats)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _pool(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: int) -> None:
+    """The missing shards in worker processes; the first failure in input order is raised."""
+    # spawn, not fork: the parent may hold torch's and the tokenizer's threads, which a fork
+    # would copy mid-flight; each worker imports what it needs once.
+    # The tokenizer goes to each worker once, with the initializer: pickled with every shard, it
+    # cost ~0.35 s a shard to rebuild (a tenth of a 4 MB shard's tokenization).
+    pool = ProcessPoolExecutor(procs, mp_context=get_context("spawn"), initializer=_worker_init, initargs=args)
+    try:
+        futures: list[Future] = [pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}") for i in todo]
+        for fut in futures:
+            fut.result()
+    except BrokenProcessPool:
+        raise EmberError(f"a tokenization worker process died (killed, or out of memory); the shards it "
+                         f"finished are kept in {work}: run again to tokenize only the rest") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_WORKER_ARGS: tuple = ()  # in a worker process: the arguments of tokenize_shard after the shard's
+
+
+def _worker_init(*args: Any) -> None:
+    global _WORKER_ARGS
+    # Ctrl-C reaches the whole process group; the parent decides (it stops the pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # One thread per worker process: the pool is the parallelism (and a fork-safe tokenizer).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_ARGS = args
+
+
+def _tokenize_in_worker(shard: Shard, out: Path) -> None:
+    tokenize_shard(shard, out, *_WORKER_ARGS)
+
+
+class SplitWriter:
+    """One split of one shard: token ids, targets and document lengths appended to raw files
+    as they come, FLUSH_TOKENS at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.files = folder, {}
+        self.ids: list[int] = []
+        self.targets: list[bool] = []
+        self.lengths: list[int] = []
+        self.open = 0  # tokens of the document being written
+        self.counts = {"documents": 0, "tokens": 0, "targets": 0, "joins": 0}
+
+    def add(self, ids: list[int], targets: list[bool] | None) -> None:
+        self.ids += ids
+        self.targets += targets if targets is not None else [True] * len(ids)
+        self.open += len(ids)
+        if len(self.ids) >= FLUSH_TOKENS:
+            self.flush()
+
+    def end_document(self) -> None:
+        self.lengths.append(self.open)
+        self.open = 0
+
+    def flush(self) -> None:
+        if not (self.ids or self.lengths):
+            return
+        targets = np.asarray(self.targets, dtype=np.uint8)
+        learned = int(targets.sum())
+        if learned < len(targets) and "targets" not in self.files:
+            # The first unlearned token: the tokens before it were all learned.
+            self._file("targets").write(np.ones(self.counts["tokens"], dtype=np.uint8).tobytes())
+        self._file("tokens").write(np.asarray(self.ids, dtype="<u4").tobytes())
+        if "targets" in self.files:
+            self.files["targets"].write(targets.tobytes())
+        self._file("lengths").write(np.asarray(self.lengths, dtype="<i8").tobytes())
+        self.counts["tokens"] += len(self.ids)
+        self.counts["targets"] += learned
+        self.counts["documents"] += len(self.lengths)
+        self.ids, self.targets, self.lengths = [], [], []
+
+    def _file(self, name: str) -> BinaryIO:
+        if name not in self.files:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.files[name] = open(self.folder / name, "wb")
+        return self.files[name]
+
+    def close(self) -> dict[str, int]:
+        self.flush()
+        for fh in self.files.values():
+            fh.close()
+        return self.counts
+
+
+def tokenize_shard(shard: Shard, out: Path, tokenizer: Any, text_field: str, train_on: str,
+                   seed: int, shares: dict[str, float]) -> None:
+    """Tokenize one shard into `out` (written under a temporary name, then renamed)."""
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writers = {name: SplitWriter(tmp / name) for name in SPLITS}
+    share = shares[shard.file]
+    if shard.kind == "textpart":  # one document across shards: this piece, its EOS if it is the last
+        w = writers[shard.split]
+        for _, block in records(shard, text_field):
+            w.add(tokenizer.encode_batch([block[text_field]])[0], None)
+        if shard.stop == Path(shard.file).stat().st_size:
+            w.add([tokenizer.eos_id], None)
+        w.end_document()
+        w.counts["joins"] = int(shard.start > 0)
+    else:
+        texts: list[tuple[str, str]] = []  # plain-text records waiting for one batched tokenizer call
+        for n, record in records(shard, text_field):
+            where = f"{shard.where}{'row ' if shard.kind in ('parquet', 'arrow') else ''}{n}"
+            split = shard.split or ("eval" if share > 0 and held_out(record, seed, share) else "train")
+            if shard.fmt == "text":  # encode() for text, batched: the same ids, one call per TEXT_BATCH
+                texts.append((split, _field(record, text_field, where)))
+                if len(texts) >= TEXT_BATCH:
+                    _encode_texts(texts, tokenizer, writers)
+                continue
+            enc = encode(record, shard.fmt, tokenizer, text_field, train_on, where)
+            writers[split].add(enc.ids, enc.targets)
+            writers[split].end_document()
+        _encode_texts(texts, tokenizer, writers)
+    info = {name: w.close() for name, w in writers.items()}
+    (tmp / "info.json").write_text(json.dumps(info))
+    faults.point("tokenize.shard")  # killed here: this shard is redone, the committed ones are kept
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another build committed it first (the same bytes)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _encode_texts(texts: list[tuple[str, str]], tokenizer: Any, writers: dict[str, SplitWriter]) -> None:
+    for (split, _), ids in zip(texts, tokenizer.encode_batch([t for _, t in texts]) if texts else []):
+        writers[split].add(ids + [tokenizer.eos_id], None)
+        writers[split].end_document()
+    texts.clear()
+
+
+def shard_info(folder: Path) -> dict[str, Any] | None:
+    """A committed shard's counts, or None if it is missing or its files do not match them."""
+    if not (folder / "info.json").is_file():
+        return None
+    info = json.loads((folder / "info.json").read_text())
+    for name, c in info.items():
+        sizes = {"tokens": 4 * c["tokens"], "lengths": 8 * c["documents"],
+                 "targets": c["tokens"] if c["targets"] < c["tokens"] else 0}
+        for f, size in sizes.items():
+            path = folder / name / f
+            if (path.stat().st_size if path.is_file() else 0) != size:
+                return None
+    return info
+
+
+def assemble(shards: list[Shard], work: Path, store: Path, formats: dict[str, str]) -> None:
+    """The store from the committed shards: each .npy one header, then the shards' bytes."""
+    tmp = store.with_name(f".{store.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    parts = [work / f"{i:06d}" for i in range(len(shards))]
+    infos = [shard_info(p) for p in parts]
+    info: dict[str, Any] = {"format": next(iter(formats.values()), "text"), "files": formats}
+    for name in SPLITS:
+        counts = [i[name] for i in infos]
+        docs = sum(c["documents"] - c["joins"] for c in counts)
+        tokens, learned = sum(c["tokens"] for c in counts), sum(c["targets"] for c in counts)
+        if name != "train" and docs == 0:
+            continue
+        folder = tmp / name
+        folder.mkdir(parents=True)
+        with _npy(folder / "tokens.npy", "<u4", tokens) as fh:
+            for p in parts:
+                _append(fh, p / name / "tokens")
+        if learned < tokens:
+            with _npy(folder / "targets.npy", "|u1", tokens) as fh:
+                for p, c in zip(parts, counts):
+                    if c["targets"] < c["tokens"]:
+                        _append(fh, p / name / "targets")
+                    else:
+                        fh.write(np.ones(c["tokens"], dtype=np.uint8).tobytes())
+        with _npy(folder / "docs.npy", "<i8", docs + 1) as fh:
+            at = 0
+            for p, c in zip(parts, counts):
+                lengths = np.fromfile(p / name / "lengths", dtype="<i8") if c["documents"] else np.zeros(0, "<i8")
+                starts = at + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype("<i8") if len(lengths) else lengths
+                fh.write(starts[c["joins"]:].tobytes())
+                at += int(lengths.sum())
+            fh.write(np.asarray([at], dtype="<i8").tobytes())
+        info[name] = {"documents": docs, "tokens": tokens, "targets": learned}
+    (tmp / "info.json").write_text(json.dumps(info, indent=1))
+    try:
+        os.rename(tmp, store)  # a cache: atomic, rebuilt if lost, so no fsync
+    except OSError:  # another process finished it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _npy(path: Path, descr: str, n: int) -> BinaryIO:
+    """A 1-d .npy file of n items, its header written (the same header np.save writes)."""
+    fh = open(path, "wb")
+    np.lib.format.write_array_header_1_0(fh, {"descr": descr, "fortran_order": False, "shape": (n,)})
+    return fh
+
+
+def _append(fh: BinaryIO, path: Path) -> None:
+    if path.is_file():
+        with open(path, "rb") as src:
+            shutil.copyfileobj(src, fh, 16 << 20)

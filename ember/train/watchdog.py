@@ -1,0 +1,156 @@
+"""The hang watchdog of a distributed run: a thread per rank that notices a step taking far
+longer than the run's own steps, says where every rank is, and ends the group so the supervisor
+restarts it from the last durable checkpoint.
+
+    bound      max(hang_min_seconds, hang_factor x p99 of this attempt's steps so far); until
+               the first step, and while a checkpoint is written, the collectives' own timeout
+    beat       after every step (and checkpoint) each rank records its step in the rendezvous
+               store (a TCPStore client of its own: the training thread's collectives are not
+               touched, and a rank stuck in one still answers through it)
+    on a hang  the rank dumps every thread's Python stack (faulthandler) into OUT/hang-rankR.txt,
+               writes where its training thread is into the store, and rank 0 names the ranks
+               behind (a lower step, or not in the collective the others wait in); then every
+               rank exits EXIT_HUNG, the agent tears the group down, the supervisor restarts it
+
+The detection bound is the bound above plus one poll (POLL_SECONDS); a step's work is lost at
+most once per hang, as after a crash. A hung collective cannot take a checkpoint (the checkpoint
+is itself collective): the run resumes from the newest committed one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from ember.events import Events
+from ember.recipe import DistributedConfig
+from ember.world import World
+
+EXIT_HUNG = 70     # EX_SOFTWARE: restarted by the supervisor like a crash
+POLL_SECONDS = 0.25
+WINDOW = 200       # recent steps the p99 is taken over
+PEERS_SECONDS = 2.0  # how long rank 0 waits for the other ranks' hang reports
+
+
+def p99(values: list[float]) -> float:
+    """Nearest rank, not ember.metrics.stats.percentile's interpolation: a bound taken from a
+    step that really happened, never from between the two slowest."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.99 * len(s)))] if s else 0.0
+
+
+def bound_seconds(cfg: DistributedConfig, steps: list[float]) -> float:
+    """How long a step may take before it is called hung (see the module docstring)."""
+    if not steps:
+        return cfg.timeout_seconds
+    return max(cfg.hang_min_seconds, cfg.hang_factor * p99(steps))
+
+
+# Frames a rank waits in for the others: torch.distributed's calls, ember.world's, and the
+# autograd engine (DDP's and FSDP's gradient reductions run inside backward).
+COLLECTIVE = {"all_reduce", "barrier", "broadcast_object_list", "gather_object", "all_gather", "reduce_scatter",
+              "_engine_run_backward", "wait"}
+
+
+def where(thread_id: int) -> tuple[bool, str]:
+    """Whether a thread waits in a collective, and its innermost frames as one line."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return False, "(thread gone)"
+    stack = traceback.extract_stack(frame)
+    waiting = any(f.name in COLLECTIVE or Path(f.filename).name == "world.py" for f in stack)
+    names = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-6:]]
+    return waiting, ("in a collective: " if waiting else "not in a collective: ") + " <- ".join(reversed(names))
+
+
+class Watchdog:
+    def __init__(self, world: World, cfg: DistributedConfig, folder: Path, events: Events):
+        self.world, self.cfg, self.folder, self.events = world, cfg, folder, events
+        self.steps: list[float] = []
+        self.step = 0
+        self.last = time.monotonic()
+        self.relaxed = True  # until the first step: the collectives' timeout is the bound
+        self.main_thread = threading.get_ident()
+        self.store = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Watchdog:
+        """Watch this rank (distributed runs only; a one-process run has nobody to wait for)."""
+        if not self.world.distributed:
+            return self
+        import torch.distributed as dist
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = dist.PrefixStore("ember/watchdog/", dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=10), use_libuv=True))
+        self._thread = threading.Thread(target=self._watch, name="ember-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, seconds: float | None) -> None:
+        """A step (with its seconds) or a checkpoint (None) finished on this rank."""
+        if seconds is not None:
+            self.steps = (self.steps + [seconds])[-WINDOW:]
+        self.step, self.last, self.relaxed = step, time.monotonic(), False
+        if self.store is not None:
+            self.store.set(f"step/{self.world.rank}", str(step))
+
+    def relax(self) -> None:
+        """A checkpoint is being written: the collectives' timeout bounds it, not the step's."""
+        self.relaxed, self.last = True, time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            bound = self.cfg.timeout_seconds if self.relaxed else bound_seconds(self.cfg, self.steps)
+            waited = time.monotonic() - self.last
+            if waited > bound:
+                self._hung(waited, bound)
+
+    def _hung(self, waited: float, bound: float) -> None:
+        rank, (waiting, here) = self.world.rank, where(self.main_thread)
+        try:
+            with open(self.folder / f"hang-rank{rank}.txt", "w") as f:
+                f.write(f"rank {rank}: step {self.step + 1} running for {waited:.1f} s (bound {bound:.1f} s)\n"
+                        f"training thread: {here}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError as e:  # the report below still names where every rank is
+            here += f" (its stacks could not be written: {e.strerror})"
+        self.store.set(f"hang/{rank}", f"{int(waiting)}|step {self.step + 1}: {here}")
+        if self.world.main:
+            self.events.warn(self.report(waited, bound))
+        os._exit(EXIT_HUNG)
+
+    def report(self, waited: float, bound: float) -> str:
+        """Rank 0's account of a hang: every rank's last step and where it is."""
+        deadline = time.monotonic() + PEERS_SECONDS
+        steps, hangs = {}, {}
+        for r in range(self.world.size):
+            try:
+                steps[r] = int(self.store.get(f"step/{r}").decode()) if self.store.check([f"step/{r}"]) else 0
+                while not self.store.check([f"hang/{r}"]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                hangs[r] = self.store.get(f"hang/{r}").decode() if self.store.check([f"hang/{r}"]) else None
+            except Exception as e:  # a store gone with its host: say so, keep what we have
+                hangs.setdefault(r, f"(no answer: {type(e).__name__})")
+        newest = max(steps.values(), default=0)
+        behind = [r for r, s in steps.items() if s < newest]
+        if not behind:  # all finished the same step: the ones not in the collective the others wait in
+            behind = [r for r, h in hangs.items() if h is not None and h.startswith("0|")]
+        hangs = {r: h.partition("|")[2] if h and h[:2] in ("0|", "1|") else h for r, h in hangs.items()}
+        lines = [f"hang: step {self.step + 1} has run {waited:.1f} s, past the watchdog's bound of {bound:.1f} s "
+                 f"({self.cfg.hang_factor:g} x the p99 step, at least {self.cfg.hang_min_seconds:g} s)",
+                 "rank(s) that never arrived: " + (", ".join(map(str, behind)) or "unknown")]
+        lines += [f"  rank {r}: last step {steps.get(r, '?')}; {hangs.get(r) or 'no report'}" for r in range(self.world.size)]
+        lines.append(f"stacks: {self.folder}/hang-rank*.txt; the group stops now (exit {EXIT_HUNG}) and resumes from "
+                     f"the newest committed checkpoint when supervised (--restarts)")
+        return "\n".join(lines)

@@ -1,0 +1,271 @@
+"""The dashboard: HTML pages, the JSON API behind them, live steps (server-sent events) and
+Prometheus metrics, added to the service's app (or to `ember ui`'s).
+
+    GET /runs, /runs/{id}, /queue, /machine, /plan      pages (server-rendered, a little JavaScript)
+    GET /api/runs?status=&match=&sort=&desc=            the runs table           (ember runs)
+    GET /api/runs/{id}                                   the run's report         (ember report --json)
+    GET /api/runs/{id}/record                            its run.json: recipe, manifest, data fingerprint
+    GET /api/runs/{id}/diagnosis                         its newest `ember doctor RUN`, or 404
+    GET /api/runs/{id}/curves?fields=&start=&end=&buckets=   per-step curves, min/max-downsampled
+    GET /api/runs/{id}/live                              text/event-stream of the steps as they come
+    GET /api/compare?a=&b=&tolerance=                    ember compare A B --json
+    GET /api/machine?since=                              devices, duty cycle, rent/reserve/own (ember capacity)
+    GET /api/plan?run=|job=&device_memory=&target_micro_batch=   ember plan --json
+    GET /metrics                                         Prometheus text format (ember.metrics.exposition)
+    GET /login?token=                                    the dashboard's session (ember.web.security)
+
+A run is named by its ledger id alone: nothing outside the ledger's runs is reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from ember.metrics.capacity import CapacityReport
+from ember.metrics.compare import Comparison
+from ember.metrics.exposition import LedgerCollector
+from ember.metrics.listing import SORT_KEYS, RunEntry, run_live
+from ember.metrics.report import RunReport
+from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
+from ember.sched.jobs import STATES
+from ember.web import security
+from ember.web.views import BadRequest, MachinePage, Views
+
+HERE = Path(__file__).parent
+STATIC = {p.name: p for p in (HERE / "static").iterdir() if p.is_file()}  # the only files served
+MEDIA = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain", ".svg": "image/svg+xml"}
+PAGE_ROWS = 100  # runs per page of the Runs page
+LIVE_POLL_SECONDS = 1.0
+LIVE_MAX_SECONDS = 600.0  # a stream ends after this; the browser's EventSource reconnects from its offset
+STATUSES = ("completed", "running", "interrupted", "failed", "crashed", "killed", "unknown", "folder missing")
+
+
+def as_json(value: Any) -> Any:
+    """A library answer as JSON: dataclasses as `asdict` (what `--json` prints), and the floats JSON
+    cannot carry (an infinite step time, NaN) as null."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def size(n: float | None) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point."""
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def reply(value: Any) -> JSONResponse:
+    return JSONResponse(as_json(value))
+
+
+def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = lambda v, spec=",.1f": "-" if v is None else format(v, spec)
+    env.filters["ms"] = lambda v: "-" if v is None else f"{v * 1000:,.1f} ms"
+    env.filters["pct"] = lambda v: "-" if v is None else f"{v:.1%}"
+    env.filters["when"] = lambda t: "-" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+    env.filters["gib"] = size
+    env.filters["tojson_attr"] = lambda v: json.dumps(v, default=str)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LedgerCollector(views.con, STATES))
+
+    def page(request: Request, template: str, title: str, **data: Any) -> HTMLResponse:
+        signed_in = security.session_ok(request, token)
+        html = env.get_template(template).render(
+            title=title, nav=title, signed_in=signed_in, service=views.service is not None,
+            csrf=security.csrf_value(token) if signed_in else "", **data)
+        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+    def error_page(request: Request, e: BadRequest) -> HTMLResponse:
+        r = page(request, "error.html", "Error", status=e.status, message=str(e))
+        r.status_code = e.status
+        return r
+
+    # ---- pages ------------------------------------------------------------------------------
+
+    @app.get("/", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse("/runs", status_code=303)
+
+    @app.get("/runs", include_in_schema=False)
+    def runs_page(request: Request, status: str | None = None, match: str | None = None, sort: str = "created",
+                  desc: bool = True, page_: int = Query(1, alias="page", ge=1)) -> HTMLResponse:
+        try:
+            rows = views.runs(status or None, match or None, sort, desc)
+        except BadRequest as e:
+            return error_page(request, e)
+        # Sorted and filtered over every run; shown a page at a time (a browser lays out 100 rows
+        # in a blink, 1,000 in over a second on a small machine).
+        pages = max(1, -(-len(rows) // PAGE_ROWS))
+        at = min(page_, pages)
+        return page(request, "runs.html", "Runs", rows=rows[(at - 1) * PAGE_ROWS:at * PAGE_ROWS], total=len(rows),
+                    first=(at - 1) * PAGE_ROWS + 1, at=at, pages=pages, status=status or "", match=match or "",
+                    sort=sort, desc=desc, statuses=STATUSES, sort_keys=SORT_KEYS)
+
+    @app.get("/runs/{run_id}", include_in_schema=False)
+    def run_page(request: Request, run_id: str, compare: str | None = None) -> HTMLResponse:
+        try:
+            data = views.run_page(run_id, compare or None)
+        except BadRequest as e:
+            return error_page(request, e)
+        return page(request, "run.html", "Runs", p=data, run_id=run_id, live=run_live(views.con(), run_id))
+
+    @app.get("/queue", include_in_schema=False)
+    def queue_page(request: Request) -> HTMLResponse:
+        data = views.queue() if views.service is not None else None
+        return page(request, "queue.html", "Queue", q=data)
+
+    @app.get("/machine", include_in_schema=False)
+    def machine_page(request: Request, since: str | None = None) -> HTMLResponse:
+        try:
+            data = views.machine(since or None)
+        except BadRequest as e:
+            return error_page(request, e)
+        return page(request, "machine.html", "Machine", m=data, since=since or "")
+
+    @app.get("/plan", include_in_schema=False)
+    def plan_page(request: Request, run: str | None = None, job: str | None = None,
+                  device_memory: float | None = None, target_micro_batch: int | None = None) -> HTMLResponse:
+        plan, error = None, None
+        if run or job:
+            try:
+                plan = views.plan(run or None, job or None, device_memory, target_micro_batch)
+            except BadRequest as e:
+                error = str(e)
+        runs = views.runs(None, None, "created", True)
+        jobs = views.service.queue() if views.service is not None else []
+        return page(request, "plan.html", "Plan", plan=plan, error=error, run=run or "", job=job or "",
+                    device_memory=device_memory, target_micro_batch=target_micro_batch, runs=runs, jobs=jobs)
+
+    @app.get("/login", include_in_schema=False)
+    def login_form(request: Request, token_: str | None = Query(None, alias="token")) -> Response:
+        if token_ is not None:
+            return _login(request, token_)
+        return page(request, "login.html", "Sign in", failed=False)
+
+    @app.post("/login", include_in_schema=False)
+    async def login_post(request: Request) -> Response:
+        form = parse_qs((await request.body()).decode(errors="replace"))
+        return _login(request, (form.get("token") or [""])[0])
+
+    def _login(request: Request, given: str) -> Response:
+        if not security._equal(given.strip(), token):
+            r = page(request, "login.html", "Sign in", failed=True)
+            r.status_code = 401
+            return r
+        r = RedirectResponse("/runs", status_code=303)
+        r.set_cookie(security.SESSION_COOKIE, security.session_value(token), httponly=True, samesite="strict",
+                     path="/")
+        return r
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> Response:
+        path = STATIC.get(name)
+        if path is None:
+            return Response("not found", status_code=404, media_type="text/plain")
+        return Response(path.read_bytes(), media_type=MEDIA.get(path.suffix, "application/octet-stream"),
+                        headers={"Cache-Control": "max-age=3600"})
+
+    # ---- the JSON API -----------------------------------------------------------------------
+
+    @app.get("/api/runs", response_model=list[RunEntry])
+    def api_runs(status: str | None = None, match: str | None = None, sort: str = "created",
+                 desc: bool = False) -> Any:
+        return reply(views.runs(status, match, sort, desc))
+
+    @app.get("/api/runs/{run_id}", response_model=RunReport)
+    def api_run(run_id: str) -> Any:
+        return reply(views.report(run_id))
+
+    @app.get("/api/runs/{run_id}/record")
+    def api_record(run_id: str) -> Any:
+        return reply(views.record(run_id))
+
+    @app.get("/api/runs/{run_id}/diagnosis")
+    def api_diagnosis(run_id: str) -> Any:
+        found = views.diagnosis(run_id)
+        if found is None:
+            raise BadRequest(404, f"run {run_id} has no diagnosis: `ember doctor RUN_FOLDER` makes one")
+        return reply(found)
+
+    @app.get("/api/runs/{run_id}/curves", response_model=Curves)
+    def api_curves(run_id: str, fields: str | None = None, start: float | None = None, end: float | None = None,
+                   buckets: int = Query(DEFAULT_BUCKETS, ge=1, le=100_000)) -> Any:
+        return reply(views.curves(run_id, fields, start, end, buckets))
+
+    @app.get("/api/runs/{run_id}/live", response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}},
+                              "description": "`steps` events (JSON lists of new steps), then `end`"}})
+    async def api_live(run_id: str, request: Request, offset: int = Query(0, ge=0)) -> StreamingResponse:
+        folder = await run_in_threadpool(views.folder, run_id)
+        last = request.headers.get("last-event-id", "")
+        start = int(last) if last.isdigit() else offset
+
+        async def stream() -> Any:
+            position, began = start, time.monotonic()
+            yield "retry: 2000\n\n"
+            while time.monotonic() - began < LIVE_MAX_SECONDS:
+                steps, position = await run_in_threadpool(follow, folder, position)
+                if steps:
+                    yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, allow_nan=False, default=str)}\n\n"
+                elif not await run_in_threadpool(lambda: run_live(views.con(), run_id)):
+                    steps, position = await run_in_threadpool(follow, folder, position)  # its last lines
+                    if steps:
+                        yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, default=str)}\n\n"
+                    yield "event: end\ndata: {}\n\n"
+                    return
+                if await request.is_disconnected():
+                    return
+                await asyncio.sleep(LIVE_POLL_SECONDS)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/compare", response_model=Comparison)
+    def api_compare(a: str, b: str, tolerance: float = Query(1e-3, ge=0)) -> Any:
+        return reply(views.compare(a, b, tolerance))
+
+    @app.get("/api/machine", response_model=MachinePage)
+    def api_machine(since: str | None = None) -> Any:
+        return reply(views.machine(since))
+
+    @app.get("/api/capacity", response_model=CapacityReport)
+    def api_capacity(since: str | None = None) -> Any:
+        return reply(views.machine(since).capacity)
+
+    @app.get("/api/plan")
+    def api_plan(run: str | None = None, job: str | None = None,
+                 device_memory: float | None = Query(None, gt=0, le=1e6),
+                 target_micro_batch: int | None = Query(None, ge=1, le=1_000_000)) -> Any:
+        return reply(views.plan(run, job, device_memory, target_micro_batch))
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+

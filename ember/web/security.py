@@ -1,0 +1,82 @@
+"""Who may do what over HTTP, and the headers every answer carries.
+
+    Authorization: Bearer TOKEN     the commands (ember submit, pause, ...) and scripts
+    the dashboard's session         GET /login?token=TOKEN (the link `ember ui` prints) sets an
+                                    HttpOnly, SameSite=Strict cookie; pages then carry a CSRF
+                                    value that the dashboard's scripts send back in X-Ember-CSRF.
+                                    A change needs both: a page of another site can send neither
+                                    (the cookie stays home, the header needs CORS, which is off)
+    Host                            bound to loopback, only loopback names are answered (a DNS
+                                    rebinding page cannot read the dashboard under its own name)
+
+The cookie and the CSRF value are HMACs of the token, so they change when the token does and
+nothing more is stored. Every answer carries a Content-Security-Policy that allows scripts, styles
+and connections from the dashboard itself only: no inline script, no CDN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+
+from starlette.requests import Request
+
+SESSION_COOKIE = "ember_session"
+CSRF_HEADER = "x-ember-csrf"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "font-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+           "X-Frame-Options": "DENY", "Cross-Origin-Opener-Policy": "same-origin",
+           "Cross-Origin-Resource-Policy": "same-origin"}
+
+
+def _mac(token: str, purpose: str) -> str:
+    return hmac.new(token.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+
+def session_value(token: str) -> str:
+    return _mac(token, "ember dashboard session")
+
+
+def csrf_value(token: str) -> str:
+    return _mac(token, "ember dashboard csrf")
+
+
+def _equal(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer_ok(request: Request, token: str) -> bool:
+    return _equal(request.headers.get("authorization"), f"Bearer {token}")
+
+
+def session_ok(request: Request, token: str) -> bool:
+    return _equal(request.cookies.get(SESSION_COOKIE), session_value(token))
+
+
+def csrf_ok(request: Request, token: str) -> bool:
+    return _equal(request.headers.get(CSRF_HEADER), csrf_value(token))
+
+
+def may_change(request: Request, token: str) -> bool:
+    """A request that changes something: the token, or the dashboard's session with its CSRF value."""
+    return bearer_ok(request, token) or (session_ok(request, token) and csrf_ok(request, token))
+
+
+def may_read(request: Request, token: str) -> bool:
+    """Reading when the service is reachable from other machines: the token or the session."""
+    return bearer_ok(request, token) or session_ok(request, token)
+
+
+def loopback_host(request: Request) -> bool:
+    """Whether the Host header names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    host = request.headers.get("host", "")
+    name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
+        else host
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,236 @@
+"""`ember serve` as one library call: lock, token, scheduler thread, inference engine, HTTP.
+
+    serve(options, events)
+      lock        $EMBER_HOME/serve/serve.lock: one service per machine; a second one is refused,
+                  naming the first's PID
+      token       $EMBER_HOME/serve/token, created at the first start with mode 0600
+      recover     adopt the jobs whose process still runs, queue again those that died
+      engine      the upstream of [inference] upstream, or the built-in worker (its own process:
+                  python -m ember.web.infer_worker), started here and stopped on exit
+      HTTP        uvicorn on [service] host:port; address, port and PID in serve.json for clients
+      SIGTERM     preempt every job (checkpoint, exit 75), wait for them, exit
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.durable import write_durable
+from ember.errors import EmberError
+from ember.events import Events
+from ember.lock import acquire
+from ember.paths import ember_home
+from ember.sched.owner import load_rules
+from ember.sched.service import Service
+
+STOP_TIMEOUT = 120.0   # seconds the jobs get to checkpoint and exit when the service stops
+GRACE_SECONDS = 3      # open requests (a dashboard's live stream) get this long when the server stops
+
+
+@dataclass
+class ServeOptions:
+    host: str | None = None           # None: [service] host
+    port: int | None = None           # None: [service] port
+    devices: str | None = None        # simulated devices (EMBER_DEVICES), e.g. sim:2x8GiB
+    ledger: Path | None = None
+    extra_runs: list[str] = field(default_factory=list)
+
+
+def serve_dir() -> Path:
+    return ember_home() / "serve"
+
+
+def token_path() -> Path:
+    return serve_dir() / "token"
+
+
+def ensure_token() -> str:
+    """The service's token, created (mode 0600, never readable by others) at the first start."""
+    path = token_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    os.chmod(path, 0o600)
+    return path.read_text().strip()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_engine(service: Service, events: Events) -> tuple[str | None, subprocess.Popen | None]:
+    """The URL /v1 requests go to, and the built-in worker's process if one was started."""
+    inf = service.rules.inference
+    if not inf.enabled:
+        return None, None
+    if inf.upstream:
+        events.info(f"inference: forwarding /v1 to {inf.upstream}")
+        return inf.upstream.rstrip("/"), None
+    runs = list(inf.runs) + [str(ember_home() / "runs")]
+    argv = [sys.executable, "-m", "ember.web.infer_worker", "--model", inf.model, "--host", "127.0.0.1",
+            "--port", "0", "--seed", str(inf.seed)]
+    for r in runs:
+        argv += ["--runs", r]
+    log = open(serve_dir() / "engine.log", "ab")
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+    line = worker.stdout.readline().decode().strip()  # "listening on http://127.0.0.1:PORT"
+    if not line.startswith("listening on "):
+        worker.kill()
+        raise EmberError(f"the built-in inference engine did not start ({line or 'no output'}); see "
+                         f"{serve_dir() / 'engine.log'}")
+    url = line.split()[-1]
+    events.info(f"inference: built-in engine ({inf.model}) at {url}, PID {worker.pid}")
+    return url, worker
+
+
+def serve(opt: ServeOptions, events: Events) -> int:
+    """Run the service until SIGTERM or SIGINT; see the module docstring."""
+    import uvicorn
+
+    from ember.web.api import create_app
+    rules = load_rules()
+    host = opt.host or rules.service.host
+    port = rules.service.port if opt.port is None else opt.port
+    d = serve_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = acquire(d / "serve.lock", "ember serve")
+    token = ensure_token()
+    loopback = is_loopback(host)
+    if not loopback:
+        events.warn(f"listening on {host}, not loopback: every request needs the token "
+                    f"({token_path()})")
+    service = Service(rules, opt.devices, events, opt.ledger)
+    service.recover()
+    engine_url, worker = start_engine(service, events)
+    app = create_app(service, token, loopback, engine_url)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=GRACE_SECONDS))
+    server.install_signal_handlers = lambda: None  # ours below: preempt the jobs first
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested.set()
+        server.should_exit = True
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    scheduler = threading.Thread(target=service.run, name="scheduler", daemon=True)
+    scheduler.start()
+    announced = threading.Thread(target=_announce, args=(server, host, d, events), daemon=True)
+    announced.start()
+    try:
+        server.run()
+    finally:
+        events.info("stopping: preempting jobs (checkpoint, exit 75)")
+        service.shutdown(STOP_TIMEOUT)
+        if worker is not None:
+            worker.terminate()
+            try:
+                worker.wait(10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        (d / "serve.json").unlink(missing_ok=True)
+        lock.release()
+    return 0
+
+
+def _announce(server, host: str, d: Path, events: Events, name: str = "serve") -> None:
+    """Once uvicorn listens: write NAME.json (address, port, PID) and say where."""
+    for _ in range(600):
+        if server.started and server.servers:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}"
+            write_durable(d / f"{name}.json", json.dumps({"url": url, "pid": os.getpid(), "host": host,
+                                                          "port": port}))
+            # The service's output may go to a shared log (the journal): the sign-in link, which
+            # holds the token, is printed by `ember ui` to the owner's terminal only.
+            sign_in = login_link(url, ensure_token()) if name == "ui" else "`ember ui` prints the link"
+            events.info(f"ember {name}: listening on {url} (PID {os.getpid()}; token in {token_path()}); "
+                        f"dashboard {url}/ ; sign in to change jobs: {sign_in}", url=url)
+            return
+        time.sleep(0.05)
+
+
+def login_link(url: str, token: str) -> str:
+    """The link that signs a browser in to the dashboard (ember.web.security)."""
+    return f"{url}/login?token={token}"
+
+
+def running_service() -> str | None:
+    """The URL of the service running on this machine (its serve.json names a live process), or None."""
+    try:
+        info = json.loads((serve_dir() / "serve.json").read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info["url"]
+
+
+@dataclass
+class UiOptions:
+    host: str | None = None           # None: [service] host
+    port: int | None = None           # None: [service] port
+    ledger: Path | None = None
+
+
+def ui(opt: UiOptions, events: Events) -> int:
+    """`ember ui`: the dashboard alone (no queue, no inference) until SIGTERM or SIGINT; when a
+    service runs, its dashboard already does this: say where, and sign in there."""
+    import uvicorn
+
+    from ember.web.api import create_app
+    url = running_service()
+    if url is not None:
+        events.info(f"ember serve runs here and serves the dashboard: {url}/ ; sign in to change jobs: "
+                    f"{login_link(url, ensure_token())}", url=url)
+        return 0
+    rules = load_rules()
+    host = opt.host or rules.service.host
+    port = rules.service.port if opt.port is None else opt.port
+    d = serve_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = ensure_token()
+    loopback = is_loopback(host)
+    if not loopback:
+        events.warn(f"listening on {host}, not loopback: every request needs the token ({token_path()})")
+    app = create_app(None, token, loopback, None, opt.ledger, rules.service.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=GRACE_SECONDS))
+    threading.Thread(target=_announce, args=(server, host, d, events, "ui"), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        (d / "ui.json").unlink(missing_ok=True)
+    return 0
+
+
+def client_target() -> tuple[str, str]:
+    """The running service's URL and token, for the commands that talk to it."""
+    try:
+        info = json.loads((serve_dir() / "serve.json").read_text())
+    except (OSError, ValueError):
+        raise EmberError(f"no service is running ({serve_dir() / 'serve.json'} is missing); start one "
+                         f"with `ember serve` (or `systemctl --user start ember`)") from None
+    try:
+        token = token_path().read_text().strip()
+    except OSError as e:
+        raise EmberError(f"cannot read the service's token {token_path()}: {e}") from None
+    return info["url"], token

@@ -1,0 +1,86 @@
+// The queue page's controls: pause, resume and cancel a job, yield the devices. Each is a POST
+// to the JSON API with the page's CSRF value; the table is read again every two seconds.
+"use strict";
+(function () {
+  const table = document.getElementById("jobs");
+  if (!table) return;
+  const csrf = document.querySelector('meta[name="ember-csrf"]').content;
+  const message = document.getElementById("queue-message");
+  const signedIn = table.dataset.signedIn === "true";
+
+  async function post(path, body) {
+    const r = await fetch(path, {
+      method: "POST", credentials: "same-origin",
+      headers: { "Content-Type": "application/json", "X-Ember-CSRF": csrf },
+      body: JSON.stringify(body || {}),
+    });
+    const data = await r.json();
+    if (!r.ok) throw new Error(data.error || r.statusText);
+    return data;
+  }
+
+  function cell(text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (cls) td.className = cls;
+    return td;
+  }
+
+  function row(j) {
+    const tr = document.createElement("tr");
+    tr.dataset.job = j.id;
+    let note = j.hold ? `held: ${j.hold}` : j.pause ? `pause: ${j.pause}` : j.state === "failed" ? (j.cause || "") : "";
+    if (j.held_by.length && !["completed", "failed", "cancelled"].includes(j.state)) note += " " + j.held_by.join("; ");
+    tr.append(cell(j.id), cell(j.name), cell(j.state, "state"), cell(j.priority, "n"), cell(j.devices.join(",") || "-"),
+              cell(`${j.step}/${j.max_steps}`), cell(j.goodput === null ? "-" : `${(100 * j.goodput).toFixed(1)}%`, "n"),
+              cell(note, "note"));
+    const actions = cell("", "actions");
+    for (const a of ["pause", "resume", "cancel"]) {
+      const b = document.createElement("button");
+      b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn;
+      actions.append(b);
+    }
+    tr.append(actions);
+    return tr;
+  }
+
+  async function refresh() {
+    const r = await fetch("/api/jobs", { credentials: "same-origin" });
+    if (!r.ok) return;
+    const jobs = await r.json();
+    const body = table.tBodies[0];
+    body.replaceChildren(...jobs.map(row));
+    table.dataset.refreshed = String(Date.now());
+  }
+
+  table.addEventListener("click", async e => {
+    const b = e.target.closest("button[data-action]");
+    if (!b) return;
+    const job = b.closest("tr").dataset.job;
+    try {
+      const j = await post(`/api/jobs/${encodeURIComponent(job)}/${b.dataset.action}`);
+      message.textContent = `job ${j.id} ${j.name}: ${j.state}${j.hold ? ", held: " + j.hold : ""}`;
+      await refresh();
+    } catch (err) { message.textContent = err.message; }
+  });
+
+  const form = document.getElementById("yield-form");
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    message.textContent = "yielding: waiting for every job to checkpoint and leave the devices…";
+    try {
+      const r = await post("/api/yield", { seconds: 60 * Number(document.getElementById("yield-minutes").value) });
+      message.textContent = `devices free after ${r.freed_after_seconds.toFixed(2)} s`;
+      document.getElementById("yielding").textContent = "training held: ember yield";
+    } catch (err) { message.textContent = err.message; }
+  });
+  document.getElementById("release").addEventListener("click", async () => {
+    try {
+      await post("/api/yield", { release: true });
+      message.textContent = "yield released: jobs may start again";
+      document.getElementById("yielding").textContent = "";
+    } catch (err) { message.textContent = err.message; }
+  });
+
+  setInterval(() => refresh().catch(() => {}), 2000);
+})();

@@ -1,0 +1,185 @@
+"""What each dashboard page shows, gathered by calling the library the commands call; the HTML
+routes render it and the JSON routes return it. No arithmetic here: only which functions, which
+arguments, and the errors a request can cause as HTTP statuses (ember.web.api.BadRequest)."""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember.doctor.examine import saved_diagnosis
+from ember.errors import EmberError
+from ember.ledger import jobs as job_rows
+from ember.ledger import store as ledger_store
+from ember.metrics.capacity import CapacityReport, capacity_report
+from ember.metrics.compare import Comparison, compare_folders
+from ember.metrics.listing import RunEntry, run_folder, run_table
+from ember.metrics.report import RunReport, build_report, load_run_record
+from ember.metrics.series import CURVE_FIELDS, Curves, curves
+from ember.recipe import to_toml
+from ember.sched.planning import plan_json
+from ember.sched.resources import Device, detect
+from ember.sched.service import JobView, Service
+
+
+REPORTS_KEPT = 8
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class BadRequest(Exception):
+    """A request the user got wrong: answered with `status` and {"error": message}."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RunPage:
+    report: RunReport
+    record: dict[str, Any]                 # run.json: the recipe, the manifest, the data fingerprint
+    diagnosis: dict[str, Any] | None       # the newest `ember doctor RUN`, when there is one
+    comparison: Comparison | None = None
+    compare_with: str | None = None
+    others: list[RunEntry] = field(default_factory=list)  # runs to compare with
+
+
+@dataclass
+class MachinePage:
+    devices: list[Device]
+    cores: int
+    ram_total: int
+    capacity: CapacityReport
+    service: bool                          # whether these are the running service's devices
+
+
+@dataclass
+class QueuePage:
+    jobs: list[JobView]
+    yielding: bool                         # an `ember yield` holds all training now
+
+
+class Views:
+    """The library calls behind the pages, over one ledger (a read connection per thread)."""
+
+    def __init__(self, ledger: Path | None, service: Service | None):
+        self.ledger, self.service = ledger, service
+        self.local = threading.local()
+        self.plans: dict[tuple, dict] = {}
+        self.reports: dict[str, tuple[tuple, RunReport]] = {}
+        self.lock = threading.Lock()
+
+    def con(self) -> sqlite3.Connection:
+        """This thread's connection to the ledger (opened once per server thread)."""
+        con = getattr(self.local, "con", None)
+        if con is None:
+            con = self.local.con = ledger_store.connect(self.ledger)
+        return con
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """A library call, its user errors as 4xx."""
+        try:
+            return fn(*args)
+        except KeyError:
+            raise  # a defect, not a request for something that is not there
+        except LookupError as e:
+            raise BadRequest(404, str(e.args[0])) from None
+        except (EmberError, ValueError) as e:
+            raise BadRequest(400, str(e)) from None
+
+    def folder(self, run_id: str) -> Path:
+        return self.call(run_folder, self.con(), run_id)
+
+    def runs(self, status: str | None, match: str | None, sort: str, descending: bool) -> list[RunEntry]:
+        return self.call(run_table, self.con(), status, match, sort, descending)
+
+    def report(self, run_id: str) -> RunReport:
+        """`ember report` of the run; a finished run's is kept while its files and ledger rows stay
+        as they are (a 100,000-step run takes seconds to read)."""
+        folder, con = self.folder(run_id), self.con()
+        key = (tuple(_stat(folder / name) for name in ("run.json", "metrics.jsonl", "metrics.lost.jsonl")),
+               tuple(con.execute("SELECT count(*), total(end), total(last_seen), group_concat(outcome) FROM attempts "
+                                 "WHERE run_id = ?", (run_id,)).fetchone()),
+               con.execute("SELECT count(*) FROM events WHERE run_id = ?", (run_id,)).fetchone()[0],
+               con.execute("SELECT count(*) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()[0])
+        with self.lock:
+            kept = self.reports.get(run_id)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        report = self.call(build_report, folder, con)
+        if report.run.status != "running":  # a live run's figures move with the clock
+            with self.lock:
+                self.reports.pop(run_id, None)
+                self.reports[run_id] = (key, report)
+                while len(self.reports) > REPORTS_KEPT:
+                    self.reports.pop(next(iter(self.reports)))
+        return report
+
+    def record(self, run_id: str) -> dict[str, Any]:
+        return self.call(load_run_record, self.folder(run_id))
+
+    def diagnosis(self, run_id: str) -> dict[str, Any] | None:
+        return saved_diagnosis(self.folder(run_id))
+
+    def curves(self, run_id: str, fields: str | None, start: float | None, end: float | None,
+               buckets: int) -> Curves:
+        names = tuple(f for f in (fields or ",".join(CURVE_FIELDS)).split(",") if f)
+        return self.call(curves, self.folder(run_id), run_id, names, start, end, buckets)
+
+    def compare(self, a: str, b: str, tolerance: float) -> Comparison:
+        return self.call(compare_folders, self.folder(a), self.folder(b), tolerance)
+
+    def run_page(self, run_id: str, compare_with: str | None) -> RunPage:
+        page = RunPage(self.report(run_id), self.record(run_id), self.diagnosis(run_id))
+        page.others = [e for e in self.runs(None, None, "created", True) if e.id != run_id]
+        if compare_with:
+            page.comparison, page.compare_with = self.compare(run_id, compare_with, 1e-3), compare_with
+        return page
+
+    def machine(self, since: str | None) -> MachinePage:
+        m = self.service.machine if self.service is not None else self.call(detect, None)
+        return MachinePage(list(m.devices), m.cores, m.ram_total, self.call(capacity_report, self.con(), since),
+                           self.service is not None)
+
+    def queue(self) -> QueuePage:
+        if self.service is None:
+            raise BadRequest(503, "no service runs here: the queue is `ember serve`'s (this is `ember ui`)")
+        return QueuePage(self.service.queue(), self.service.yield_until is not None)
+
+    def plan(self, run_id: str | None, job: str | None, device_memory: float | None,
+             target_micro_batch: int | None) -> dict[str, Any]:
+        """The plan (`ember plan --json`) of a run's recorded recipe or of a queued job's recipe."""
+        if (run_id is None) == (job is None):
+            raise BadRequest(400, "name one recipe to plan: ?run=RUN_ID or ?job=JOB")
+        if run_id is not None:
+            recipe = self.record(run_id)["recipe"]
+            overrides: list[str] = []
+            key: tuple = ("run", run_id, to_toml(recipe), device_memory, target_micro_batch)
+        else:
+            row = job_rows.find(self.con(), job)
+            if row is None:
+                raise BadRequest(404, f"no job {job!r}; `ember queue` lists them")
+            overrides = row.overrides
+            key = ("job", row.recipe, tuple(overrides), device_memory, target_micro_batch)
+        if key not in self.plans:  # planning takes seconds (a child process): once per recipe and question
+            with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
+                if run_id is not None:
+                    path = Path(tmp) / "recipe.toml"
+                    path.write_text(to_toml(recipe))
+                else:
+                    path = Path(row.recipe)
+                self.plans[key] = self.call(plan_json, path, overrides, self.ledger, device_memory,
+                                            target_micro_batch)
+        return self.plans[key]

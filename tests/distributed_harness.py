@@ -1,0 +1,50 @@
+"""What the distributed tests share: a small recipe whose batch splits over two ranks, the
+uninterrupted runs to compare with, and finding a rank's PID under the launcher we started."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.helpers import run_ember, write_recipe
+
+STEPS = 12
+# Changing the world size or the strategy changes the order of floating-point sums (gradient
+# averaging, FSDP's reduce-scatter): measured here at most 3e-7 on a loss of ~5 (README).
+RTOL = 1e-5
+
+
+def recipe(folder: Path, **train) -> Path:
+    return write_recipe(folder, train={"max_steps": STEPS, "grad_accum": 2, **train},
+                        checkpoint={"every_steps": 5, "keep_last": 2})
+
+
+def ember_run(r: Path, out: Path, *args: str, env: dict | None = None) -> None:
+    done = run_ember("run", r, "--out", out, "--no-ledger", *args, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def make_baselines(tmp: Path) -> dict:
+    """The uninterrupted runs: one process, and two ranks under DDP."""
+    r = recipe(tmp)
+    ember_run(r, tmp / "one")
+    ember_run(r, tmp / "ddp", "--nproc", "2")
+    return {"recipe": r, "one": tmp / "one", "ddp": tmp / "ddp"}
+
+
+def rank_pid(launcher: psutil.Process, rank: str, timeout: float = 60.0) -> int:
+    """The PID of `rank` under the launcher we started. While the supervisor restarts a group
+    there is a moment with no ranks at all: wait for the new ones (bounded), as long as the
+    launcher lives."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
+        for child in launcher.children(recursive=True):
+            try:
+                if child.environ().get("RANK") == rank:
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} under {launcher.pid} within {timeout:g} s")

@@ -1,0 +1,298 @@
+"""`ember serve` for real: a service process, job processes, SIGKILLs, the owner's rules.
+
+Devices are simulated (`--devices sim:NxSIZE`, the documented way to declare devices for tests)
+and sized so that one tiny job fits a device: the job's plan asks about 3 MiB with its margin.
+Jobs are slowed by a data delay (EMBER_FAULT_DATA_DELAY, which does not change what they compute),
+so there is time to act while they run; every result is compared bit-for-bit with an
+uninterrupted `ember run` of the same recipe."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ember.ledger.store import connect, events as ledger_events, find_run
+from tests.helpers import assert_same_result, run_ember, write_recipe
+from tests.serve_harness import Serve
+
+pytestmark = pytest.mark.e2e
+DELAY = {"EMBER_FAULT_DATA_DELAY": "0.15"}
+OWNER = """
+[service]
+allowed = ["{root}"]
+[inference]
+enabled = false
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The recipe every job here trains, and its uninterrupted run."""
+    root = tmp_path_factory.mktemp("serve")
+    recipe = write_recipe(root / "recipe", train={"max_steps": 40}, checkpoint={"every_steps": 10})
+    r = run_ember("run", recipe, "--out", root / "reference", "--no-ledger")
+    assert r.returncode == 0, r.stderr
+    return root, recipe
+
+
+def serve(root, name, devices, owner_extra="", env=DELAY) -> Serve:
+    return Serve(root / name, OWNER.format(root=root) + owner_extra, devices, env)
+
+
+def step(s: Serve, name: str) -> int:
+    return s.jobs()[name]["step"]
+
+
+def attempts_never_overlap(home, out) -> None:
+    """No job ever ran twice at once: its run's attempts follow one another."""
+    con = sqlite3.connect(home / "ledger.db")
+    rows = con.execute("SELECT a.start, a.end FROM attempts a JOIN runs r ON r.id = a.run_id WHERE r.path = ? "
+                       "ORDER BY a.start", (str(out),)).fetchall()
+    con.close()
+    assert rows
+    for (s1, e1), (s2, _) in zip(rows, rows[1:]):
+        assert e1 is not None and e1 <= s2, rows
+
+
+def test_priorities_preempt_and_every_job_ends_bit_identical(reference):
+    root, recipe = reference
+    s = serve(root, "prio", "sim:2x4MiB").start()
+    try:
+        # Hold everything while three jobs queue; keep the high one back by hand.
+        assert s.cli("yield", "--for", "1h").returncode == 0
+        for name, prio in (("high", 5), ("low-a", 0), ("low-b", 0)):
+            r = s.cli("submit", str(recipe), "--name", name, "--priority", str(prio))
+            assert r.returncode == 0, r.stderr
+        assert s.cli("pause", "high", "--hard").returncode == 0
+        assert s.cli("yield", "--release").returncode == 0
+        s.wait(lambda j: all(j[n]["state"] == "running" and j[n]["step"] >= 3 for n in ("low-a", "low-b")))
+        jobs = s.jobs()
+        assert {tuple(jobs[n]["devices"]) for n in ("low-a", "low-b")} == {(0,), (1,)}  # one per device
+        assert s.cli("resume", "high").returncode == 0
+        # high cannot fit: it preempts the lower job that started last, which checkpoints and requeues.
+        victim = s.wait(lambda j: next((n for n in ("low-a", "low-b") if j[n]["preemptions"]), None))
+        s.wait(lambda j: j["high"]["state"] in ("starting", "running", "completed"))
+        assert s.jobs()[victim]["state"] in ("queued", "preempting")
+        s.wait(lambda j: all(x["state"] == "completed" for x in j.values()), timeout=400)
+        jobs = s.jobs()
+        assert jobs[victim]["preemptions"] == 1
+        q = s.cli("queue")
+        assert q.returncode == 0 and "completed" in q.stdout
+        cap = s.cli("capacity")  # the jobs' attempts are on the simulated devices they were given
+        assert cap.returncode == 0 and "sim:0" in cap.stdout and "sim:1" in cap.stdout, cap.stdout
+        for name in jobs:
+            # the service's control files live in its own folder, never in a run folder
+            assert not list((root / "prio" / "runs" / name).glob("control*"))
+            assert_same_result(root / "prio" / "runs" / name, root / "reference")
+            attempts_never_overlap(s.home, root / "prio" / "runs" / name)
+    finally:
+        s.stop()
+
+
+def test_sigkilled_service_finds_every_job_in_every_state(reference):
+    """SIGKILL the service with jobs queued, running and soft-paused, then with one starting and
+    one preempting; each restart adopts what still runs and requeues what died; all end exact."""
+    root, recipe = reference
+    s = serve(root, "kill", "sim:3x4MiB", env={"EMBER_FAULT_DATA_DELAY": "0.3"}).start()
+    try:
+        assert s.cli("yield", "--for", "1h").returncode == 0  # hold while the jobs queue
+        for name in ("run", "soft", "held"):
+            assert s.cli("submit", str(recipe), "--name", name).returncode == 0
+        assert s.cli("pause", "held", "--hard").returncode == 0
+        assert s.cli("yield", "--release").returncode == 0
+        s.wait(lambda j: j["run"]["state"] == "running" and j["soft"]["state"] == "running")
+        assert s.cli("pause", "soft").returncode == 0
+        s.wait(lambda j: j["soft"]["state"] == "soft-paused")
+        before = {n: s.job_pid(n) for n in ("run", "soft")}
+        s.kill()
+
+        s.start()  # adopts both live processes; the held job stays held
+        jobs = s.jobs()
+        assert (jobs["run"]["state"], jobs["soft"]["state"], jobs["held"]["state"]) == ("running", "soft-paused", "queued")
+        assert {n: s.job_pid(n) for n in ("run", "soft")} == before
+        assert jobs["held"]["hold"] == "user"
+        paused_at = jobs["soft"]["step"]
+        time.sleep(1.0)
+        assert step(s, "soft") == paused_at  # a soft pause holds across the restart
+
+        assert s.cli("resume", "held").returncode == 0  # -> starting
+        s.wait(lambda j: j["held"]["state"] == "starting", every=0.02)
+        s.wait(lambda j: j["run"]["step"] >= 3)
+        assert s.cli("pause", "run", "--hard").returncode == 0  # -> preempting
+        assert s.jobs()["run"]["state"] == "preempting"
+        s.kill()
+        time.sleep(3)  # the preempted job checkpoints and exits while no service watches
+
+        s.start()
+        jobs = s.jobs()
+        assert jobs["run"]["state"] == "queued" and jobs["run"]["hold"] == "user"
+        assert jobs["held"]["state"] in ("starting", "running", "completed")
+        for name in ("run", "soft"):
+            assert s.cli("resume", name).returncode == 0
+        s.wait(lambda j: all(x["state"] == "completed" for x in j.values()), timeout=400)
+        con = connect(s.home / "ledger.db")
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        for name in ("run", "soft", "held"):
+            out = root / "kill" / "runs" / name
+            assert_same_result(out, root / "reference")
+            attempts_never_overlap(s.home, out)
+        soft = find_run(con, str(root / "kill" / "runs" / "soft"))
+        paused = [e for e in ledger_events(con, soft["id"]) if e["kind"] == "pause"]
+        assert paused and paused[0]["end"] - paused[0]["start"] >= 1.0
+        report = json.loads(run_ember("report", root / "kill" / "runs" / "soft", "--json",
+                                      "--ledger", s.home / "ledger.db").stdout)
+        assert report["goodput"]["buckets"]["paused"] >= 1.0
+    finally:
+        s.stop()
+
+
+def test_a_second_service_is_refused_naming_the_first(reference, tmp_path):
+    root, _ = reference
+    s = serve(root, "twice", None).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "ember", "serve", "--port", "0"], capture_output=True,
+                           text=True, env=s.env, timeout=60)
+        assert r.returncode == 1 and f"PID {s.proc.pid}" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        s.stop()
+
+
+@pytest.mark.serial  # a CPU-load rule: another test's load would hold the job too
+def test_owner_rules_window_foreign_load_and_yield(reference):
+    """A weekday window keeps a job queued; a foreign busy process soft-pauses it; `ember yield
+    --for` returns once its process is gone and it comes back after; the result is exact."""
+    root, recipe = reference
+    now = dt.datetime.now()
+    day = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")[now.weekday()]
+    later = (now + dt.timedelta(hours=2)).strftime("%H:%M") if now.hour < 21 else "23:59"
+    closed = f"[schedule]\n{day} = ['{later}-24:00']\n" if now.hour < 21 else f"[schedule]\n{day} = []\n"
+    s = serve(root, "owner", None, closed).start()
+    busy = None
+    try:
+        assert s.cli("submit", str(recipe), "--name", "j").returncode == 0
+        time.sleep(1.5)
+        assert s.jobs()["j"]["state"] == "queued"
+        explain = s.cli("serve", "--explain")
+        assert explain.returncode == 0 and f"schedule.{day}" in explain.stdout, explain.stdout
+
+        # The owner edits the rules: no window, but pause while others load the CPU.
+        (s.home / "owner.toml").write_text(OWNER.format(root=root) + "[cpu]\nmax_other_load = 0.35\n")
+        s.wait(lambda j: j["j"]["state"] == "running" and j["j"]["step"] >= 2)
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        t0 = time.monotonic()
+        s.wait(lambda j: j["j"]["state"] == "soft-paused", every=0.05)
+        assert time.monotonic() - t0 < 5
+        assert "cpu.max_other_load" in s.cli("serve", "--explain").stdout
+        busy.kill()
+        busy.wait()
+        busy = None
+        s.wait(lambda j: j["j"]["state"] == "running")
+
+        y = s.cli("yield", "--for", "4s")
+        assert y.returncode == 0 and "devices free after" in y.stdout, y.stderr
+        pid = s.job_pid("j")
+        assert s.jobs()["j"]["state"] == "queued" and (pid is None or not _alive(pid))
+        s.wait(lambda j: j["j"]["state"] in ("starting", "running"), timeout=30)
+        s.wait(lambda j: j["j"]["state"] == "completed", timeout=300)
+        out = root / "owner" / "runs" / "j"
+        assert_same_result(out, root / "reference")
+        con = connect(s.home / "ledger.db")
+        run = find_run(con, str(out))
+        kinds = [e["kind"] for e in ledger_events(con, run["id"])]
+        assert "pause" in kinds
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        s.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.serial  # inference and training share two cores; the pause latency is measured
+def test_inference_during_training_pauses_it_and_is_accounted(reference):
+    """Completions through the service while a job trains on the same device: the job soft-pauses
+    at a step boundary, resumes after the idle gap, and its report shows paused_for_inference."""
+    import httpx
+    root, recipe = reference
+    owner = OWNER.format(root=root).replace("enabled = false", "seed = 7\nidle_gap_seconds = 1.0")
+    s = Serve(root / "infer", owner, None, DELAY).start()
+    try:
+        s.wait(lambda j: True)
+        deadline = time.monotonic() + 120
+        while httpx.get(s.url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, s.output()[-2000:]
+            time.sleep(0.2)
+        models = httpx.get(s.url + "/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == "base"
+        assert s.cli("submit", str(recipe), "--name", "t").returncode == 0
+        s.wait(lambda j: j["t"]["state"] == "running" and j["t"]["step"] >= 3)
+        states = []
+        for _ in range(4):
+            r = httpx.post(s.url + "/v1/completions", json={"model": "base", "prompt": "In the beginning",
+                                                            "max_tokens": 16, "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            states.append(s.jobs()["t"]["state"])
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                "stream": True}) as r:
+            lines = [x for x in r.iter_lines() if x]
+        assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
+        assert "soft-paused" in states, states
+        stats = s.api("GET", "/api/stats").json()["inference"]
+        assert stats["requests"] == 6 and stats["pauses"] >= 1  # /v1/models counts as a request too
+        s.wait(lambda j: j["t"]["state"] == "completed", timeout=300)
+        out = root / "infer" / "runs" / "t"
+        assert_same_result(out, root / "reference")
+        steps = [json.loads(x)["step_seconds"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        # The pause takes effect at the next step boundary: within one step (plus the poll and
+        # the service's own reaction), never a whole run of steps.
+        assert stats["pause_latency_p99"] <= max(steps) + 1.0, (stats, max(steps))
+        report = json.loads(run_ember("report", out, "--json", "--ledger", s.home / "ledger.db").stdout)
+        assert report["goodput"]["buckets"]["paused_for_inference"] > 0
+    finally:
+        s.stop()
+
+
+def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
+    """[inference] upstream: requests reach the real llama.cpp server (SmolLM2-135M GGUF)
+    unchanged and stream back through ember, which counts each one in flight."""
+    import httpx
+
+    from tests.engines import llama_server
+    root, _ = reference
+    with llama_server(tmp_path) as upstream:
+        owner = OWNER.format(root=root).replace("enabled = false", f'upstream = "{upstream}"')
+        s = Serve(root / "upstream", owner, None, {}).start()
+        try:
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            direct = httpx.post(upstream + "/v1/completions", timeout=60,
+                                json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
+            proxied = httpx.post(s.url + "/v1/completions", timeout=60,
+                                 json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
+            assert proxied.status_code == 200
+            assert proxied.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "Say hello."}],
+                                    "max_tokens": 8, "stream": True}) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                lines = [x for x in r.iter_lines() if x]
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+            bad = httpx.post(s.url + "/v1/completions", content=b"{oops", timeout=30,
+                             headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]  # never forwarded
+            assert s.api("GET", "/api/stats").json()["inference"]["requests"] == 2
+        finally:
+            s.stop()

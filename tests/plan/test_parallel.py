@@ -1,0 +1,77 @@
+"""The parallelism advisor's arithmetic against figures worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.plan.memory import ModelShape, TrainShape, estimate
+from ember.plan.parallel import Interconnect, Link, advise, collective_seconds, fit
+
+MB = 1e6
+
+
+def link(bandwidth: float, latency: float = 0.0) -> Link:
+    return Link(latency, bandwidth)
+
+
+def net(bandwidth: float, latency: float = 0.0, backend: str = "gloo") -> Interconnect:
+    return Interconnect(2, 2, backend, link(bandwidth, latency), link(bandwidth, latency), link(bandwidth, latency))
+
+
+def test_ring_collectives_by_hand():
+    # all-reduce of 100 MB over 4 ranks: 6 hops, each rank moves 2*3/4 = 1.5 x 100 MB
+    assert collective_seconds(link(100 * MB, 1e-3), "all_reduce", 100 * MB, 4) == pytest.approx(6e-3 + 1.5)
+    # all-gather of a 100 MB tensor over 4 ranks: 3 hops, 3/4 of it arrives at each rank
+    assert collective_seconds(link(100 * MB, 1e-3), "all_gather", 100 * MB, 4) == pytest.approx(3e-3 + 0.75)
+    assert collective_seconds(link(1.0), "all_reduce", 1e9, 1) == 0
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [4 << 10, 1 << 20, 16 << 20]
+    truth = link(500 * MB, 50e-6)
+    times = [collective_seconds(truth, "all_reduce", s, 2) for s in sizes]
+    got = fit("all_reduce", 2, sizes, times)
+    assert got.latency == pytest.approx(50e-6, rel=1e-6) and got.bandwidth == pytest.approx(500 * MB, rel=1e-6)
+
+
+M = ModelShape("llama", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000)
+T = TrainShape(micro_batch=4, seq_len=64)
+
+
+def test_ddp_step_is_half_the_compute_plus_the_gradient_all_reduce():
+    b = estimate(M, T)
+    grads = b.trainable * 4
+    a = advise(M, T, b, accum=2, one_step=1.0, ic=net(100 * MB), free=1 << 40, counts=(1, 2))
+    ddp = next(o for o in a.options if o.strategy == "ddp")
+    # gloo: nothing hidden; 2 ranks move 2*(1/2) = 1 x the gradient bytes
+    assert ddp.step_seconds == pytest.approx(0.5 + grads / (100 * MB))
+    assert ddp.efficiency == pytest.approx(1.0 / (2 * ddp.step_seconds))
+
+
+def test_a_slow_link_says_stay_on_one_device():
+    b = estimate(M, T)
+    a = advise(M, T, b, accum=2, one_step=0.05, ic=net(1 * MB), free=1 << 40, counts=(1, 2, 4))
+    assert a.recommended.devices == 1
+    assert a.reasons[0].startswith("stay on one device and accumulate gradients")
+
+
+def test_a_fast_link_recommends_the_fastest_efficient_layout():
+    b = estimate(M, T)
+    a = advise(M, T, b, accum=8, one_step=10.0, ic=net(10_000 * MB), free=1 << 40, counts=(1, 2, 4, 8))
+    assert (a.recommended.strategy, a.recommended.devices) == ("ddp", 8)
+    assert not a.recommended.advice_only
+
+
+def test_cores_shared_by_ranks_do_not_add_compute():
+    """Two CPU ranks on a machine whose cores one process already uses: no faster, only talk."""
+    b = estimate(M, T)
+    a = advise(M, T, b, accum=2, one_step=1.0, ic=net(100 * MB), free=1 << 40, counts=(1, 2), slots=1)
+    ddp = next(o for o in a.options if o.strategy == "ddp")
+    assert ddp.compute_seconds == pytest.approx(1.0) and a.recommended.devices == 1
+
+
+def test_fsdp_fits_where_ddp_does_not():
+    b = estimate(M, T)
+    a = advise(M, T, b, accum=4, one_step=1.0, ic=net(10_000 * MB), free=int(b.peak * 0.9), counts=(1, 2, 4))
+    assert not next(o for o in a.options if o.devices == 1).fits
+    assert a.recommended.strategy == "fsdp" and a.recommended.fits

@@ -1,0 +1,128 @@
+"""datasets.toml and targets.toml: written, read back, validated like recipes; fingerprints that
+see every changed byte and are the same over a staged copy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ember.errors import EmberError
+from ember.policy.registry import covering, fingerprint, fingerprint_files, load_registry, members, register, verify
+from ember.policy.targets import load_targets
+
+TARGET = """
+[targets.hpc]
+kind = "slurm"
+device = "cpu"
+device_hour_price = 1.5
+max_nodes = 2
+max_wall_hours = 4
+max_device_hours = 8
+max_cost_per_job = 10
+max_cost_per_month = 100
+allowed_classifications = ["public"]
+stage_dir = "/scratch/ember"
+"""
+
+
+def corpus(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "part-0.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "folder" / "part-1.jsonl").write_text('{"text": "b"}\n')
+    (tmp_path / "one.txt").write_text("one document\n")
+    return tmp_path / "folder", tmp_path / "one.txt"
+
+
+def test_register_then_read_back_verify_and_cover_files(tmp_path):
+    folder, one = corpus(tmp_path)
+    reg = tmp_path / "datasets.toml"
+    ds = register(reg, "mixed", [folder, one], "alice", "CC0-1.0", "internal", ["hpc"], "2030-01-31")
+    loaded = load_registry(reg)
+    assert list(loaded) == ["mixed"]
+    back = loaded["mixed"]
+    assert (back.paths, back.fingerprint, back.classification, back.allowed_targets, back.expires) == \
+        (ds.paths, ds.fingerprint, "internal", ["hpc"], "2030-01-31")
+    assert verify(back) is None
+    used, outside = covering([str(folder / "part-1.jsonl"), str(one), str(tmp_path / "elsewhere.txt")], loaded)
+    assert used == {"mixed": [str(folder / "part-1.jsonl"), str(one)]}
+    assert outside == [str(tmp_path / "elsewhere.txt")]
+    # A folder whose name only starts like a registered one is not inside it.
+    assert covering([str(folder) + "-2/x.jsonl"], loaded)[1] == [str(folder) + "-2/x.jsonl"]
+
+
+def test_a_changed_byte_changes_the_fingerprint_and_verify_says_so(tmp_path):
+    folder, one = corpus(tmp_path)
+    reg = tmp_path / "datasets.toml"
+    register(reg, "mixed", [folder, one], "alice", "CC0-1.0", "public", [], "")
+    (folder / "part-0.jsonl").write_text('{"text": "A"}\n')  # same size
+    problem = verify(load_registry(reg)["mixed"])
+    assert problem is not None and "changed since it was registered" in problem
+    (folder / "part-0.jsonl").unlink()  # a file gone from a folder is a change too
+    assert "changed since it was registered" in verify(load_registry(reg)["mixed"])
+    one.unlink()
+    assert "no such file" in verify(load_registry(reg)["mixed"])
+
+
+def test_the_fingerprint_of_a_staged_copy_equals_the_registered_one(tmp_path):
+    folder, one = corpus(tmp_path)
+    registered = fingerprint_files([str(folder), str(one)])
+    staged = tmp_path / "job" / "data" / "mixed"
+    for place, src in members([str(folder), str(one)]):  # the layout ember.remote.stage copies to
+        (staged / place).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, staged / place)
+    from ember.durable import sha256_file
+    copies = [(f.relative_to(staged).as_posix(), sha256_file(f)) for f in staged.rglob("*") if f.is_file()]
+    assert fingerprint(copies) == registered
+
+
+@pytest.mark.parametrize("entry,message", [
+    ('paths = ["/x"]\nowner = "a"\nlicence = "l"\nclassification = "public"', "fingerprint missing"),
+    ('paths = ["/x"]\nfingerprint = "sha256:' + "0" * 64 + '"\nowner = "a"\nlicence = "l"\nclassification = "secret"',
+     "classification = 'secret'"),
+    ('paths = ["rel/x"]\nfingerprint = "sha256:' + "0" * 64 + '"\nowner = "a"\nlicence = "l"\nclassification = "public"',
+     "each must be absolute"),
+    ('paths = ["/x"]\nfingerprint = "sha256:' + "0" * 64 + '"\nowner = "a"\nlicence = "l"\nclassification = "public"'
+     '\nallowed_target = ["hpc"]', "did you mean 'allowed_targets'"),
+    ('paths = ["/x"]\nfingerprint = "sha256:' + "0" * 64 + '"\nowner = "a"\nlicence = "l"\nclassification = "public"'
+     '\nexpires = "next year"', "write a date"),
+])
+def test_a_bad_registry_entry_is_refused_naming_file_and_key(tmp_path, entry, message):
+    reg = tmp_path / "datasets.toml"
+    reg.write_text(f"[datasets.corpus]\n{entry}\n")
+    with pytest.raises(EmberError, match="datasets.toml") as e:
+        load_registry(reg)
+    assert message in str(e.value)
+
+
+def test_a_dataset_in_both_registries_is_refused(tmp_path, monkeypatch):
+    folder, _ = corpus(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("EMBER_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    register(Path("datasets.toml"), "c", [folder], "a", "l", "public", [], "")
+    register(home / "datasets.toml", "c", [folder], "a", "l", "public", [], "")
+    with pytest.raises(EmberError, match="also registered in"):
+        load_registry()
+
+
+def test_targets_read_back_and_every_cap_is_required(tmp_path):
+    f = tmp_path / "targets.toml"
+    f.write_text(TARGET)
+    t = load_targets(f)["hpc"]
+    assert (t.max_nodes, t.max_wall_hours, t.price, t.allowed_classifications) == (2, 4.0, 1.5, ["public"])
+    for cap in ("max_nodes", "max_cost_per_month", "device_hour_price"):
+        f.write_text("\n".join(line for line in TARGET.splitlines() if not line.startswith(cap)))
+        with pytest.raises(EmberError, match=f"{cap} missing"):
+            load_targets(f)
+    f.write_text(TARGET.replace('stage_dir = "/scratch/ember"', 'stage_dir = "scratch"'))
+    with pytest.raises(EmberError, match="absolute folder"):
+        load_targets(f)
+    f.write_text(TARGET + 'host = "login.hpc"\n')
+    with pytest.raises(EmberError, match="python is required with an SSH host"):
+        load_targets(f)
+    f.write_text(TARGET.replace("max_nodes = 2", "max_nodes = 0"))
+    with pytest.raises(EmberError, match="max_nodes = 0: must be >= 1"):
+        load_targets(f)

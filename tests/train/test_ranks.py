@@ -1,0 +1,97 @@
+"""The arithmetic of sharing a run between ranks: who reads which micro-batch, how the ranks'
+exits add up to the run's, and when the watchdog calls a step hung."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED
+from ember.events import collect
+from ember.recipe import DistributedConfig, Recipe
+from ember.train.data import RankShare, SkippingSampler
+from ember.train.parallel import check_distributed
+from ember.train.watchdog import bound_seconds
+from ember.ranks import Topology, ended
+from ember.errors import EmberError
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_ranks_read_disjoint_parts_of_the_one_global_order(ranks):
+    """Step s of any world size trains the same micro-batches: positions s*A .. s*A+A-1 of the
+    global stream (skipped ordinals left out), each rank every ranks-th of them."""
+    accum, steps, skip = 4, 6, {3, 10}
+    single = list(SkippingSampler(100, accum * steps, skip))
+    parts = [list(RankShare(SkippingSampler(100, accum * steps, skip), r, ranks)) for r in range(ranks)]
+    for step in range(steps):
+        mine = sorted(k for p in parts for k in p[step * accum // ranks:(step + 1) * accum // ranks])
+        assert mine == sorted(single[step * accum:(step + 1) * accum])
+    assert sorted(k for p in parts for k in p) == sorted(single)  # disjoint, nothing lost
+    assert all(len(p) == accum * steps // ranks for p in parts)
+
+
+def test_grad_accum_must_split_evenly_over_the_ranks():
+    r = Recipe()
+    r.train.grad_accum = 3
+    with pytest.raises(EmberError, match="multiple of 2"):
+        check_distributed(r, 2, "recipe.toml")
+    r.train.grad_accum = 4
+    check_distributed(r, 2, "recipe.toml")
+    r.method.kind, r.distributed.strategy = "lora", "tp"
+    with pytest.raises(EmberError, match="LoRA wraps"):
+        check_distributed(r, 2, "recipe.toml")
+    r.method.kind, r.distributed.strategy, r.train.grad_accum = "full", "fsdp+tp", 1
+    with pytest.raises(EmberError, match="at least 4"):
+        check_distributed(r, 2, "recipe.toml")
+    with pytest.raises(EmberError, match="multiple of 2"):  # 2 groups of 2 read different data
+        check_distributed(r, 4, "recipe.toml")
+    r.train.grad_accum = 2
+    check_distributed(r, 4, "recipe.toml")
+
+
+def failure(code: int, t: int) -> SimpleNamespace:
+    return SimpleNamespace(exitcode=code, timestamp=t)
+
+
+def test_how_the_ranks_exits_make_the_runs():
+    events, seen = collect()
+    # Both stopped on request, or one did and the agent stopped the other after it: interrupted.
+    assert ended({0: failure(75, 1), 1: failure(75, 1)}, events) == EXIT_INTERRUPTED
+    assert ended({0: failure(75, 1), 1: failure(-signal.SIGTERM, 2)}, events) == EXIT_INTERRUPTED
+    assert not seen
+    # A rank killed: a crash, and the rank that failed first is named.
+    assert ended({0: failure(-signal.SIGTERM, 5), 1: failure(-signal.SIGKILL, 4)}, events) == EXIT_ERROR
+    assert "rank 1 failed first (killed by SIGKILL)" in seen[-1].message
+
+
+def test_the_watchdog_bound():
+    cfg = DistributedConfig(timeout_seconds=300, hang_factor=10, hang_min_seconds=30)
+    assert bound_seconds(cfg, []) == 300  # before the first step: the collectives' own timeout
+    assert bound_seconds(cfg, [0.5] * 99) == 30  # 10 x 0.5 s is under the floor
+    assert bound_seconds(cfg, [1.0] * 98 + [4.0, 9.0]) == 90  # 10 x the p99 (the 99th of 100: 9 s)
+
+
+def test_topology_flags_are_checked():
+    with pytest.raises(EmberError, match="HOST:PORT"):
+        Topology(2, 2, 1, "nohost").check()
+    with pytest.raises(EmberError, match="--node-rank 2"):
+        Topology(1, 2, 2, "10.0.0.1:29500").check()
+    assert Topology(2, 2, 1, "10.0.0.1:29500").argv() == ["--nproc", "2", "--nnodes", "2", "--node-rank", "1",
+                                                         "--rdzv", "10.0.0.1:29500"]
+    assert Topology().argv() == []
+    with pytest.raises(EmberError, match="both must be >= 1"):
+        Topology(0).check()
+    with pytest.raises(EmberError, match="add --nnodes"):
+        Topology(2, 1, 1, "").check()
+
+
+def test_the_rank_the_others_wait_for():
+    """Rank 1 reads slowly: rank 0 waits for it at the all-reduce, so rank 1 is named, for input."""
+    from ember.metrics.ranks import figures, summarize
+    fast = figures(0, [1.0] * 10, 1000, {"data": 0.5, "forward": 3, "backward": 3, "optimizer": 1, "sync": 2.5})
+    slow = figures(1, [1.0] * 10, 1000, {"data": 5.5, "forward": 2, "backward": 2, "optimizer": 0.4, "sync": 0.1})
+    s = summarize(2, [fast, slow])
+    assert (s.slowest, s.slowest_cause) == (1, "input")
+    assert s.tokens_per_second == pytest.approx(200.0) and s.sync_share == pytest.approx((0.25 + 0.01) / 2)

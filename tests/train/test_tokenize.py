@@ -1,0 +1,182 @@
+"""The token store, built by shards: the same bytes for any worker count, a killed build
+resumes with only the missing shards, and Parquet / datasets folders read like JSONL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.errors import EmberError
+from ember.events import collect
+from ember.recipe import DataConfig, EvalConfig
+from ember.train import sources, tokenize as sharded
+from ember.train.data import data_fingerprint, tokenize
+from ember.train.model import ByteTokenizer
+
+TOK = ByteTokenizer()
+CHATS = [{"messages": [{"role": "user", "content": f"question {i}"},
+                       {"role": "assistant", "content": f"answer {i} " * (i % 4 + 1)}]} for i in range(40)]
+TEXTS = [{"text": f"document {i}: " + "word " * (i % 7)} for i in range(60)]
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of a few hundred bytes, a pool even for tiny inputs, and large-text handling above 1 KB."""
+    monkeypatch.setattr(sources, "SHARD_BYTES", 300)
+    monkeypatch.setattr(sources, "SHARD_ROWS", 4)
+    monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 1000)
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 128)
+    monkeypatch.setattr(sharded, "POOL_MIN_BYTES", 0)
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build(home: Path, monkeypatch, files: list[Path], workers: int, holdout: float = 0.0, **kw) -> Path:
+    """The store folder for these files, built under its own EMBER_HOME."""
+    monkeypatch.setenv("EMBER_HOME", str(home))
+    cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=workers, **kw)
+    return tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=holdout)).parent.parent
+
+
+def contents(store: Path) -> dict[str, str]:
+    """SHA-256 of every file of a store but info.json's file names."""
+    out = {str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
+           for f in sorted(store.rglob("*.npy"))}
+    info = json.loads((store / "info.json").read_text())
+    info.pop("files")
+    return out | {"info": json.dumps(info, sort_keys=True)}
+
+
+def corpus(tmp_path: Path) -> list[Path]:
+    big = tmp_path / "big.txt"  # above LARGE_TEXT_BYTES: one document, tokenized in blocks
+    big.write_text("".join(f"line {i} of the long text\n" for i in range(200)))
+    return [jsonl(tmp_path / "a.jsonl", TEXTS), big, jsonl(tmp_path / "b.jsonl", TEXTS[::-1])]
+
+
+def test_one_and_two_workers_give_byte_identical_stores(tmp_path, monkeypatch, small_shards):
+    files = corpus(tmp_path)
+    one = build(tmp_path / "h1", monkeypatch, files, workers=1, holdout=0.2)
+    two = build(tmp_path / "h2", monkeypatch, files, workers=2, holdout=0.2)
+    assert contents(one) == contents(two)
+    assert len(sources.plan([(str(f), 0.2) for f in files], "auto", "text", 0)[0]) > 6  # really several shards
+    info = json.loads((one / "info.json").read_text())
+    assert info["train"]["documents"] + info.get("eval", {}).get("documents", 0) == 121  # the .txt is one
+    tokens = np.load(one / "train" / "tokens.npy")
+    assert bytes(tokens[tokens < 256].astype(np.uint8)).count(b"line 199 of the long text\n") <= 1
+    assert not list(one.parent.glob(".*"))  # no work folder or temporary left
+
+
+def test_store_matches_whole_file_tokenization_of_the_large_text(tmp_path, monkeypatch, small_shards):
+    big = corpus(tmp_path)[1]
+    store = build(tmp_path / "h", monkeypatch, [big], workers=1)
+    assert np.load(store / "train" / "tokens.npy").tolist() == list(big.read_bytes()) + [TOK.eos_id]
+    assert np.load(store / "train" / "docs.npy").tolist() == [0, big.stat().st_size + 1]
+
+
+def test_a_killed_tokenization_resumes_with_the_missing_shards(tmp_path, monkeypatch, small_shards):
+    files = corpus(tmp_path)
+    clean = build(tmp_path / "clean", monkeypatch, files, workers=1, holdout=0.2)
+    monkeypatch.setenv("EMBER_FAULT", "tokenize.shard@2")  # each worker dies before committing its 2nd shard
+    with pytest.raises(EmberError, match="worker process died.*run again"):
+        build(tmp_path / "h", monkeypatch, files, workers=2, holdout=0.2)
+    work = next((tmp_path / "h" / "cache" / "tokens").glob(".*.work"))
+    committed = sorted(p.name for p in work.iterdir() if p.is_dir() and "tmp" not in p.name)
+    total = len(json.loads((work / "plan.json").read_text()))
+    assert 0 < len(committed) < total
+    before = {name: (work / name / "info.json").stat().st_mtime_ns for name in committed}
+    monkeypatch.delenv("EMBER_FAULT")
+    events, seen = collect()
+    monkeypatch.setattr(sharded, "assemble", _spy(sharded.assemble, work, before))
+    cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=2)
+    store = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), events, EvalConfig(holdout=0.2)).parent.parent
+    assert any(e.message == f"tokenizing {total - len(committed)} of {total} shard(s) with 2 process(es)"
+               for e in seen)
+    assert contents(store) == contents(clean)
+
+
+def _spy(assemble, work: Path, before: dict[str, int]):
+    """assemble, checking first that the shards committed before the kill were not rewritten."""
+    def check(*args, **kw):
+        assert {n: (work / n / "info.json").stat().st_mtime_ns for n in before} == before
+        return assemble(*args, **kw)
+    return check
+
+
+def test_an_error_in_a_later_shard_names_its_line(tmp_path, monkeypatch, small_shards):
+    f = tmp_path / "a.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in TEXTS[:49]) + '{"text": \n')
+    with pytest.raises(EmberError, match=r"a.jsonl:50: not valid JSON"):
+        build(tmp_path / "h", monkeypatch, [f], workers=2)
+
+
+@pytest.mark.parametrize("rows", [TEXTS, CHATS], ids=["text", "chat"])
+def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(tmp_path, monkeypatch, small_shards, rows):
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=7)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"), max_shard_size="2KB")
+    want = contents(build(tmp_path / "h0", monkeypatch, [jsonl(tmp_path / "d.jsonl", rows)], 1, holdout=0.2))
+    assert contents(build(tmp_path / "h1", monkeypatch, [tmp_path / "d.parquet"], 2, holdout=0.2)) == want
+    assert contents(build(tmp_path / "h2", monkeypatch, [tmp_path / "ds"], 1, holdout=0.2)) == want
+
+
+def test_a_bad_parquet_row_is_named(tmp_path, monkeypatch, small_shards):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    rows = [{"text": "fine"}, {"text": "also fine"}, {"text": None}, {"text": "never read"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet", row_group_size=2)
+    with pytest.raises(EmberError, match=r"\[data\] files: .*bad.parquet:row 2: no string field 'text'"):
+        build(tmp_path / "h", monkeypatch, [tmp_path / "bad.parquet"], workers=1)
+
+
+def test_a_folder_that_is_not_a_saved_dataset_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(EmberError, match="not a Hugging Face dataset saved with save_to_disk"):
+        build(tmp_path / "h", monkeypatch, [tmp_path / "notes"], workers=1)
+
+
+def test_a_second_process_waits_for_the_one_tokenizing_the_same_data(tmp_path, monkeypatch, small_shards):
+    """Two runs starting on the same new data: the second waits for the first (which holds a
+    shard uncommitted for a while), then uses its store; neither removes the other's work."""
+    import subprocess
+    import sys
+    import time
+    files = corpus(tmp_path)
+    clean = build(tmp_path / "clean", monkeypatch, files, workers=1, holdout=0.2)
+    home = tmp_path / "shared"
+    script = (
+        "import sys; from tests.train.test_tokenize import *; from ember.train import sources, tokenize as t\n"
+        "sources.SHARD_BYTES, sources.SHARD_ROWS, sources.LARGE_TEXT_BYTES, sources.TEXT_BLOCK_BYTES = 300, 4, 1000, 128\n"
+        "cfg = DataConfig(files=sys.argv[1:], tokenize_workers=1)\n"
+        "print(tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.2)))\n")
+    env = {**__import__("os").environ, "EMBER_HOME": str(home), "EMBER_FAULT": "tokenize.shard@2",
+           "EMBER_FAULT_HANG": "3"}  # the first process stops 3 s before committing its 2nd shard
+    first = subprocess.Popen([sys.executable, "-c", script, *map(str, files)], env=env, cwd=Path(__file__).parents[2],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((home / "cache" / "tokens").glob(".*.work/000000")):  # its first shard is committed
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        monkeypatch.setenv("EMBER_HOME", str(home))
+        events, seen = collect()
+        cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=1)
+        t0 = time.monotonic()
+        second = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), events, EvalConfig(holdout=0.2))
+        assert time.monotonic() - t0 > 1.0  # it waited for the first
+        assert any(f"(PID {first.pid}) is tokenizing the same data" in e.message for e in seen)
+        assert not any(e.message.startswith("tokenizing") and "shard(s)" in e.message for e in seen)  # built nothing
+        out, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0 and Path(out.strip()) == second
+    assert contents(second.parent.parent) == contents(clean)
