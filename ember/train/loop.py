@@ -145,6 +145,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
                             total=r.train.max_steps, loss=result.loss, seconds=seconds,
                             tokens_per_second=attempt_tokens / attempt_seconds,
                             eta_seconds=(r.train.max_steps - state.step) * attempt_seconds / len(step_seconds))
+            record_persisted(job)  # a background persist that ended: its ledger row and notice now
             if (held := pauses.check()) is not None:  # the service asked: wait here, keep the process
                 job.ledger.event(held.kind, held.start, held.end, step=state.step, detail={"reason": held.reason})
             due = ((ck.every_steps and state.step % ck.every_steps == 0)

@@ -137,3 +137,18 @@ def test_capacity_reports_duty_cycle_and_prices(killed_twice, ember_home):
         assert bad.returncode == 1 and "not a date" in bad.stderr
     finally:
         (ember_home / "machine.toml").unlink()
+
+
+def test_a_background_checkpoint_is_recorded_as_soon_as_it_is_durable(tmp_path):
+    """An asynchronous checkpoint is in the ledger and on the console at the first step boundary
+    after its persist ends, not at the next checkpoint: a run killed between the two keeps the
+    row (report) and the user saw the commit when it happened. Steps are slowed to 0.2 s so the
+    persist (milliseconds for this model) ends long before the kill, 6 steps after it began."""
+    recipe = write_recipe(tmp_path, train={"max_steps": 40}, checkpoint={"every_steps": 10, "async": True})
+    out = tmp_path / "run"
+    result = run_ember("run", recipe, "--out", out,
+                       env={"EMBER_FAULT": "train.micro_batch@16", "EMBER_FAULT_DATA_DELAY": "0.2"})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert (out / "checkpoints" / "step-000000010").is_dir()
+    assert "checkpoint step-000000010 committed" in result.stderr
+    assert [c["step"] for c in report(out)["checkpoints"]] == [10]
