@@ -174,8 +174,11 @@ def test_each_top_remedy_applied_saves_what_it_predicted(injected):
 
 def test_healthy_configuration_is_compute_bound(tmp_path, in_process):
     plots = tmp_path / "plots"
-    # a 0.3-0.6 s step here, and 2 s of the budget for the plot
-    report = in_process(write_recipe(tmp_path, train={"micro_batch": 32}, data={"seq_len": 128}), plots=plots)
+    # a 0.1-0.6 s step here, and 2 s of the budget for the plot. Checkpoints at Young/Daly's
+    # interval, the doctor's own rule: one every 5 steps (the helper's default) is a checkpoint
+    # every second here, which the doctor rightly names when a slow fsync makes its cost show.
+    report = in_process(write_recipe(tmp_path, train={"micro_batch": 32}, data={"seq_len": 128},
+                                     checkpoint={"every_steps": 0, "every_seconds": "auto"}), plots=plots)
     first = top(report)
     assert first["cause"] == "compute-bound"
     rest = report["findings"][report["findings"].index(first) + 1:]
