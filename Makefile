@@ -7,7 +7,7 @@ PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c constra
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test bench clean
+.PHONY: demo test soak bench clean
 
 $(BIN)/.ember-installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,14 +69,22 @@ $(BIN)/.llama-server-installed: $(BIN)/.ember-installed
 	[ ! -e $(LLAMA_UNAVAILABLE) ] || cat $(LLAMA_UNAVAILABLE)
 	touch $@
 
-# Two parts: most tests two at a time (one per core; a test file stays on one worker), then the
-# tests that measure time or CPU load (marked serial), alone, so no other test disturbs them.
+# Two parts: most tests two at a time (one per core; the longest first, a file on one worker unless
+# tests/conftest.py lets its tests spread), then the tests that measure time or CPU load (marked
+# serial), alone, so no other test disturbs them. The tests marked soak run here at small counts;
+# `make soak` runs them at their full counts (30 kills, 12 power cuts), with the same assertions.
+# Artifacts several tests read (uninterrupted baselines, finished runs) are built once into
+# .test-cache/, keyed by the code that builds them (tests/artifacts.py).
+PYTEST := $(BIN)/python -m pytest -q -rs
 test: $(BIN)/.ember-installed $(BIN)/.llama-server-installed
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile -m "not serial" tests
-	$(BIN)/python -m pytest -q -rs -m serial tests
+	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" tests
+	$(PYTEST) -m serial tests
+
+soak: $(BIN)/.ember-installed
+	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder -m soak --soak tests
 
 bench: $(BIN)/.ember-installed
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) runs *.egg-info .test-cache

@@ -12,6 +12,42 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true",
+                     help="run the soak tests at their full counts (`make soak`); without it they "
+                          "run at the smaller counts of `make test`")
+
+
+# How `make test` spreads the tests over its two workers (`--dist loadgroup`): a test file is one
+# unit of work, kept on one worker, unless it is listed in SPLIT; each test of those is a unit of
+# its own (their expensive inputs are shared across workers: tests/artifacts.py). The units are
+# handed out in the order below, the longest first, so that no long one is left for the end
+# while the other worker idles (the durations are in tests/README.md).
+SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tests/e2e/test_defects.py",
+         "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_cli.py",
+         "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py"}
+LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py",
+                 "tests/e2e/test_distributed_faults.py", "tests/e2e/test_distributed.py",
+                 "tests/e2e/test_serve.py", "tests/e2e/test_resume.py", "tests/e2e/test_two_nodes.py",
+                 "tests/e2e/test_defects.py", "tests/web/test_browser.py", "tests/e2e/test_accounting.py",
+                 "tests/e2e/test_plan.py", "tests/e2e/test_cli.py", "tests/e2e/test_chat_data.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.location[0], len(rank)))  # stable: file order within
+    for item in items:
+        if item.location[0] not in SPLIT:
+            item.add_marker(pytest.mark.xdist_group(item.location[0]))
+
+
+@pytest.fixture(scope="session")
+def soak(request: pytest.FixtureRequest) -> bool:
+    """True under `make soak`: the tests marked `soak` pick their full counts."""
+    return request.config.getoption("--soak")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ember_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("ember_home")

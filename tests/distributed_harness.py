@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.artifacts import shared
 from tests.helpers import run_ember, write_recipe
 
 STEPS = 12
@@ -26,12 +27,15 @@ def ember_run(r: Path, out: Path, *args: str, env: dict | None = None) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def make_baselines(tmp: Path) -> dict:
-    """The uninterrupted runs: one process, and two ranks under DDP."""
-    r = recipe(tmp)
-    ember_run(r, tmp / "one")
-    ember_run(r, tmp / "ddp", "--nproc", "2")
-    return {"recipe": r, "one": tmp / "one", "ddp": tmp / "ddp"}
+def make_baselines() -> dict:
+    """The uninterrupted runs: one process, and two ranks under DDP (made once for all workers;
+    read-only)."""
+    def build(folder: Path) -> None:
+        r = recipe(folder)
+        ember_run(r, folder / "one")
+        ember_run(r, folder / "ddp", "--nproc", "2")
+    folder = shared("distributed-baselines", STEPS, build)
+    return {"recipe": folder / "recipe.toml", "one": folder / "one", "ddp": folder / "ddp"}
 
 
 def rank_pid(launcher: psutil.Process, rank: str, timeout: float = 60.0) -> int:

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from tests.distributed_harness import RTOL, STEPS, ember_run, make_baselines, rank_pid
 from tests.helpers import assert_same_result, losses, run_ember, start_ember, stop
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    return make_baselines(tmp_path_factory.mktemp("baselines"))
+@pytest.fixture
+def baselines():
+    return make_baselines()
 
 
 def close(run: Path, baseline: Path) -> None:

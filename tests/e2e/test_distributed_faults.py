@@ -17,9 +17,9 @@ from tests.distributed_harness import ember_run, make_baselines, rank_pid
 from tests.helpers import assert_same_result, losses, run_ember, start_ember
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    return make_baselines(tmp_path_factory.mktemp("baselines"))
+@pytest.fixture
+def baselines():
+    return make_baselines()
 
 
 def test_a_rank_killed_mid_step_resumes_bit_for_bit(baselines, tmp_path):

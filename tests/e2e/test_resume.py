@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.artifacts import copy_of, shared
 from tests.helpers import (
     GENESIS,
     assert_same_result,
@@ -28,20 +30,18 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs, one per configuration, made on first use."""
-    cache: dict[str, Path] = {}
+def uninterrupted(name: str, sections: dict) -> Path:
+    """The uninterrupted run of a tiny recipe with these sections, made once for all workers."""
+    def build(folder: Path) -> None:
+        result = run_ember("run", write_recipe(folder, **sections), "--out", folder / "run")
+        assert result.returncode == 0, result.stderr
+    return shared(f"resume-{name}", sections, build) / "run"
 
-    def get(name: str) -> Path:
-        if name not in cache:
-            folder = tmp_path_factory.mktemp(f"baseline-{name}")
-            recipe = write_recipe(folder, **CONFIGS[name])
-            result = run_ember("run", recipe, "--out", folder / "run")
-            assert result.returncode == 0, result.stderr
-            cache[name] = folder / "run"
-        return cache[name]
-    return get
+
+@pytest.fixture
+def baselines() -> Callable[[str], Path]:
+    """Uninterrupted runs, one per configuration, made on first use."""
+    return lambda name: uninterrupted(name, CONFIGS[name])
 
 
 def resume_to_end(recipe: Path, out: Path) -> None:
@@ -83,11 +83,9 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, 
     stopped_at = losses(out)[-1][0]
     assert 7 <= stopped_at < 400
     assert (out / "checkpoints" / f"step-{stopped_at:09d}").is_dir()  # checkpointed where it stopped
-    # The baseline for a 400-step schedule: uninterrupted, in the same test.
-    base = tmp_path / "base"
-    assert run_ember("run", recipe, "--out", base).returncode == 0
+    # The baseline for a 400-step schedule: uninterrupted.
     resume_to_end(recipe, out)
-    assert_same_result(out, base)
+    assert_same_result(out, uninterrupted("400", {"train": {"max_steps": 400}}))
 
 
 def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_path):
@@ -122,10 +120,14 @@ def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_p
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest"])
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_identical(damage, baselines, tmp_path):
-    recipe = write_recipe(tmp_path, checkpoint={"async": False})  # both commits done by the kill
-    out = tmp_path / "run"
-    result = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": "train.micro_batch@13"})
-    assert result.returncode == -signal.SIGKILL
+    sync = {"checkpoint": {"async": False}}  # both commits done by the kill
+
+    def kill(folder: Path) -> None:
+        result = run_ember("run", write_recipe(folder, **sync), "--out", folder / "run",
+                           env={"EMBER_FAULT": "train.micro_batch@13"})
+        assert result.returncode == -signal.SIGKILL, result.stderr
+    recipe = write_recipe(tmp_path, **sync)
+    out = copy_of(shared("killed-at-13", sync, kill) / "run", tmp_path / "run")
     newest = out / "checkpoints" / "step-000000010"
     assert newest.is_dir() and (out / "checkpoints" / "step-000000005").is_dir()
     target = newest / "model.safetensors"
