@@ -18,11 +18,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "run at the smaller counts of `make test`")
 
 
-# How `make test` spreads the tests over its two workers (`--dist loadgroup`): a test file is one
-# unit of work, kept on one worker, unless it is listed in SPLIT; each test of those is a unit of
-# its own (their expensive inputs are shared across workers: tests/artifacts.py). The units are
-# handed out in the order below, the longest first, so that no long one is left for the end
-# while the other worker idles (the durations are in tests/README.md).
+# How `make test` spreads the tests over its two workers: a test file is one unit of work, kept on
+# one worker (its module fixtures are built once), unless it is listed in SPLIT; each test of those
+# is a unit of its own (their expensive inputs are shared across workers: tests/artifacts.py). The
+# units are handed out in the order below, the longest first (`--no-loadscope-reorder`), so that no
+# long one is left for the end while the other worker idles (durations: tests/README.md).
 SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tests/e2e/test_defects.py",
          "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_cli.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py"}
@@ -33,13 +33,21 @@ LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm
                  "tests/e2e/test_plan.py", "tests/e2e/test_cli.py", "tests/e2e/test_chat_data.py"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.location[0], len(rank)))  # stable: file order within
-    for item in items:
-        if item.location[0] not in SPLIT:
-            item.add_marker(pytest.mark.xdist_group(item.location[0]))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Units of work as described above. (xdist's own `loadgroup` cannot do this under pytest 9.2:
+    it renames items through `_nodeid`, which pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrTest(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file in SPLIT else file
+    return FileOrTest(config, log)
 
 
 @pytest.fixture(scope="session")
