@@ -3,11 +3,13 @@ peak of real steps (ember/doctor/measure.py) on small models."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ember.doctor.measure import measured_step, step_peak
+from ember.doctor.measure import live_tensor_bytes, measured_step, step_peak
 from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
 from ember.recipe import MethodConfig
 from ember.train.loss import causal_lm_loss
@@ -89,6 +91,12 @@ CASES = [  # hidden, mlp, layers, heads, kv, vocab, b, s, method, checkpointing,
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[8]}-{c[10]}-ac{int(c[9])}-chunk{c[11]}" for c in CASES])
 def test_estimate_matches_measured_peak(case):
     h, f, layers, heads, kv, vocab, b, s, method, ac, precision, chunk = case
+    cpu = torch.device("cpu")
+    # step_peak counts every tensor alive in the process, as `ember plan` does in a process of its
+    # own; in a test worker, tensors that earlier tests left alive (module globals, caches) are not
+    # this step's: what a fresh process would measure is the peak less those.
+    gc.collect()
+    foreign = live_tensor_bytes(cpu)
     config = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=f, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, use_cache=False)
     torch.manual_seed(0)
@@ -99,10 +107,9 @@ def test_estimate_matches_measured_peak(case):
         model = apply_lora(model, MethodConfig(kind="lora"))
     model.train()
     ids = torch.randint(0, vocab, (b, s))
-    cpu = torch.device("cpu")
     step = measured_step(model, ids, cpu, precision, chunk)
     step()
-    measured = step_peak(step, cpu)
+    measured = step_peak(step, cpu) - foreign
     shape = TrainShape(b, s, lora=method == "lora", lora_targets=frozenset(LINEARS),
                        activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk)
     est = estimate(ModelShape.from_config(config), shape).peak

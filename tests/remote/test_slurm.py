@@ -150,7 +150,10 @@ def test_requeued_then_time_limited_job_resumes_and_ends_bit_identical(site):
     """`scontrol requeue` mid-run, then the allocation's time limit (1 minute on target 'short'):
     the run checkpoints on Slurm's TERM and on its USR1, is requeued each time, resumes, and its
     results come back bit-identical to the uninterrupted local run, with every attempt accounted."""
-    done = site.submit("requeue", "short", delay=2.0)
+    # 3 s a step: after our requeue (at step 3 or a little later on a busy machine) the 24-step run
+    # needs over a minute more, so its next allocation always meets the time limit (at 2 s a step a
+    # requeue that landed late left under a minute: the job then completed without it).
+    done = site.submit("requeue", "short", delay=3.0)
     assert done.returncode == 0, done.stderr
     assert len(site.sbatch_calls()) == 1  # the wrapper sees an allowed submission
     job = site.job("requeue")
