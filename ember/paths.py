@@ -4,15 +4,47 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from ember.durable import sha256_file
+from ember.errors import EmberError
+
+# A job's name (local or remote) names its default run folder and its staging folder: one path
+# segment, never '.', '..' or anything with a separator, short enough to show.
+NAME_GRAMMAR = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAME = re.compile(NAME_GRAMMAR)
 
 
 def ember_home() -> Path:
     """$EMBER_HOME, default ~/.ember: converted models, token caches, the hash cache."""
     return Path(os.environ.get("EMBER_HOME") or Path.home() / ".ember")
+
+
+def check_name(name: str, what: str = "job name") -> str:
+    """`name` when it follows NAME_GRAMMAR; otherwise an EmberError that shows the grammar."""
+    if not _NAME.fullmatch(name):
+        shown = name if len(name) <= 80 else f"{name[:60]}... ({len(name)} characters)"
+        raise EmberError(f"{what} {shown!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                         f"letter or digit ({NAME_GRAMMAR}); it names the job's run folder")
+    return name
+
+
+def name_from(stem: str, suffix: str) -> str:
+    """A valid name made of a file's stem (other characters become '-') and a unique suffix."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("._-")[: 63 - len(suffix)].rstrip("._-") or "job"
+    return check_name(f"{base}-{suffix}")
+
+
+def default_run_folder(name: str) -> Path:
+    """$EMBER_HOME/runs/NAME, resolved; refused when it resolves elsewhere (a link put there)."""
+    root = (ember_home() / "runs").resolve()
+    folder = (root / check_name(name)).resolve()
+    if folder.parent != root:
+        raise PermissionError(f"run folder {root / name} resolves to {folder}, outside {root}; remove "
+                              f"the link or give the job an --out")
+    return folder
 
 
 def scratch_dir(prefix: str) -> Path:

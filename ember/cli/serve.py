@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.errors import EXIT_ERROR, EmberError
+from ember.paths import NAME_GRAMMAR, check_name
 
 COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "logs", "yield")
 
@@ -45,7 +46,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        "through the gate to remote compute")
     s.add_argument("recipe", type=Path)
     s.add_argument("--priority", type=int, default=0, help="higher runs first and may preempt lower (default 0)")
-    s.add_argument("--name", help="the job's name (default RECIPE-ID)")
+    s.add_argument("--name", type=job_name, help=f"the job's name, {NAME_GRAMMAR} (default RECIPE-ID)")
     s.add_argument("--out", type=Path, help="the run folder (default $EMBER_HOME/runs/NAME)")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     from ember.cli.remote import add_remote_args
@@ -76,6 +77,14 @@ def parse_duration(text: str) -> float:
     if not m:
         raise EmberError(f"--for {text!r}: write a duration like 90s, 30m, 2h or 1d")
     return float(m.group(1)) * {"s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def job_name(text: str) -> str:
+    """argparse type of --name: a bad name is a usage error (exit 2) that shows the grammar."""
+    try:
+        return check_name(text, "--name")
+    except EmberError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def request(method: str, path: str, body: dict | None = None, timeout: float = 30.0) -> Any:

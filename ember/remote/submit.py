@@ -27,9 +27,9 @@ from ember.events import Events
 from ember.ledger import audit
 from ember.ledger import remote as rows
 from ember.ledger import store as ledger_store
-from ember.paths import ember_home
+from ember.paths import check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
-from ember.policy.registry import NAME, Registry, covering, fingerprint_files, load_registry
+from ember.policy.registry import Registry, covering, fingerprint_files, load_registry
 from ember.policy.targets import Target, load_targets
 from ember.recipe import LORA_ONLY, Recipe, load_recipe, to_toml
 from ember.remote import jobs, slurm, stage
@@ -131,10 +131,9 @@ class Submitted:
 
 def submit(req: RemoteRequest, events: Events) -> Submitted:
     """Plan, gate, audit; then stage, write the batch script and sbatch it. Raises Refused."""
-    name = req.name or f"{req.recipe_file.stem}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-    if not NAME.match(name):
-        raise EmberError(f"--name {name!r}: letters, digits, '_', '.' and '-'")
-    out = (req.out or ember_home() / "runs" / name).resolve()
+    name = check_name(req.name, "--name") if req.name else \
+        name_from(req.recipe_file.stem, f"{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
+    out = req.out.resolve() if req.out else default_run_folder(name)
     if out.exists() and any(out.iterdir()):
         raise EmberError(f"--out {out}: exists and is not empty; results of a remote job come back to a new folder")
     decided = decide(req, "submit", events)

@@ -31,7 +31,7 @@ from ember.events import Events
 from ember.ledger import jobs as rows
 from ember.ledger.jobs import JobRow
 from ember.ledger.store import connect, default_path
-from ember.paths import ember_home
+from ember.paths import check_name, default_run_folder, ember_home, name_from
 from ember.sched import admission, owner, process
 from ember.sched.inference import Gate
 from ember.sched.jobs import FINAL, LIVE, move
@@ -93,6 +93,8 @@ class Service:
     def submit(self, recipe: str, name: str | None, priority: int, out: str | None,
                overrides: list[str]) -> JobRow:
         """Plan the recipe (in a child: no torch here), refuse what can never fit, queue the rest."""
+        if name is not None:
+            check_name(name)
         recipe_path = self.allowed(recipe, "recipe")
         if not recipe_path.is_file():
             raise EmberError(f"recipe {recipe_path}: no such file")
@@ -106,10 +108,10 @@ class Service:
                              f"largest device offers {capacity / 2**30:.2f} GiB; `ember plan` says: "
                              f"{request['verdict']} ({'; '.join(request['reasons'])})")
         with self.lock:
-            name = name or f"{recipe_path.stem}-{rows.next_id(self.con)}"
+            name = name or name_from(recipe_path.stem, str(rows.next_id(self.con)))
             if rows.name_taken(self.con, name):
                 raise EmberError(f"job name {name!r} is taken; choose another --name")
-            folder = self.allowed(out, "run folder") if out else ember_home() / "runs" / name
+            folder = self.allowed(out, "run folder") if out else default_run_folder(name)
             busy = [j for j in rows.all_jobs(self.con) if j.out == str(folder) and j.state not in FINAL]
             if busy:
                 raise EmberError(f"run folder {folder} belongs to job {busy[0].name} ({busy[0].state}); "

@@ -11,14 +11,17 @@
     POST /api/yield                   {seconds?: number | null, release?: bool}               token
     GET  /api/explain                 which owner rule holds each job
     GET  /api/stats                   inference requests and pause latencies
-    *    /v1/...                      OpenAI-compatible inference, forwarded to the engine
+    GET  /v1/models, POST /v1/completions, /v1/chat/completions, /v1/embeddings
+                                      OpenAI-compatible inference, forwarded to the engine; any
+                                      other /v1 path is answered 404 here and never forwarded
 
 The dashboard's pages, its JSON API and /metrics are ember.web.dashboard's.
 
 Requests that change jobs need `Authorization: Bearer TOKEN` (the token file, mode 0600, is created at
 the service's first start), or the dashboard's session with its CSRF value (ember.web.security).
 Bound to anything but loopback, every request needs one of them; bound to loopback, only loopback
-host names are answered. Bad requests get a 4xx with {"error": message} and change nothing.
+host names are answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
+refused with 400 before routing. Bad requests get a 4xx with {"error": message} and change nothing.
 `ember ui` makes the app without a service: the dashboard alone, no /api/jobs and no /v1.
 """
 
@@ -45,12 +48,26 @@ from ember.web.dashboard import add_dashboard
 from ember.web.views import BadRequest, Views
 
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
+# The OpenAI routes the proxy forwards; nothing else of the engine's (docs, tokenize, slots,
+# metrics, ...) is reachable through the service.
+V1_ROUTES = {("GET", "models"), ("POST", "completions"), ("POST", "chat/completions"), ("POST", "embeddings")}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate", "host", "content-length", "authorization"}
 
 
 def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def unsafe_path(request: Request) -> str | None:
+    """Why a request's path is refused before routing: a dot segment or an encoded separator,
+    which a proxy or a file lookup behind the route could resolve to somewhere else."""
+    raw = request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0].lower()
+    if "%2f" in raw or "%5c" in raw:
+        return "the path has an encoded separator (%2F or %5C); write paths plainly"
+    if any(seg in (".", "..") for seg in request.url.path.split("/")):
+        return "the path has a '.' or '..' segment; write paths plainly"
+    return None
 
 
 def create_app(service: Service | None, token: str, loopback: bool, engine_url: str | None,
@@ -76,6 +93,8 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
 
     async def checked(request: Request, call_next: Any) -> Response:
         path = request.url.path
+        if why := unsafe_path(request):
+            return error(400, why)
         if loopback and not security.loopback_host(request):
             return error(421, "bound to loopback, this service answers only to localhost, 127.0.0.1 or [::1]")
         # On loopback, inference (/v1) and reading are open; changing anything needs the token
@@ -222,6 +241,9 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
     # The OpenAI-compatible API is forwarded as it is: its own documents describe it.
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"], include_in_schema=False)
     async def v1(path: str, request: Request) -> Response:
+        if (request.method, path) not in V1_ROUTES:
+            return error(404, f"{request.method} /v1/{path[:200]}: not an inference route; the service "
+                              f"forwards {', '.join(f'{m} /v1/{p}' for m, p in sorted(V1_ROUTES))}")
         if engine_url is None:
             return error(503, "inference is off ([inference] enabled = false)")
         raw = await request.body()

@@ -109,3 +109,97 @@ def test_a_job_that_can_never_fit_is_refused_at_submit_with_the_plans_verdict(tm
     assert "can never fit here" in message and "largest device offers 0.00 GiB" in message
     assert "`ember plan` says: local" in message
     assert rows.all_jobs(service.con) == []
+
+
+@pytest.mark.parametrize("name", ["../../x", "..", ".hidden", "a/b", "a\\b", "x" * 65, "", "sp ace", "ünï"])
+def test_a_job_name_outside_the_grammar_is_refused_before_anything(service, tmp_path, name):
+    """A name becomes the default run folder $EMBER_HOME/runs/NAME: '../../x' wrote outside every
+    allowed root, and a 5,000-character one broke the queue page. Refused with a 400 showing the
+    grammar, before the recipe is even planned."""
+    recipe = tmp_path / "allowed" / "r.toml"
+    recipe.write_text("")
+    r = client(service).post("/api/jobs", json={"recipe": str(recipe), "name": name}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert "[A-Za-z0-9][A-Za-z0-9._-]{0,63}" in r.json()["error"]
+    assert rows.all_jobs(service.con) == [] and not (tmp_path / "x").exists()
+
+
+def test_the_cli_refuses_a_bad_name_as_a_usage_error(tmp_path):
+    from tests.helpers import run_ember
+    for name in ("../../x", "y" * 5000):
+        r = run_ember("submit", tmp_path / "r.toml", "--name", name)
+        assert r.returncode == 2 and "{0,63}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr) < 2000  # the name is shortened in the message
+
+
+def test_a_default_run_folder_that_is_a_link_out_of_the_runs_folder_is_refused(tmp_path, monkeypatch):
+    from ember.paths import default_run_folder, name_from
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "runs").mkdir(parents=True)
+    (tmp_path / "home" / "runs" / "j").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="outside"):
+        default_run_folder("j")
+    assert default_run_folder("k") == (tmp_path / "home" / "runs" / "k").resolve()
+    assert name_from("../my recipe (v2)", "7") == "my-recipe-v2-7"
+    assert name_from("...", "7") == "job-7" and len(name_from("z" * 200, "12")) == 64
+
+
+class Recorder:
+    """A real HTTP server on loopback standing in for the inference engine: it records every
+    request that reaches it and answers 200 with a JSON body."""
+
+    def __init__(self):
+        import http.server
+        import threading
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self):
+                length = int(self.headers.get("content-length") or 0)
+                seen.append((self.command, self.path, self.rfile.read(length)))
+                body = b'{"ok": true}'
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            do_GET = do_POST = answer
+
+            def log_message(self, *args):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_inference_proxy_forwards_only_the_openai_routes(service):
+    """`/v1/..%2F..%2Fsecret` reached the engine as `/secret`: dot segments and encoded separators
+    are refused before routing (on every path), and only the documented routes are forwarded."""
+    engine = Recorder()
+    try:
+        c = TestClient(create_app(service, "s3cret", True, engine.url), base_url="http://127.0.0.1")
+        refused = [
+            ("GET", "/v1/..%2F..%2Fsecret", 400, "encoded separator"),
+            ("GET", "/v1/..%2f..%2fsecret", 400, "encoded separator"),
+            ("GET", "/v1/models%5C..%5Csecret", 400, "encoded separator"),
+            ("GET", "/v1/%2e%2e/secret", 400, "'..' segment"),
+            ("GET", "/api/..%2Fv1%2Fmodels", 400, "encoded separator"),
+            ("POST", "/v1/tokenize", 404, "not an inference route"),
+            ("GET", "/v1/docs", 404, "not an inference route"),
+            ("GET", "/v1/completions", 404, "not an inference route"),
+            ("POST", "/v1/models", 404, "not an inference route"),
+            ("POST", "/v1/slots/0?action=save", 404, "not an inference route"),
+        ]
+        for method, path, status, says in refused:
+            r = c.request(method, path, json={} if method == "POST" else None)
+            assert (r.status_code, says in r.json()["error"]) == (status, True), (path, r.status_code, r.text)
+        assert engine.seen == []  # nothing reached the engine
+        assert c.get("/v1/models").status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 200
+        assert [(m, p) for m, p, _ in engine.seen] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+    finally:
+        engine.close()
