@@ -59,6 +59,46 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Stops reading a request body past `limit` bytes, however it is framed (a chunked body has
+    no Content-Length to refuse it by) and answers 413; the rest of the body is never read, so
+    memory stays bounded."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen, started = 0, False
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        async def watched(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, limited, watched)
+        except* BodyTooLarge:  # raised in the route's read; middlewares' task groups wrap it
+            if started:
+                raise
+            response = error(413, f"request body over {self.limit} bytes ([service] max_body_bytes)")
+            response.headers.update(security.HEADERS)
+            await response(scope, receive, send)
+
+
 def unsafe_path(request: Request) -> str | None:
     """Why a request's path is refused before routing: a dot segment or an encoded separator,
     which a proxy or a file lookup behind the route could resolve to somewhere else."""
@@ -90,6 +130,8 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
         response = await checked(request, call_next)
         response.headers.update(security.HEADERS)
         return response
+
+    app.add_middleware(BodyLimit, limit=limit)
 
     async def checked(request: Request, call_next: Any) -> Response:
         path = request.url.path

@@ -203,3 +203,53 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
         assert [(m, p) for m, p, _ in engine.seen] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
     finally:
         engine.close()
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(service):
+    """A chunked body has no Content-Length: it was read whole before the 413 (400 MB took the
+    service from 71 to 472 MiB). Now reading stops at the limit: 500 MB sent in 1 MiB chunks to a
+    real server gets a 413, and the process grows by less than 20 MB."""
+    import select
+    import socket
+    import threading
+
+    import psutil
+    import uvicorn
+    engine = Recorder()  # so that /v1 reads its body: with inference off it answers 503 first
+    app = create_app(service, "s3cret", True, engine.url)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):  # started within 60 s
+        if server.started:
+            break
+        threading.Event().wait(0.1)
+    assert server.started, "uvicorn did not start within 60 s"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    me = psutil.Process()
+    try:
+        for path in ("/api/jobs", "/v1/completions"):
+            before = me.memory_info().rss
+            chunk = b"%x\r\n" % (1 << 20) + b"x" * (1 << 20) + b"\r\n"
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n"
+                          f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+                sent = 0
+                for _ in range(500):  # at most 500 MiB
+                    if select.select([s], [], [], 0)[0]:
+                        break  # the answer came
+                    try:
+                        s.sendall(chunk)
+                    except OSError:
+                        break  # the server closed its side
+                    sent += 1
+                answer = s.recv(4096).decode("latin-1")
+            grown = me.memory_info().rss - before
+            assert answer.startswith("HTTP/1.1 413"), (path, sent, answer[:300])
+            assert grown < 20 * 2**20, f"{path}: grew by {grown / 2**20:.1f} MiB after {sent} MiB sent"
+            assert sent < 100, f"{path}: {sent} MiB went in before the 413"
+        assert rows.all_jobs(service.con) == [] and engine.seen == []
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        engine.close()
