@@ -78,6 +78,7 @@ class Views:
         self.ledger, self.service = ledger, service
         self.local = threading.local()
         self.plans: dict[tuple, dict] = {}
+        self.plan_lock = threading.Lock()
         self.reports: dict[str, tuple[tuple, RunReport]] = {}
         self.lock = threading.Lock()
 
@@ -166,20 +167,24 @@ class Views:
         if run_id is not None:
             recipe = self.record(run_id)["recipe"]
             overrides: list[str] = []
-            key: tuple = ("run", run_id, to_toml(recipe), device_memory, target_micro_batch)
+            key: tuple = ("run", to_toml(recipe), device_memory, target_micro_batch)  # by content
         else:
             row = job_rows.find(self.con(), job)
             if row is None:
                 raise BadRequest(404, f"no job {job!r}; `ember queue` lists them")
             overrides = row.overrides
-            key = ("job", row.recipe, tuple(overrides), device_memory, target_micro_batch)
-        if key not in self.plans:  # planning takes seconds (a child process): once per recipe and question
-            with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
-                if run_id is not None:
-                    path = Path(tmp) / "recipe.toml"
-                    path.write_text(to_toml(recipe))
-                else:
-                    path = Path(row.recipe)
-                self.plans[key] = self.call(plan_json, path, overrides, self.ledger, device_memory,
-                                            target_micro_batch)
+            try:  # by content: a recipe edited since the job was queued is planned again
+                text = Path(row.recipe).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise BadRequest(404, f"job {job}: its recipe {row.recipe} cannot be read: {e}") from None
+            key = ("job", row.recipe, text, tuple(overrides), device_memory, target_micro_batch)
+        # Planning is a child process of ~175 MB for seconds: one at a time, once per recipe and question.
+        with self.plan_lock:
+            if key not in self.plans:
+                with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
+                    path = Path(tmp) / "recipe.toml" if run_id is not None else Path(row.recipe)
+                    if run_id is not None:
+                        path.write_text(to_toml(recipe))
+                    self.plans[key] = self.call(plan_json, path, overrides, self.ledger, device_memory,
+                                                target_micro_batch)
         return self.plans[key]

@@ -307,3 +307,34 @@ def test_no_request_gets_a_server_error(service, ledger_dir):
         check()
     assert len(seen) == len(operations), seen  # every operation was called
     assert 200 in seen["GET /api/runs/{run_id}/curves"] and 200 in seen["GET /api/runs/{run_id}"]
+
+
+def test_plan_requests_run_one_plan_process_at_a_time_once_per_recipe(client, ledger_dir, monkeypatch):
+    """Each GET /api/plan started a ~175 MB planning process: six at once for two questions now
+    make two plans, one after the other (the real plan_json, counted as it is called)."""
+    from ember.web import views as views_module
+    _, _, ids = ledger_dir
+    real, running, seen = views_module.plan_json, [0], []
+    lock = threading.Lock()
+
+    def counted(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            seen.append(running[0])
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+    monkeypatch.setattr(views_module, "plan_json", counted)
+    answers: list = []
+
+    def ask(memory: float) -> None:
+        answers.append(client.get("/api/plan", params={"run": ids["tiny"], "device_memory": memory}))
+    threads = [threading.Thread(target=ask, args=(m,)) for m in (5, 6, 5, 6, 5, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert [r.status_code for r in answers] == [200] * 6, [r.text[:300] for r in answers]
+    assert len(seen) == 2 and max(seen) == 1, seen  # two questions, never two processes at once
