@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember import control
+from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, EmberError
 from ember.events import Events
 from ember.ledger import jobs as rows
@@ -44,6 +45,7 @@ OBSERVE_SECONDS = 0.5
 YIELD_BOUND_SECONDS = 2.0     # a planned step longer than this is reported at submit: pauses wait a step
 PREEMPT_KILL_SECONDS = 300.0  # a job that has not exited this long after SIGTERM is killed
 RESTARTS = 3            # crashes a job's supervisor restarts within an hour before the job fails
+YIELD_FILE = "yield.json"    # in the service folder: an `ember yield` in force, kept across restarts
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Service:
         self.observation: owner.Observation | None = None
         self.observed_at = 0.0
         self.holds: list[owner.Hold] = []
-        self.yield_until: float | None = None   # math.inf: until released
+        self.yield_until: float | None = self._load_yield()   # math.inf: until released
         self.soft_since: dict[int, float] = {}
         self.gate = Gate(rules.inference.device, rules.inference.idle_gap_seconds)
         self.stopping = threading.Event()
@@ -203,7 +205,7 @@ class Service:
         process is gone from the devices (checkpointed and exited), with how long that took."""
         t0 = time.time()
         with self.lock:
-            self.yield_until = math.inf if seconds is None else t0 + seconds
+            self._set_yield(math.inf if seconds is None else t0 + seconds)
             self.tick()
         while time.time() - t0 < timeout:
             with self.lock:
@@ -216,8 +218,32 @@ class Service:
 
     def release_yield(self) -> None:
         with self.lock:
-            self.yield_until = None
+            self._set_yield(None)
             self.tick()
+
+    def _load_yield(self) -> float | None:
+        """The owner's `ember yield` in force when the service (re)starts: it outlives the service."""
+        path = self.dir / YIELD_FILE
+        try:
+            until = json.loads(path.read_text())["until"]
+            return math.inf if until is None else float(until)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # the owner asked for the machine: hold
+            self.events.warn(f"{path}: unreadable ({e}); all training is held until `ember yield --release`")
+            return math.inf
+
+    def _set_yield(self, until: float | None) -> None:
+        """Durable (fsynced) before it takes effect, so before `ember yield` is answered."""
+        path = self.dir / YIELD_FILE
+        if until is None:
+            if path.exists():
+                path.unlink()
+                fsync_dir(self.dir)
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_durable(path, json.dumps({"until": None if math.isinf(until) else until}))
+        self.yield_until = until
 
     def ctl(self, job: JobRow) -> Path:
         """The job's soft-pause control folder (ember.control), outside its run folder."""
@@ -283,7 +309,7 @@ class Service:
         holds = list(self.holds)
         if self.yield_until is not None:
             if now >= self.yield_until:
-                self.yield_until = None
+                self._set_yield(None)
             else:
                 until = "until released" if math.isinf(self.yield_until) else \
                     f"for {self.yield_until - now:.0f} s more"

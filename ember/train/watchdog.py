@@ -10,7 +10,8 @@ restarts it from the last durable checkpoint.
     on a hang  the rank dumps every thread's Python stack (faulthandler) into OUT/hang-rankR.txt,
                writes where its training thread is into the store, and rank 0 names the ranks
                behind (a lower step, or not in the collective the others wait in); then every
-               rank exits EXIT_HUNG, the agent tears the group down, the supervisor restarts it
+               rank exits EXIT_HUNG (the others once rank 0's account is out, at most
+               REPORT_SECONDS), the agent tears the group down, the supervisor restarts it
 
 The detection bound is the bound above plus one poll (POLL_SECONDS); a step's work is lost at
 most once per hang, as after a crash. A hung collective cannot take a checkpoint (the checkpoint
@@ -36,6 +37,7 @@ EXIT_HUNG = 70     # EX_SOFTWARE: restarted by the supervisor like a crash
 POLL_SECONDS = 0.25
 WINDOW = 200       # recent steps the p99 is taken over
 PEERS_SECONDS = 2.0  # how long rank 0 waits for the other ranks' hang reports
+REPORT_SECONDS = PEERS_SECONDS + 10.0  # how long the other ranks wait for rank 0's account to be out
 
 
 def p99(values: list[float]) -> float:
@@ -128,7 +130,23 @@ class Watchdog:
         self.store.set(f"hang/{rank}", f"{int(waiting)}|step {self.step + 1}: {here}")
         if self.world.main:
             self.events.warn(self.report(waited, bound))
+            self.store.set("hang/reported", "1")
+        else:
+            self._await_report()
         os._exit(EXIT_HUNG)
+
+    def _await_report(self) -> None:
+        """Leave only once rank 0 has said where every rank is: a rank that exits first has the
+        launcher tear the group down, rank 0 with it, before its account is out (on a busy machine
+        the hung rank's own watchdog often fires first)."""
+        deadline = time.monotonic() + REPORT_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check(["hang/reported"]):
+                    return
+            except Exception:  # the store went with rank 0's host: nobody is left to report
+                return
+            time.sleep(0.05)
 
     def report(self, waited: float, bound: float) -> str:
         """Rank 0's account of a hang: every rank's last step and where it is."""

@@ -253,3 +253,20 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(service):
         server.should_exit = True
         thread.join(timeout=60)
         engine.close()
+
+
+def test_ember_yield_outlives_a_restart_of_the_service(service, tmp_path):
+    """A yielded job trained 591 steps in the 30 s after a SIGKILL and restart of the service:
+    the yield lived in the service's memory. It is written (fsynced) before it is answered and a
+    new service over the same home starts with it, `--for`'s end included; release removes it."""
+    def restarted() -> Service:  # what a restart after SIGKILL finds: the home, nothing in memory
+        return Service(service.rules, "sim:2x1GiB", Events(), tmp_path / "ledger.db")
+    c = client(service)
+    assert c.post("/api/yield", json={}, headers=AUTH).status_code == 200
+    assert restarted().yield_until == float("inf")
+    job = rows.insert(service.con, "j", "/x.toml", str(tmp_path / "run"), [], 0, {"memory": 1}, "queued")
+    assert [h.rule for h in restarted().holds_on(job)] == ["yield"]
+    assert c.post("/api/yield", json={"release": True}, headers=AUTH).status_code == 200
+    assert restarted().yield_until is None and restarted().holds_on(job) == []
+    r = c.post("/api/yield", json={"seconds": 3600}, headers=AUTH).json()
+    assert restarted().yield_until == pytest.approx(r["until"])
