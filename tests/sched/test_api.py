@@ -264,9 +264,10 @@ def test_ember_yield_outlives_a_restart_of_the_service(service, tmp_path):
     c = client(service)
     assert c.post("/api/yield", json={}, headers=AUTH).status_code == 200
     assert restarted().yield_until == float("inf")
-    job = rows.insert(service.con, "j", "/x.toml", str(tmp_path / "run"), [], 0, {"memory": 1}, "queued")
-    assert [h.rule for h in restarted().holds_on(job)] == ["yield"]
     assert c.post("/api/yield", json={"release": True}, headers=AUTH).status_code == 200
-    assert restarted().yield_until is None and restarted().holds_on(job) == []
+    assert restarted().yield_until is None
     r = c.post("/api/yield", json={"seconds": 3600}, headers=AUTH).json()
     assert restarted().yield_until == pytest.approx(r["until"])
+    # A job queued now is held by it in the restarted service (no tick here: nothing is started).
+    job = rows.insert(service.con, "j", "/x.toml", str(tmp_path / "run"), [], 0, {"memory": 1}, "queued")
+    assert [h.rule for h in restarted().holds_on(job)] == ["yield"]
