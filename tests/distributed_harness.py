@@ -38,10 +38,11 @@ def make_baselines() -> dict:
     return {"recipe": folder / "recipe.toml", "one": folder / "one", "ddp": folder / "ddp"}
 
 
-def rank_pid(launcher: psutil.Process, rank: str, timeout: float = 60.0) -> int:
+def rank_pid(launcher: psutil.Process, rank: str, timeout: float = 300.0) -> int:
     """The PID of `rank` under the launcher we started. While the supervisor restarts a group
     there is a moment with no ranks at all: wait for the new ones (bounded), as long as the
-    launcher lives."""
+    launcher lives. A group torn down while a rank is stuck in a collective takes up to the
+    launcher's 30 s, then the backoff and a start-up: 300 s is ten times that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
         for child in launcher.children(recursive=True):

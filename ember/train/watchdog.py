@@ -138,11 +138,14 @@ class Watchdog:
     def _await_report(self) -> None:
         """Leave only once rank 0 has said where every rank is: a rank that exits first has the
         launcher tear the group down, rank 0 with it, before its account is out (on a busy machine
-        the hung rank's own watchdog often fires first)."""
-        deadline = time.monotonic() + REPORT_SECONDS
-        while time.monotonic() < deadline:
+        the hung rank's own watchdog often fires first). Not when rank 0 is not reporting at all
+        (it died, or it is not stuck): then its hang key never comes."""
+        start = time.monotonic()
+        while time.monotonic() - start < REPORT_SECONDS:
             try:
                 if self.store.check(["hang/reported"]):
+                    return
+                if time.monotonic() - start > PEERS_SECONDS + 3.0 and not self.store.check(["hang/0"]):
                     return
             except Exception:  # the store went with rank 0's host: nobody is left to report
                 return
