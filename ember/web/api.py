@@ -160,18 +160,15 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
 
     add_dashboard(app, Views(service.ledger_path if service is not None else ledger, service), token)
     if service is not None:
-        add_service_routes(app, service, engine_url, client, limit)
+        add_service_routes(app, service, engine_url, client)
     return app
 
 
-def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, client: httpx.AsyncClient,
-                       limit: int) -> None:
+def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, client: httpx.AsyncClient) -> None:
     """The queue's verbs and the inference endpoint."""
 
     async def body(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > limit:
-            raise BadRequest(413, f"request body over {limit} bytes")
+        raw = await request.body()  # BodyLimit stopped it at `limit`
         if not raw:
             return {}
         try:
@@ -288,9 +285,7 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
                               f"forwards {', '.join(f'{m} /v1/{p}' for m, p in sorted(V1_ROUTES))}")
         if engine_url is None:
             return error(503, "inference is off ([inference] enabled = false)")
-        raw = await request.body()
-        if len(raw) > limit:
-            return error(413, f"request body over {limit} bytes")
+        raw = await request.body()  # BodyLimit stopped it at `limit`
         if request.method == "POST":  # ember is the front door: a malformed body stops here, not upstream
             try:
                 parsed = json.loads(raw)

@@ -165,9 +165,9 @@ class Views:
         if (run_id is None) == (job is None):
             raise BadRequest(400, "name one recipe to plan: ?run=RUN_ID or ?job=JOB")
         if run_id is not None:
-            recipe = self.record(run_id)["recipe"]
+            text = to_toml(self.record(run_id)["recipe"])
             overrides: list[str] = []
-            key: tuple = ("run", to_toml(recipe), device_memory, target_micro_batch)  # by content
+            key: tuple = ("run", text, device_memory, target_micro_batch)  # by content
         else:
             row = job_rows.find(self.con(), job)
             if row is None:
@@ -184,7 +184,7 @@ class Views:
                 with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
                     path = Path(tmp) / "recipe.toml" if run_id is not None else Path(row.recipe)
                     if run_id is not None:
-                        path.write_text(to_toml(recipe))
+                        path.write_text(text)
                     self.plans[key] = self.call(plan_json, path, overrides, self.ledger, device_memory,
                                                 target_micro_batch)
         return self.plans[key]
