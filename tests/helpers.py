@@ -42,7 +42,11 @@ def ember_cmd(*args: str) -> list[str]:
 
 
 def run_ember(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the CLI to completion in a child process."""
+    """Run the CLI to completion in a child process: forked from a process that has already
+    imported what a run needs (tests/warm.py), or a fresh interpreter with EMBER_TEST_COLD=1."""
+    if not os.environ.get("EMBER_TEST_COLD"):
+        from tests import warm
+        return warm.run(list(map(str, args)), {**os.environ, **(env or {})}, ROOT, timeout)
     return subprocess.run(ember_cmd(*args), capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=ROOT)
 

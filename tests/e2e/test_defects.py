@@ -14,7 +14,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,11 +101,9 @@ def test_one_run_per_folder(tmp_path):
     # second's start-up on a busy machine); the first is stopped by SIGTERM once checked.
     first = start_ember("run", recipe, "--out", out, env={"EMBER_FAULT_DATA_DELAY": "0.2"})
     try:
-        t0 = time.monotonic()
-        while first.poll() is None and not (out / "run.json").exists() and time.monotonic() - t0 < 60:
-            time.sleep(0.05)
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        wait_for_step(first, out / "metrics.jsonl", 1, timeout=180)  # it trains (and holds the lock)
         assert first.poll() is None, "test setup: the first run ended before the second started"
+        assert steps_of(out), "test setup: the first run logged no step within 180 s"
         second = run_ember("run", recipe, "--out", out, timeout=180)
         first_still_running = first.poll() is None
         assert second.returncode == 1, (f"the second run in the same folder exited "

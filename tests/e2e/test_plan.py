@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ember.doctor.measure import calibrate
 from ember.plan.devices import Device
 from ember.plan.planner import make_plan
 from ember.recipe import load_recipe
 from ember.train.model import ByteTokenizer
 from tests.helpers import run_ember, write_recipe
+
+
+@pytest.fixture(autouse=True)
+def own_ember_home(tmp_path, monkeypatch):
+    """A plan reads this machine's history from the ledger (checkpoint rates, interruptions): each
+    test plans against an empty one, not against whatever the worker's earlier tests recorded."""
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "ember_home"))
 
 
 def test_plan_json_gives_the_peak_computed_by_hand(tmp_path):

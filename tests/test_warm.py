@@ -1,0 +1,77 @@
+"""The warm start of `run_ember` (tests/warm.py) is only honest while ember reads no environment
+variable at import time, and while a forked command behaves as a fresh one."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.train.rundir import LOCK_FILE
+from tests import warm
+from tests.helpers import ROOT, ember_cmd, write_recipe
+
+
+def _import_time_nodes(tree: ast.Module):
+    """The nodes Python evaluates when the module is imported: all but function bodies."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            stack.extend([*args.defaults, *(d for d in args.kw_defaults if d)])
+            stack.extend(getattr(node, "decorator_list", []))
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def test_ember_reads_no_environment_variable_at_import_time():
+    found = []
+    for path in sorted((ROOT / "ember").rglob("*.py")):
+        for node in _import_time_nodes(ast.parse(path.read_text())):
+            name = (node.attr if isinstance(node, ast.Attribute)
+                    else node.id if isinstance(node, ast.Name) else None)
+            if name in {"environ", "getenv", "environb"}:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"read at import time, which a warm start would not see: {found}"
+
+
+def test_a_warm_command_has_its_own_arguments_environment_folder_and_exit(tmp_path):
+    """The same command, fresh and forked from the warm process: same output, same exit status."""
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home"), "COLUMNS": "77"}
+    (tmp_path / "bad.toml").write_text("[model]\npath = 3\n")
+    for args in (["--help"], ["plan", str(tmp_path / "bad.toml")], ["plan", "missing.toml"],
+                 ["submit", "x.toml", "--name", "a/b"]):
+        cold = subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=120)
+        forked = warm.run(args, env, ROOT, timeout=120)
+        assert (forked.returncode, forked.stdout, forked.stderr) == \
+               (cold.returncode, cold.stdout, cold.stderr), args
+    assert cold.returncode == 2 and "a/b" in cold.stderr
+
+
+def test_a_timed_out_warm_command_is_killed(tmp_path):
+    """As subprocess.run does on a timeout: the command is killed, not left running."""
+    recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
+    out = tmp_path / "run"
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run(["run", str(recipe), "--out", str(out)], env, ROOT, timeout=8)
+    pid = int((out / LOCK_FILE).read_text())  # the command's own PID, written by its run lock
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"the timed-out command (PID {pid}) still runs after 60 s"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
