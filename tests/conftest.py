@@ -18,11 +18,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "run at the smaller counts of `make test`")
 
 
-# How `make test` spreads the tests over its two workers: a test file is one unit of work, kept on
-# one worker (its module fixtures are built once), unless it is listed in SPLIT; each test of those
-# is a unit of its own (their expensive inputs are shared across workers: tests/artifacts.py). The
-# units are handed out in the order below, the longest first (`--no-loadscope-reorder`), so that no
-# long one is left for the end while the other worker idles (durations: tests/README.md).
+# How `make test` spreads the tests over its three workers (on two cores: with ember's start-up
+# forked from a warm process, tests/warm.py, about a third of the suite's time is waiting on Slurm's
+# minute, shaped links and paced inputs, which the third worker fills): a test file is one unit of
+# work, kept on one worker (its module fixtures are built once), unless it is listed in SPLIT; each
+# test of those is a unit of its own (their expensive inputs are shared across workers:
+# tests/artifacts.py). The units are handed out in the order below, the longest first
+# (`--no-loadscope-reorder`), so that no long one is left for the end while the others idle
+# (durations: tests/README.md).
 SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tests/e2e/test_defects.py",
          "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_cli.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py"}

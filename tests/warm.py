@@ -44,6 +44,7 @@ def serve(path: str) -> None:
     import gc
     import importlib
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the worker
+    sys.path[0] = str(ROOT)  # this checkout's ember, as `python -m ember` run from ROOT imports it
     for name in WARM_MODULES:
         importlib.import_module(name)
     gc.collect()
