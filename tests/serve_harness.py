@@ -49,9 +49,13 @@ class Serve:
     def output(self) -> str:
         return "".join(p.read_text() for p in sorted(self.home.glob("serve-*.log")))
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The token, as the commands send it and as OpenAI clients send their API key."""
+        return {"Authorization": f"Bearer {self.token}"}
+
     def api(self, method: str, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
-        return httpx.request(method, self.url + path, json=body, timeout=timeout,
-                             headers={"Authorization": f"Bearer {self.token}"})
+        return httpx.request(method, self.url + path, json=body, timeout=timeout, headers=self.auth)
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=self.env, cwd=ROOT,

@@ -42,6 +42,10 @@ class ServiceRules:
     allowed: list[str] = setting(lambda: ["~"], "Folders recipes (and run folders) must lie under.",
                                  factory=True)
     max_body_bytes: int = setting(1 << 20, "Largest request body accepted.", min=1024)
+    open_on_loopback: bool = setting(False, "Bound to loopback, answer reading requests (pages, "
+                                     "/api GETs, /metrics) and /v1 inference without the token; "
+                                     "changes still need it. Off: any program or user of this "
+                                     "machine could read the queue and use the model.")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The service's HTTP API: a thin layer over ember.sched.service.Service.
 
     GET  /health                      200 when inference is ready, 503 while it loads (or is off)
-    GET  /api/jobs                    the queue                      (token if not on loopback)
+    GET  /api/jobs                    the queue
     POST /api/jobs                    submit {recipe, name?, priority?, out?, overrides?}   token
     GET  /api/jobs/{job}              one job
     POST /api/jobs/{job}/pause        {hard?: bool}                                           token
@@ -17,10 +17,12 @@
 
 The dashboard's pages, its JSON API and /metrics are ember.web.dashboard's.
 
-Requests that change jobs need `Authorization: Bearer TOKEN` (the token file, mode 0600, is created at
-the service's first start), or the dashboard's session with its CSRF value (ember.web.security).
-Bound to anything but loopback, every request needs one of them; bound to loopback, only loopback
-host names are answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
+Every request but /login and /static/ needs `Authorization: Bearer TOKEN` (the token file, mode
+0600, is created at the service's first start; OpenAI clients pass it as their API key) or the
+dashboard's session, and a change also its CSRF value (ember.web.security). A page asked for
+without either is redirected to /login. Only the owner opens reading and /v1 on loopback, with
+owner.toml's `[service] open_on_loopback = true`; bound to loopback, only loopback host names are
+answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
 refused with 400 before routing. Bad requests get a 4xx with {"error": message} and change nothing.
 `ember ui` makes the app without a service: the dashboard alone, no /api/jobs and no /v1.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
@@ -111,10 +113,15 @@ def unsafe_path(request: Request) -> str | None:
 
 
 def create_app(service: Service | None, token: str, loopback: bool, engine_url: str | None,
-               ledger: Path | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+               ledger: Path | None = None, max_body_bytes: int = 1 << 20, open_reads: bool = False,
+               engine_token: str | None = None) -> FastAPI:
     """The app; `engine_url`: where /v1 requests go (upstream or the built-in worker), or None.
-    Without a service (`ember ui`): the dashboard over `ledger` alone."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    Without a service (`ember ui`): the dashboard over `ledger` alone. `open_reads` (loopback
+    only: `[service] open_on_loopback`): reading and /v1 need no token. `engine_token`: the
+    built-in worker's own token, sent with every request forwarded to it (the caller's is not)."""
+    open_reads = open_reads and loopback
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                               headers={"Authorization": f"Bearer {engine_token}"} if engine_token else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -139,17 +146,22 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
             return error(400, why)
         if loopback and not security.loopback_host(request):
             return error(421, "bound to loopback, this service answers only to localhost, 127.0.0.1 or [::1]")
-        # On loopback, inference (/v1) and reading are open; changing anything needs the token
-        # (or the dashboard's session and its CSRF value). Signing in checks the token itself.
-        if request.method in MUTATING and not path.startswith("/v1/") and path != "/login":
+        # Changing anything needs the token (or the dashboard's session and its CSRF value);
+        # reading and inference need the token or the session, unless the owner opened them on
+        # loopback. Signing in checks the token itself.
+        if path == "/login" or path.startswith("/static/"):
+            pass
+        elif request.method in MUTATING and not path.startswith("/v1/"):
             if not security.may_change(request, token):
                 return error(401, "this request needs the service's token: Authorization: Bearer "
                                   "<contents of $EMBER_HOME/serve/token> (the dashboard: sign in with the "
                                   "link `ember ui` prints)")
-        elif not loopback and path != "/login" and not path.startswith("/static/") \
-                and not security.may_read(request, token):
+        elif not open_reads and not security.may_read(request, token):
+            if request.method == "GET" and security.wants_page(request):
+                return RedirectResponse("/login", status_code=303)
             return error(401, "this request needs the service's token: Authorization: Bearer "
-                              "<contents of $EMBER_HOME/serve/token>")
+                              "<contents of $EMBER_HOME/serve/token> (OpenAI clients: it is the API key; "
+                              "the dashboard: sign in with the link `ember ui` prints)")
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > limit):
             return error(413, f"request body over {limit} bytes ([service] max_body_bytes)")

@@ -15,6 +15,10 @@ model loads in a background thread once the server listens: GET /health answers 
     POST /v1/completions        prompt, model, max_tokens, temperature, top_p, stop, seed, stream
     POST /v1/chat/completions   the same with messages instead of prompt
 
+Started by the service, the worker gets a token in $EMBER_WORKER_TOKEN and answers only requests
+that carry it (`Authorization: Bearer`; 401 otherwise): its port is on loopback, where any local
+program could otherwise use the model past the service's own token.
+
 `"stream": true` answers text/event-stream: `data: {chunk}` events, then `data: [DONE]`. Errors
 are `{"error": {"message", "type", "code"}}` with a 4xx status when the request is at fault; a
 bad request changes nothing. A missing `model` means `base`.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import threading
@@ -42,15 +47,17 @@ from starlette.exceptions import HTTPException
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
 from ember.infer.engine import BASE, Engine, Generation, RequestError, Sampling
+from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 
 MAX_BODY = 1 << 20  # bytes: a prompt beyond this is far past any context ember serves
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
                413: "request_too_large", 503: "service_unavailable"}
 _END = object()
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The worker's ASGI app; its start-up loads the engine's model in a thread unless loaded."""
+def create_app(engine: Engine, token: str | None = None) -> FastAPI:
+    """The worker's ASGI app; its start-up loads the engine's model in a thread unless loaded.
+    With `token`, every request must carry it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +66,14 @@ def create_app(engine: Engine) -> FastAPI:
         yield
 
     app = FastAPI(title="ember inference worker", lifespan=lifespan)
+
+    if token:
+        @app.middleware("http")
+        async def only_with_the_token(request: Request, call_next: Callable) -> Any:
+            if not bearer_ok(request, token):
+                return error_response(401, "this worker answers the ember service only: "
+                                           "Authorization: Bearer <its token> is missing or wrong")
+            return await call_next(request)
 
     @app.exception_handler(EmberError)
     async def ember_error(request: Request, e: EmberError) -> JSONResponse:
@@ -264,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False)
+    config = uvicorn.Config(create_app(engine, os.environ.get(WORKER_TOKEN_ENV) or None), log_level="warning",
+                            access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return EXIT_OK
 

@@ -9,6 +9,9 @@
     Host                            bound to loopback, only loopback names are answered (a DNS
                                     rebinding page cannot read the dashboard under its own name)
 
+Reading needs the token or the session too, on every interface, unless the owner set
+`[service] open_on_loopback = true` (ember.sched.owner).
+
 The cookie and the CSRF value are HMACs of the token, so they change when the token does and
 nothing more is stored. Every answer carries a Content-Security-Policy that allows scripts, styles
 and connections from the dashboard itself only: no inline script, no CDN.
@@ -23,6 +26,7 @@ import ipaddress
 from starlette.requests import Request
 
 SESSION_COOKIE = "ember_session"
+WORKER_TOKEN_ENV = "EMBER_WORKER_TOKEN"  # the built-in inference worker's token, from the service
 CSRF_HEADER = "x-ember-csrf"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "font-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
@@ -65,8 +69,13 @@ def may_change(request: Request, token: str) -> bool:
 
 
 def may_read(request: Request, token: str) -> bool:
-    """Reading when the service is reachable from other machines: the token or the session."""
+    """Reading (pages, /api GETs, /metrics) and inference: the token or the session."""
     return bearer_ok(request, token) or session_ok(request, token)
+
+
+def wants_page(request: Request) -> bool:
+    """A browser asking for a page (it is sent to sign in), not a script asking for data."""
+    return "text/html" in request.headers.get("accept", "")
 
 
 def loopback_host(request: Request) -> bool:

@@ -30,8 +30,9 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
 from ember.paths import ember_home
-from ember.sched.owner import load_rules
+from ember.sched.owner import OwnerRules, load_rules
 from ember.sched.service import Service
+from ember.web.security import WORKER_TOKEN_ENV
 
 STOP_TIMEOUT = 120.0   # seconds the jobs get to checkpoint and exit when the service stops
 GRACE_SECONDS = 3      # open requests (a dashboard's live stream) get this long when the server stops
@@ -75,22 +76,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def start_engine(service: Service, events: Events) -> tuple[str | None, subprocess.Popen | None]:
-    """The URL /v1 requests go to, and the built-in worker's process if one was started."""
+def announce_access(host: str, loopback: bool, rules: OwnerRules, events: Events) -> None:
+    """Who may use the service, said at its start: the token for everything, or the owner's
+    explicit opening of reading and inference on loopback."""
+    if loopback and rules.service.open_on_loopback:
+        events.warn(f"[service] open_on_loopback = true: on {host}, every program and user of this machine "
+                    f"may read the queue, the runs and /metrics and use /v1 without the token; changes "
+                    f"still need it ({token_path()})")
+    elif not loopback:
+        events.warn(f"listening on {host}, not loopback: every request needs the token ({token_path()})")
+    else:
+        events.info(f"every request needs the token ({token_path()}): the commands read it, OpenAI "
+                    f"clients pass it as their API key, the dashboard signs in with the link `ember ui` "
+                    f"prints ([service] open_on_loopback opens reading and /v1 on loopback)")
+
+
+def start_engine(service: Service, events: Events) -> tuple[str | None, subprocess.Popen | None, str | None]:
+    """The URL /v1 requests go to, the built-in worker's process if one was started, and the
+    token it was given (its port is on loopback: without one, any local program could use the
+    model past the service's token)."""
     inf = service.rules.inference
     if not inf.enabled:
-        return None, None
+        return None, None, None
     if inf.upstream:
         events.info(f"inference: forwarding /v1 to {inf.upstream}")
-        return inf.upstream.rstrip("/"), None
+        return inf.upstream.rstrip("/"), None, None
     runs = list(inf.runs) + [str(ember_home() / "runs")]
     argv = [sys.executable, "-m", "ember.web.infer_worker", "--model", inf.model, "--host", "127.0.0.1",
             "--port", "0", "--seed", str(inf.seed)]
     for r in runs:
         argv += ["--runs", r]
     log = open(serve_dir() / "engine.log", "ab")
+    engine_token = secrets.token_urlsafe(32)
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                              start_new_session=True)
+                              start_new_session=True, env={**os.environ, WORKER_TOKEN_ENV: engine_token})
     line = worker.stdout.readline().decode().strip()  # "listening on http://127.0.0.1:PORT"
     if not line.startswith("listening on "):
         worker.kill()
@@ -98,7 +117,7 @@ def start_engine(service: Service, events: Events) -> tuple[str | None, subproce
                          f"{serve_dir() / 'engine.log'}")
     url = line.split()[-1]
     events.info(f"inference: built-in engine ({inf.model}) at {url}, PID {worker.pid}")
-    return url, worker
+    return url, worker, engine_token
 
 
 def serve(opt: ServeOptions, events: Events) -> int:
@@ -114,13 +133,12 @@ def serve(opt: ServeOptions, events: Events) -> int:
     lock = acquire(d / "serve.lock", "ember serve")
     token = ensure_token()
     loopback = is_loopback(host)
-    if not loopback:
-        events.warn(f"listening on {host}, not loopback: every request needs the token "
-                    f"({token_path()})")
+    announce_access(host, loopback, rules, events)
     service = Service(rules, opt.devices, events, opt.ledger)
     service.recover()
-    engine_url, worker = start_engine(service, events)
-    app = create_app(service, token, loopback, engine_url)
+    engine_url, worker, engine_token = start_engine(service, events)
+    app = create_app(service, token, loopback, engine_url, open_reads=rules.service.open_on_loopback,
+                     engine_token=engine_token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=GRACE_SECONDS))
     server.install_signal_handlers = lambda: None  # ours below: preempt the jobs first
@@ -209,9 +227,9 @@ def ui(opt: UiOptions, events: Events) -> int:
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = ensure_token()
     loopback = is_loopback(host)
-    if not loopback:
-        events.warn(f"listening on {host}, not loopback: every request needs the token ({token_path()})")
-    app = create_app(None, token, loopback, None, opt.ledger, rules.service.max_body_bytes)
+    announce_access(host, loopback, rules, events)
+    app = create_app(None, token, loopback, None, opt.ledger, rules.service.max_body_bytes,
+                     open_reads=rules.service.open_on_loopback)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=GRACE_SECONDS))
     threading.Thread(target=_announce, args=(server, host, d, events, "ui"), daemon=True).start()

@@ -232,20 +232,21 @@ def test_inference_during_training_pauses_it_and_is_accounted(reference):
     try:
         s.wait(lambda j: True)
         deadline = time.monotonic() + 120
-        while httpx.get(s.url + "/health", timeout=10).status_code != 200:
+        while httpx.get(s.url + "/health", timeout=10, headers=s.auth).status_code != 200:
             assert time.monotonic() < deadline, s.output()[-2000:]
             time.sleep(0.2)
-        models = httpx.get(s.url + "/v1/models", timeout=10).json()
+        models = httpx.get(s.url + "/v1/models", timeout=10, headers=s.auth).json()
         assert models["data"][0]["id"] == "base"
         assert s.cli("submit", str(recipe), "--name", "t").returncode == 0
         s.wait(lambda j: j["t"]["state"] == "running" and j["t"]["step"] >= 3)
         states = []
         for _ in range(4):
             r = httpx.post(s.url + "/v1/completions", json={"model": "base", "prompt": "In the beginning",
-                                                            "max_tokens": 16, "temperature": 0}, timeout=60)
+                                                            "max_tokens": 16, "temperature": 0}, timeout=60,
+                           headers=s.auth)
             assert r.status_code == 200, r.text
             states.append(s.jobs()["t"]["state"])
-        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, headers=s.auth,
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                                 "stream": True}) as r:
             lines = [x for x in r.iter_lines() if x]
@@ -277,22 +278,25 @@ def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
         owner = OWNER.format(root=root).replace("enabled = false", f'upstream = "{upstream}"')
         s = Serve(root / "upstream", owner, None, {}).start()
         try:
-            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            assert httpx.get(s.url + "/health", timeout=30, headers=s.auth).status_code == 200
             direct = httpx.post(upstream + "/v1/completions", timeout=60,
                                 json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
-            proxied = httpx.post(s.url + "/v1/completions", timeout=60,
+            proxied = httpx.post(s.url + "/v1/completions", timeout=60, headers=s.auth,
                                  json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
             assert proxied.status_code == 200
             assert proxied.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
-            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, headers=s.auth,
                               json={"messages": [{"role": "user", "content": "Say hello."}],
                                     "max_tokens": 8, "stream": True}) as r:
                 assert r.headers["content-type"].startswith("text/event-stream")
                 lines = [x for x in r.iter_lines() if x]
             assert lines[-1] == "data: [DONE]" and len(lines) >= 3
             bad = httpx.post(s.url + "/v1/completions", content=b"{oops", timeout=30,
-                             headers={"content-type": "application/json"})
+                             headers={"content-type": "application/json", **s.auth})
             assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]  # never forwarded
+            anonymous = httpx.post(s.url + "/v1/completions", timeout=30, json={"prompt": "In", "max_tokens": 1})
+            assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]  # never forwarded
             assert s.api("GET", "/api/stats").json()["inference"]["requests"] == 2
+            assert "every request needs the token" in s.output()  # said at start-up
         finally:
             s.stop()

@@ -4,6 +4,7 @@ reloading the base; the OpenAI-compatible API in-process; the worker process onc
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
 import shutil
@@ -31,10 +32,13 @@ from ember.events import Events
 from ember.infer.engine import Engine, RequestError
 from ember.models import BYTE_EOS, tiny_config
 from ember.web.infer_worker import create_app, main
+from ember.web.security import WORKER_TOKEN_ENV
 from tests.helpers import ROOT, run_ember, write_recipe
 
 SEED = 7  # write_recipe's train.seed: builtin:tiny's init, which the engine must match
 PROMPT = "In the beginning God"
+WORKER_TOKEN = "the-service-gave-me-this"
+WORKER_AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 IDS = [BYTE_EOS, *PROMPT.encode()]  # builtin:tiny's prompt: its bytes, after the end-of-document token
 
 
@@ -46,7 +50,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
     with open(root.parent / "worker.err", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny",
                                  "--runs", str(root), "--seed", str(SEED), "--port", "0"],
-                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                env={**os.environ, WORKER_TOKEN_ENV: WORKER_TOKEN})  # as the service starts it
         yield proc, root, root.parent / "worker.err"
         if proc.poll() is None:  # the test stops it; this is for a test that failed first
             proc.kill()
@@ -311,11 +316,19 @@ def test_the_worker_process_says_its_port_loads_and_serves(worker, runs: Path):
     url, statuses = match.group(1), []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and statuses[-1:] != [200]:
-        statuses.append(httpx.get(f"{url}/health", timeout=10).status_code)
+        statuses.append(httpx.get(f"{url}/health", timeout=10, headers=WORKER_AUTH).status_code)
         time.sleep(0.05)
     assert statuses[-1] == 200 and set(statuses) <= {503, 200}, statuses
-    assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["base", "a"]
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
+    # Its port is on loopback: without the token the service gave it, nothing is answered.
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": WORKER_TOKEN}):
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
+            r = httpx.request(method, f"{url}{path}", headers=headers, timeout=10,
+                              json={"prompt": PROMPT, "max_tokens": 4} if method == "POST" else None)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, headers)
+    models = httpx.get(f"{url}/v1/models", timeout=10, headers=WORKER_AUTH).json()["data"]
+    assert [m["id"] for m in models] == ["base", "a"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30,
+                   headers=WORKER_AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()[-2000:]  # uvicorn re-raises it

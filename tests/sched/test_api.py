@@ -25,9 +25,10 @@ def service(tmp_path, monkeypatch):
     return Service(rules, "sim:2x1GiB", Events(), tmp_path / "ledger.db")
 
 
-def client(service, loopback=True):
+def client(service, loopback=True, open_reads=False):
     # Bound to loopback the service answers only to loopback host names (DNS rebinding): not "testserver".
-    return TestClient(create_app(service, "s3cret", loopback, None), base_url="http://127.0.0.1")
+    return TestClient(create_app(service, "s3cret", loopback, None, open_reads=open_reads),
+                      base_url="http://127.0.0.1")
 
 
 AUTH = {"Authorization": "Bearer s3cret"}
@@ -49,7 +50,31 @@ def test_mutations_need_the_token(service):
         assert r.status_code == 401 and "token" in r.json()["error"]
         r = c.post(path, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
-    assert c.get("/api/jobs").status_code == 200  # reading on loopback needs none
+    assert c.get("/api/jobs", headers=AUTH).status_code == 200
+    assert rows.all_jobs(service.con) == []
+
+
+def test_on_loopback_every_request_needs_the_token_unless_the_owner_opens_reading(service):
+    """Reading and inference on loopback were open to every local user and program (issue 24,
+    item 3): now every route but signing in and the static files needs the token or the session;
+    a browser asking for a page is sent to sign in. `[service] open_on_loopback = true` (the owner's
+    explicit choice) opens reading and /v1 again, never a change."""
+    c = client(service)
+    for method, path in (("GET", "/api/jobs"), ("GET", "/api/runs"), ("GET", "/api/explain"), ("GET", "/health"),
+                         ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/runs"),
+                         ("GET", "/openapi.json")):
+        r = c.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 401 and "token" in r.json()["error"], (method, path, r.status_code, r.text[:200])
+    page = c.get("/queue", headers={"accept": "text/html,application/xhtml+xml"}, follow_redirects=False)
+    assert (page.status_code, page.headers["location"]) == (303, "/login")
+    assert c.get("/login").status_code == 200 and c.get("/static/ember.css").status_code == 200
+    assert c.get("/api/jobs", headers=AUTH).status_code == 200 and c.get("/runs", headers=AUTH).status_code == 200
+    opened = client(service, open_reads=True)
+    assert opened.get("/api/jobs").status_code == 200 and opened.get("/runs").status_code == 200
+    assert opened.get("/v1/models").status_code == 503  # reached: inference is off in this service
+    assert opened.post("/api/jobs", json={}).status_code == 401  # changes still need the token
+    off_loopback = client(service, loopback=False, open_reads=True)  # the setting is for loopback only
+    assert off_loopback.get("/api/jobs").status_code == 401
     assert rows.all_jobs(service.con) == []
 
 
@@ -76,10 +101,10 @@ def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path):
         (c.post("/api/jobs", content=b"x" * 5000, headers=AUTH), 413, "over 4096 bytes"),
         (c.post("/api/jobs/nope/pause", json={}, headers=AUTH), 404, "no job 'nope'"),
         (c.post("/api/jobs/7/cancel", headers=AUTH), 404, "no job"),
-        (c.get("/api/jobs/7/logs"), 404, "no job"),
+        (c.get("/api/jobs/7/logs", headers=AUTH), 404, "no job"),
         (c.post("/api/yield", json={"seconds": -5}, headers=AUTH), 400, "seconds"),
         (c.post("/api/yield", json={"seconds": "soon"}, headers=AUTH), 400, "seconds"),
-        (c.get("/v1/models"), 503, "inference is off"),
+        (c.get("/v1/models", headers=AUTH), 503, "inference is off"),
     ]
     for r, status, words in cases:
         assert r.status_code == status, (r.status_code, r.text)
@@ -195,11 +220,11 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
             ("POST", "/v1/slots/0?action=save", 404, "not an inference route"),
         ]
         for method, path, status, says in refused:
-            r = c.request(method, path, json={} if method == "POST" else None)
+            r = c.request(method, path, json={} if method == "POST" else None, headers=AUTH)
             assert (r.status_code, says in r.json()["error"]) == (status, True), (path, r.status_code, r.text)
         assert engine.seen == []  # nothing reached the engine
-        assert c.get("/v1/models").status_code == 200
-        assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 200
+        assert c.get("/v1/models", headers=AUTH).status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": []}, headers=AUTH).status_code == 200
         assert [(m, p) for m, p, _ in engine.seen] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
     finally:
         engine.close()

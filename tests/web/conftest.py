@@ -47,4 +47,11 @@ def service(ledger_dir, tmp_path, monkeypatch):
 
 @pytest.fixture
 def client(service):
+    """The dashboard's app with the token on every request, as the commands send it."""
+    return TestClient(create_app(service, TOKEN, True, None), base_url="http://127.0.0.1", headers=AUTH)
+
+
+@pytest.fixture
+def anon(service):
+    """The same app, asked without the token (the session, when a test signs in, is a cookie)."""
     return TestClient(create_app(service, TOKEN, True, None), base_url="http://127.0.0.1")

@@ -79,6 +79,7 @@ class Ui:
                 info = json.loads((home / "serve" / "ui.json").read_text())
                 if info["pid"] == self.proc.pid:
                     self.url = info["url"]
+                    self.login = f"{self.url}/login?token={(home / 'serve' / 'token').read_text().strip()}"
                     return
             except (OSError, ValueError, KeyError):
                 pass
@@ -110,7 +111,10 @@ def test_runs_and_run_pages_draw_the_servers_curves(chromium, tmp_path):
     errors: list[str] = []
     try:
         page = open_page(chromium, errors)
-        page.goto(f"{ui.url}/runs")
+        page.goto(f"{ui.url}/runs")  # not signed in: the sign-in page
+        assert page.url == f"{ui.url}/login" and page.locator("input[name=token]").count() == 1
+        page.goto(ui.login)  # the link `ember ui` prints; then the runs
+        assert page.url == f"{ui.url}/runs"
         assert page.locator("#run-count").inner_text() == "23"
         shoot(page, "runs")
         page.click(f"a[href='/runs/{spiky}']")

@@ -227,7 +227,8 @@ def test_the_runs_page_sorts_every_run_and_shows_a_hundred_at_a_time(tmp_path):
     con = store.connect(tmp_path / "ledger.db")
     for i in range(230):
         make_run(con, tmp_path / "runs" / f"r{i:03d}", 3 + i % 7)
-    ui = TestClient(create_app(None, TOKEN, True, None, tmp_path / "ledger.db"), base_url="http://127.0.0.1")
+    ui = TestClient(create_app(None, TOKEN, True, None, tmp_path / "ledger.db"), base_url="http://127.0.0.1",
+                    headers=AUTH)
     first = ui.get("/runs", params={"sort": "steps", "desc": "true"}).text
     rows = re.findall(r'<tr data-run="([^"]+)">', first)
     assert len(rows) == 100 and "1–100 of 230" in first and 'id="run-count">230<' in first
@@ -243,33 +244,33 @@ def test_only_loopback_host_names_are_answered(client):
         assert client.get("/api/runs", headers={"host": host}).status_code == 200, host
 
 
-def test_changes_need_the_token_or_the_session_and_its_csrf_value(client, service):
+def test_changes_need_the_token_or_the_session_and_its_csrf_value(anon, service):
     job = job_rows.insert(service.con, "held", "/x.toml", "/tmp/x", [], 0, {"memory": 1}, "queued")
     pause = f"/api/jobs/{job.id}/pause"
-    assert client.get("/login", params={"token": "wrong"}).status_code == 401
-    assert security.SESSION_COOKIE not in client.cookies
-    assert client.post(pause, json={}).status_code == 401
-    signed = client.get("/login", params={"token": TOKEN}, follow_redirects=False)
+    assert anon.get("/login", params={"token": "wrong"}).status_code == 401
+    assert security.SESSION_COOKIE not in anon.cookies
+    assert anon.post(pause, json={}).status_code == 401
+    signed = anon.get("/login", params={"token": TOKEN}, follow_redirects=False)
     assert signed.status_code == 303
     cookie = signed.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie and TOKEN not in cookie
-    client.cookies.set(security.SESSION_COOKIE, signed.cookies[security.SESSION_COOKIE])
+    anon.cookies.set(security.SESSION_COOKIE, signed.cookies[security.SESSION_COOKIE])
     # The session alone is what a page of another site could make the browser send: refused.
-    assert client.post(pause, json={}).status_code == 401
-    assert client.post(pause, json={}, headers={security.CSRF_HEADER: "0" * 64}).status_code == 401
-    csrf = re.search(r'name="ember-csrf" content="([0-9a-f]+)"', client.get("/queue").text).group(1)
-    r = client.post(pause, json={}, headers={security.CSRF_HEADER: csrf})
+    assert anon.post(pause, json={}).status_code == 401
+    assert anon.post(pause, json={}, headers={security.CSRF_HEADER: "0" * 64}).status_code == 401
+    csrf = re.search(r'name="ember-csrf" content="([0-9a-f]+)"', anon.get("/queue").text).group(1)
+    r = anon.post(pause, json={}, headers={security.CSRF_HEADER: csrf})
     assert r.status_code == 200 and r.json()["hold"] == "user"
-    client.cookies.clear()
-    assert 'content=""' in client.get("/queue").text  # signed out: no CSRF value on the page
-    r = client.post(f"/api/jobs/{job.id}/resume", headers=AUTH)  # the commands' way
+    anon.cookies.clear()
+    assert 'content=""' in anon.get("/queue", headers=AUTH).text  # the token, no session: no CSRF value
+    r = anon.post(f"/api/jobs/{job.id}/resume", headers=AUTH)  # the commands' way
     assert r.status_code == 200 and r.json()["hold"] is None
 
 
 def test_ember_ui_without_a_service_serves_the_dashboard_alone(ledger_dir):
     from fastapi.testclient import TestClient
     _, ledger, ids = ledger_dir
-    ui = TestClient(create_app(None, TOKEN, True, None, ledger), base_url="http://127.0.0.1")
+    ui = TestClient(create_app(None, TOKEN, True, None, ledger), base_url="http://127.0.0.1", headers=AUTH)
     assert ids["tiny"] in ui.get("/runs").text
     assert "No service runs here" in ui.get("/queue").text
     assert ui.get("/api/jobs").status_code == 404 and ui.get("/api/machine").json()["service"] is False
