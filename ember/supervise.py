@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from ember.events import Events
 from ember.lock import INHERITED
+from ember.proc import dies_with_us
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -82,7 +83,9 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
     try:
         while True:
             start, before = time.time(), progress()
-            child = subprocess.Popen(child_argv, start_new_session=True, **_lock_args(lock_fd))
+            # SIGTERM when the supervisor dies, even by SIGKILL: the child checkpoints and exits 75
+            child = subprocess.Popen(child_argv, start_new_session=True, preexec_fn=dies_with_us(signal.SIGTERM),
+                                     **_lock_args(lock_fd))
             code = child.wait()
             runs.append(ChildRun(start, time.time(), code, progress() > before))
             if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:

@@ -37,6 +37,7 @@ from ember import faults
 from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
+from ember.proc import die_with_parent
 from ember.train.formats import _field, encode
 from ember.train.sources import Shard, held_out, plan, records
 
@@ -96,7 +97,8 @@ def _pool(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: 
     # would copy mid-flight; each worker imports what it needs once.
     # The tokenizer goes to each worker once, with the initializer: pickled with every shard, it
     # cost ~0.35 s a shard to rebuild (a tenth of a 4 MB shard's tokenization).
-    pool = ProcessPoolExecutor(procs, mp_context=get_context("spawn"), initializer=_worker_init, initargs=args)
+    pool = ProcessPoolExecutor(procs, mp_context=get_context("spawn"), initializer=_worker_init,
+                               initargs=(os.getpid(), *args))
     try:
         futures: list[Future] = [pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}") for i in todo]
         for fut in futures:
@@ -111,8 +113,9 @@ def _pool(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: 
 _WORKER_ARGS: tuple = ()  # in a worker process: the arguments of tokenize_shard after the shard's
 
 
-def _worker_init(*args: Any) -> None:
+def _worker_init(parent: int, *args: Any) -> None:
     global _WORKER_ARGS
+    die_with_parent(signal.SIGKILL, parent)  # a run killed mid-tokenization takes its workers along
     # Ctrl-C reaches the whole process group; the parent decides (it stops the pool).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One thread per worker process: the pool is the parallelism (and a fork-safe tokenizer).

@@ -6,7 +6,9 @@
       token       $EMBER_HOME/serve/token, created at the first start with mode 0600
       recover     adopt the jobs whose process still runs, queue again those that died
       engine      the upstream of [inference] upstream, or the built-in worker (its own process:
-                  python -m ember.web.infer_worker), started here and stopped on exit
+                  python -m ember.web.infer_worker), started here and stopped on exit; it gets
+                  SIGKILL from the kernel if the service dies (ember.proc), and one an earlier
+                  service left (engine.json: PID and start time) is stopped before a new one starts
       HTTP        uvicorn on [service] host:port; address, port and PID in serve.json for clients
       SIGTERM     preempt every job (checkpoint, exit 75), wait for them, exit
 """
@@ -30,12 +32,15 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
 from ember.paths import ember_home
+from ember.proc import dies_with_us
 from ember.sched.owner import OwnerRules, load_rules
+from ember.sched.process import alive, start_time
 from ember.sched.service import Service
 from ember.web.security import WORKER_TOKEN_ENV
 
 STOP_TIMEOUT = 120.0   # seconds the jobs get to checkpoint and exit when the service stops
 GRACE_SECONDS = 3      # open requests (a dashboard's live stream) get this long when the server stops
+ENGINE_FILE = "engine.json"  # in the service folder: the built-in engine's PID and start time
 
 
 @dataclass
@@ -91,6 +96,24 @@ def announce_access(host: str, loopback: bool, rules: OwnerRules, events: Events
                     f"prints ([service] open_on_loopback opens reading and /v1 on loopback)")
 
 
+def reap_engine(events: Events) -> None:
+    """Stop the built-in engine an earlier service left running (it dies with its service; this is
+    for one that did not: started by an older ember, or a death the kernel did not signal)."""
+    path = serve_dir() / ENGINE_FILE
+    try:
+        seen = json.loads(path.read_text())
+        pid, started = int(seen["pid"]), str(seen["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if alive(pid, started):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            events.warn(f"stopped the inference engine an earlier service left running (PID {pid})")
+        except ProcessLookupError:
+            pass
+    path.unlink(missing_ok=True)
+
+
 def start_engine(service: Service, events: Events) -> tuple[str | None, subprocess.Popen | None, str | None]:
     """The URL /v1 requests go to, the built-in worker's process if one was started, and the
     token it was given (its port is on loopback: without one, any local program could use the
@@ -101,6 +124,7 @@ def start_engine(service: Service, events: Events) -> tuple[str | None, subproce
     if inf.upstream:
         events.info(f"inference: forwarding /v1 to {inf.upstream}")
         return inf.upstream.rstrip("/"), None, None
+    reap_engine(events)
     runs = list(inf.runs) + [str(ember_home() / "runs")]
     argv = [sys.executable, "-m", "ember.web.infer_worker", "--model", inf.model, "--host", "127.0.0.1",
             "--port", "0", "--seed", str(inf.seed)]
@@ -109,13 +133,15 @@ def start_engine(service: Service, events: Events) -> tuple[str | None, subproce
     log = open(serve_dir() / "engine.log", "ab")
     engine_token = secrets.token_urlsafe(32)
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                              start_new_session=True, env={**os.environ, WORKER_TOKEN_ENV: engine_token})
+                              start_new_session=True, env={**os.environ, WORKER_TOKEN_ENV: engine_token},
+                              preexec_fn=dies_with_us(signal.SIGKILL))  # a service SIGKILLed takes it along
     line = worker.stdout.readline().decode().strip()  # "listening on http://127.0.0.1:PORT"
     if not line.startswith("listening on "):
         worker.kill()
         raise EmberError(f"the built-in inference engine did not start ({line or 'no output'}); see "
                          f"{serve_dir() / 'engine.log'}")
     url = line.split()[-1]
+    write_durable(serve_dir() / ENGINE_FILE, json.dumps({"pid": worker.pid, "start": start_time(worker.pid)}))
     events.info(f"inference: built-in engine ({inf.model}) at {url}, PID {worker.pid}")
     return url, worker, engine_token
 
@@ -165,6 +191,8 @@ def serve(opt: ServeOptions, events: Events) -> int:
                 worker.wait(10)
             except subprocess.TimeoutExpired:
                 worker.kill()
+            worker.wait()
+            (d / ENGINE_FILE).unlink(missing_ok=True)
         (d / "serve.json").unlink(missing_ok=True)
         lock.release()
     return 0
