@@ -5,7 +5,9 @@ Two small files in a folder the service keeps per job ($EMBER_HOME/serve/control
 the job's process by EMBER_CONTROL; never the run folder, which the job itself creates), each
 replaced atomically (write, rename):
 
-    control.json   written by the service: {"seq": n, "pause": null | "inference" | "owner" | "user"}
+    control.json   written by the service: {"seq": n, "pause": null | "inference" | "owner" | "user",
+                   "until": t}; "until" (a pause for inference only) ends a lease the service
+                   renews while requests run: past it the process goes on by itself
     control.ack    written by the training process: {"seq": n, "state": "paused" | "running",
                    "pid": p, "time": t} once it has acted on request n
 
@@ -17,7 +19,10 @@ ledger. So a pause takes effect within one optimizer step of the request (plus o
 the paused time is accounted in its own goodput bucket (ember.ledger.goodput).
 
 Neither file needs to survive a power cut: after any restart the service writes the request
-again and a fresh training process starts unpaused.
+again and a fresh training process starts unpaused. A pause for inference is a lease: if the
+service dies during one, nobody lifts it, so the process lifts it itself once "until" passes
+(`[inference] pause_lease_seconds` after the service last renewed it), and a service that starts
+again settles whatever it finds.
 """
 
 from __future__ import annotations
@@ -63,16 +68,24 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def request(run: Path, pause: str | None) -> int:
+def request(run: Path, pause: str | None, lease: float | None = None) -> int:
     """Ask the training process in `run` to pause (for `pause`, a reason) or go on (None);
-    returns the request's number, which its acknowledgement will carry."""
+    returns the request's number, which its acknowledgement will carry. With `lease` (seconds),
+    the pause lapses by itself that long from now unless asked again: asking again for the same
+    pause renews it (same number) once half of it has passed."""
     if pause is not None and pause not in REASONS:
         raise ValueError(f"pause reason {pause!r}: one of {REASONS}")
     current = _read_json(run / CONTROL) or {}
+    now = time.time()
     if current.get("pause") == pause and "seq" in current:
-        return int(current["seq"])
-    seq = int(current.get("seq", 0)) + 1
-    _write_json(run / CONTROL, {"seq": seq, "pause": pause, "time": time.time()})
+        until = current.get("until")
+        if lease is None or (isinstance(until, (int, float)) and until - now > lease / 2):
+            return int(current["seq"])
+        seq = int(current["seq"])  # a renewal: the same request, for longer
+    else:
+        seq = int(current.get("seq", 0)) + 1
+    _write_json(run / CONTROL, {"seq": seq, "pause": pause, "time": now,
+                                **({"until": now + lease} if lease is not None and pause is not None else {})})
     return seq
 
 
@@ -130,6 +143,8 @@ class PausePoint:
         if not ctl.get("pause"):
             self._acknowledge(ctl, "running")
             return None
+        if _lapsed(ctl):  # a lease its service stopped renewing
+            return None
         reason, start = str(ctl["pause"]), time.time()
         self.release()  # the allocator's cached memory goes back to the device
         self._acknowledge(ctl, "paused")
@@ -137,15 +152,25 @@ class PausePoint:
             time.sleep(POLL_SECONDS)
             new = self._changed()
             if new is None:
+                if _lapsed(ctl):  # the service died, or stopped renewing: go on by ourselves
+                    break
                 continue
-            ctl = new
-            if not ctl.get("pause"):
+            if not new.get("pause") or _lapsed(new):
+                ctl = new
                 break
+            if new.get("seq") != ctl.get("seq") or new.get("pause") != ctl.get("pause"):
+                self._acknowledge(new, "paused")  # a new request; a renewal needs no answer
+            ctl = new
             reason = str(ctl["pause"]) if ctl["pause"] in REASONS else reason
-            self._acknowledge(ctl, "paused")
         self._acknowledge(ctl, "running")
         return Pause(reason if reason in REASONS else "user", start, time.time())
 
     def _acknowledge(self, ctl: dict, state: str) -> None:
         _write_json(self.ack, {"seq": ctl.get("seq", 0), "state": state, "pid": os.getpid(),
                                "time": time.time()})
+
+
+def _lapsed(ctl: dict) -> bool:
+    """Whether a leased pause's lease has run out."""
+    until = ctl.get("until")
+    return isinstance(until, (int, float)) and time.time() > until

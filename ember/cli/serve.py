@@ -54,6 +54,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("queue", help="the service's jobs: state, priority, devices, progress, goodput")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--explain", action="store_true", help="why each unfinished job does not train now: a hand's "
+                   "pause or hold, the owner's rules, yield, inference, memory, priority, devices")
 
     s = sub.add_parser("pause", help="pause a job: soft (at the next step, keeping the process) or --hard")
     s.add_argument("job")
@@ -114,15 +116,7 @@ def cmd(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.explain:
-        out = Console(soft_wrap=True)
-        rows = request("GET", "/api/explain").json()
-        for row in rows:
-            held = "; ".join(row["held_by"]) or "nothing holds it"
-            extra = "".join(f", {k} {row[k]}" for k in ("hold", "pause") if row[k])
-            out.print(f"{row['job']} ({row['state']}{extra}): {held}", markup=False, highlight=False)
-        if not rows:
-            out.print("no unfinished jobs", markup=False)
-        return 0
+        return print_explained()
     from ember.cli.render import stderr_events
     from ember.web.server import ServeOptions, serve
     return serve(ServeOptions(args.host, args.port, args.devices, args.ledger), stderr_events())
@@ -149,7 +143,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_explained() -> int:
+    """`ember queue --explain` (and `ember serve --explain`): each unfinished job and what keeps it
+    from training, as the service sees it now."""
+    out = Console(soft_wrap=True)
+    rows = request("GET", "/api/explain").json()
+    for row in rows:
+        why = "; ".join(row["waiting"]) or "nothing holds it: it trains"
+        extra = "".join(f", {k} {row[k]}" for k in ("hold", "pause") if row[k])
+        out.print(f"{row['job']} ({row['state']}{extra}): {why}", markup=False, highlight=False)
+    if not rows:
+        out.print("no unfinished jobs", markup=False)
+    return 0
+
+
 def cmd_queue(args: argparse.Namespace) -> int:
+    if args.explain:
+        return print_explained()
     jobs = request("GET", "/api/jobs").json()
     if args.json:
         print(json.dumps(jobs, indent=1))

@@ -21,9 +21,9 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.models import resolve_path
 from ember.recipe import MethodConfig
+from ember.infer.runs import BASE, find_runs  # noqa: F401  (re-exported: the engine's names)
 from ember.train.rundir import RUN_FILE, RunDir
 
-BASE = "base"
 
 
 class RequestError(EmberError):
@@ -46,19 +46,6 @@ def check_roots(roots: list[Path], events: Events) -> None:
     if BASE in named or len(set(named)) != len(named):
         raise EmberError(f"--runs: run folder names {named} must be unique and not '{BASE}': "
                          f"a model is asked for by its run folder's name")
-
-
-def find_runs(roots: list[Path]) -> dict[str, Path]:
-    """Model name -> run folder, for every run under `roots` now."""
-    found: dict[str, Path] = {}
-    for root in roots:
-        if (root / RUN_FILE).is_file():
-            found.setdefault(root.name, root)
-        elif root.is_dir():
-            for p in sorted(root.iterdir()):
-                if p.name != BASE and (p / RUN_FILE).is_file():
-                    found.setdefault(p.name, p)
-    return found
 
 
 def servable_record(name: str, path: Path, spec: str, seed: int, files: dict | None) -> dict[str, Any]:

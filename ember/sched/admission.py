@@ -103,7 +103,23 @@ def decide(queue: list[Want], running: list[Holding], devices: list[Room], now: 
                 free[i] = min(free[i], trial[i] - w.memory)
             d.waiting[w.job] = f"preempting job(s) {', '.join(str(h.job) for h in victims)} to make room"
         else:
-            d.waiting[w.job] = "no room: every device that could hold it is taken by jobs of equal or higher priority"
+            d.waiting[w.job] = _no_room(w, devices)
         if now - w.submitted > AGEING_SECONDS:
             strict = True
     return d
+
+
+def _no_room(w: Want, devices: list[Room]) -> str:
+    """Why `w` cannot start even by preempting: too big for any device, too few devices, or
+    taken by jobs of its priority or higher."""
+    gib = 2**30
+    usable = [r for r in devices if r.capacity >= w.memory]
+    if not devices:
+        return "no device may take jobs now (the owner's rules hold every device)"
+    if not usable:
+        return (f"memory: it needs {w.memory / gib:.2f} GiB per device and no device may give a job more "
+                f"than {max(r.capacity for r in devices) / gib:.2f} GiB ([memory] max_share_*, foreign use)")
+    if len(usable) < w.count:
+        return f"devices: it needs {w.count} devices of {w.memory / gib:.2f} GiB and only {len(usable)} could hold it"
+    return ("priority: the devices that could hold it are taken by jobs of equal or higher priority; "
+            "it starts when one ends (or ages past them: one level per ten minutes)")

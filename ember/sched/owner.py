@@ -120,6 +120,9 @@ class InferenceRules:
                           min=0)
     idle_gap_seconds: float = setting(2.0, "Training resumes after inference has been idle this long.",
                                       min=0)
+    pause_lease_seconds: float = setting(15.0, "A pause for inference is a lease the service renews "
+                                         "while requests run: if the service dies, the job resumes "
+                                         "by itself this long after the last renewal.", min=1, max=30)
     enabled: bool = setting(True, "Answer /v1 requests at all.")
 
 

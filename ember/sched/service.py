@@ -28,6 +28,7 @@ from pathlib import Path
 from ember import control
 from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, EmberError
+from ember.infer.runs import BASE, lora_runs
 from ember.events import Events
 from ember.ledger import jobs as rows
 from ember.ledger.jobs import JobRow
@@ -65,6 +66,7 @@ class JobView:
     out: str
     goodput: float | None = None
     held_by: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)  # why it does not train now, in words
 
 
 class Service:
@@ -82,6 +84,7 @@ class Service:
         self.observation: owner.Observation | None = None
         self.observed_at = 0.0
         self.holds: list[owner.Hold] = []
+        self.waiting: dict[int, str] = {}  # queued job -> why the last admission left it waiting
         self.yield_until: float | None = self._load_yield()   # math.inf: until released
         self.soft_since: dict[int, float] = {}
         self.gate = Gate(rules.inference.device, rules.inference.idle_gap_seconds)
@@ -273,14 +276,38 @@ class Service:
         step = last_step(Path(j.out))
         by = [f"{h.rule}: {h.detail}" for h in self.holds_on(j)]
         return JobView(j.id, j.name, j.state, j.priority, j.devices, step, j.request.get("max_steps", 0),
-                       j.hold, j.pause, j.preemptions, j.cause, j.out, run_goodput(self.con, j.out), by)
+                       j.hold, j.pause, j.preemptions, j.cause, j.out, run_goodput(self.con, j.out), by,
+                       self.why_waiting(j, by))
+
+    def why_waiting(self, j: JobRow, held_by: list[str]) -> list[str]:
+        """Why job `j` does not train now: a hand's hold or pause, the owner's rules and yield,
+        inference, or what admission said (memory, priority, devices). Empty when it trains or
+        has ended."""
+        if j.state in FINAL or (j.state == "running" and j.pause is None and not held_by):
+            return []
+        why = []
+        if j.hold == "user":
+            why.append(f"held by hand (a hard pause): `ember resume {j.name}` lets it start again")
+        elif j.hold == "cancel":
+            why.append("being cancelled")
+        elif j.hold == "interrupted":
+            why.append(f"stopped by a signal from outside the service: `ember resume {j.name}` starts it again")
+        if j.pause == "user":
+            why.append(f"paused by hand (soft, the process kept): `ember resume {j.name}`")
+        why += held_by
+        if j.state == "soft-paused" and control.requested(self.ctl(j)) == "inference":
+            why.append(f"inference requests on device {self.gate.device} (it resumes "
+                       f"{self.rules.inference.idle_gap_seconds:g} s after the last one)")
+        if j.state == "queued" and j.hold is None and not held_by:
+            why.append(self.waiting.get(j.id, "waiting for the scheduler's next decision"))
+        return why
 
     def explain(self) -> list[dict]:
         """Which rule holds each unfinished job right now."""
         with self.lock:
             self.observe(force=True)
-            return [{"job": v.name, "state": v.state, "held_by": v.held_by, "hold": v.hold, "pause": v.pause}
-                    for v in map(self.view, rows.all_jobs(self.con)) if v.state not in FINAL]
+            return [{"job": v.name, "state": v.state, "held_by": v.held_by, "hold": v.hold, "pause": v.pause,
+                     "waiting": v.waiting} for v in map(self.view, rows.all_jobs(self.con)) if v.state not in FINAL]
 
     # ---- the scheduler ----------------------------------------------------------------------
 
@@ -448,7 +475,9 @@ class Service:
             self._preempt(job, f"soft pause longer than [pause] hard_after_minutes = "
                                f"{self.rules.pause.hard_after_minutes:g}", hold="user" if reason == "user" else None)
             return
-        if control.requested(out) != reason:
+        if reason == "inference":  # a lease, renewed while requests run (ember.control)
+            control.request(out, reason, self.rules.inference.pause_lease_seconds)
+        elif control.requested(out) != reason:
             control.request(out, reason)
 
     def _preempt(self, job: JobRow, why: str, hold: str | None) -> None:
@@ -471,6 +500,7 @@ class Service:
         """Start what fits (ember.sched.admission); preempt lower priorities for higher ones."""
         queued = [j for j in rows.all_jobs(self.con, ("queued",)) if j.hold is None]
         if not queued:
+            self.waiting = {}
             return
         accel = any(d.kind != "cpu" for d in self.machine.devices)
         blocked = {i for h in holds for i in (h.devices or [d.index for d in self.machine.devices])
@@ -481,6 +511,7 @@ class Service:
         wants = [admission.Want(j.id, j.priority, j.submitted, j.request["memory"], j.request.get("count", 1))
                  for j in queued]
         decision = admission.decide(wants, running, rooms, now)
+        self.waiting = decision.waiting
         for victim in decision.preempt:
             job = rows.get(self.con, victim)
             if job.state in LIVE and job.state != "preempting":
@@ -516,10 +547,29 @@ class Service:
             self.gate.begin(not paused, max((a.get("time", 0.0) for a in acks), default=None) if paused else None)
             for job in on_device:
                 if control.requested(self.ctl(job)) is None:
-                    control.request(self.ctl(job), "inference")
+                    control.request(self.ctl(job), "inference", self.rules.inference.pause_lease_seconds)
 
     def inference_end(self) -> None:
         self.gate.end()
+
+    def inference_roots(self) -> list[Path]:
+        """The run folders whose adapters inference serves: [inference] runs and the jobs' own."""
+        return [Path(r) for r in self.rules.inference.runs] + [ember_home() / "runs"]
+
+    def adapter_elsewhere(self, model: object) -> str | None:
+        """Why a /v1 request for `model` cannot go to the upstream engine ([inference] upstream):
+        it names one of ember's LoRA runs, which that engine has not loaded and would answer with
+        its base model. None when it may go."""
+        if not self.rules.inference.upstream or not isinstance(model, str) or model == BASE:
+            return None
+        path = lora_runs(self.inference_roots()).get(model)
+        if path is None:
+            return None
+        return (f"model {model!r} is ember's LoRA run {path}; the upstream engine "
+                f"{self.rules.inference.upstream} ([inference] upstream) has not loaded its adapter and "
+                f"would answer with its base model. Serve adapters with the built-in engine ([inference] "
+                f"upstream = \"\"), or write the run as a model of its own (`ember export {path} --format "
+                f"gguf`) and load that into the upstream engine")
 
     def run(self) -> None:
         """The scheduler thread's loop."""

@@ -305,6 +305,8 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
                 return error(400, f"the body is not valid JSON: {e}")
             if not isinstance(parsed, dict):
                 return error(400, "the body must be a JSON object")
+            if why := await run_in_threadpool(service.adapter_elsewhere, parsed.get("model")):
+                return error(404, why)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         await run_in_threadpool(service.inference_begin)
         try:

@@ -125,7 +125,7 @@ def start_engine(service: Service, events: Events) -> tuple[str | None, subproce
         events.info(f"inference: forwarding /v1 to {inf.upstream}")
         return inf.upstream.rstrip("/"), None, None
     reap_engine(events)
-    runs = list(inf.runs) + [str(ember_home() / "runs")]
+    runs = [str(r) for r in service.inference_roots()]
     argv = [sys.executable, "-m", "ember.web.infer_worker", "--model", inf.model, "--host", "127.0.0.1",
             "--port", "0", "--seed", str(inf.seed)]
     for r in runs:

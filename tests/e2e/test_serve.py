@@ -109,6 +109,9 @@ def test_sigkilled_service_finds_every_job_in_every_state(reference):
         s.wait(lambda j: j["run"]["state"] == "running" and j["soft"]["state"] == "running")
         assert s.cli("pause", "soft").returncode == 0
         s.wait(lambda j: j["soft"]["state"] == "soft-paused")
+        explained = s.cli("queue", "--explain").stdout  # a hand's pause and hold, which it did not see
+        assert "soft (soft-paused, pause user): paused by hand" in explained, explained
+        assert "held (queued, hold user): held by hand" in explained, explained
         before = {n: s.job_pid(n) for n in ("run", "soft")}
         s.kill()
 
@@ -148,6 +151,47 @@ def test_sigkilled_service_finds_every_job_in_every_state(reference):
         report = json.loads(run_ember("report", root / "kill" / "runs" / "soft", "--json",
                                       "--ledger", s.home / "ledger.db").stdout)
         assert report["goodput"]["buckets"]["paused"] >= 1.0
+    finally:
+        s.stop()
+
+
+def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
+    """A job soft-paused for inference stayed paused for as long as its dead service stayed dead
+    (issue 24, item 7). The pause is a lease the service renews while requests run: SIGKILL the
+    service during one (idle_gap_seconds holds it for minutes) and the job trains on by itself
+    once [inference] pause_lease_seconds (3 s here) pass; a service that starts again settles the
+    lease and adopts the job, which ends bit-identical."""
+    import httpx
+    root, recipe = reference
+    owner = OWNER.format(root=root).replace("enabled = false", "seed = 7\nidle_gap_seconds = 600\n"
+                                                                 "pause_lease_seconds = 3")
+    s = Serve(root / "lease", owner, None, DELAY).start()
+    try:
+        assert s.cli("submit", str(recipe), "--name", "t").returncode == 0
+        s.wait(lambda j: j["t"]["state"] == "running" and j["t"]["step"] >= 2)
+        deadline = time.monotonic() + 120
+        while (r := httpx.post(s.url + "/v1/completions", headers=s.auth, timeout=60,
+                               json={"prompt": "In the beginning", "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, f"the engine did not load in 120 s: {r.text}"
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        s.wait(lambda j: j["t"]["state"] == "soft-paused")
+        control = json.loads((s.home / "serve" / "control" / str(s.jobs()["t"]["id"]) / "control.json").read_text())
+        assert control["pause"] == "inference" and control["until"] > time.time()
+        out = s.home / "runs" / "t"
+        paused_at = len((out / "metrics.jsonl").read_text().splitlines())
+        time.sleep(1.0)
+        assert len((out / "metrics.jsonl").read_text().splitlines()) == paused_at  # paused while renewed
+        s.kill()
+        deadline = time.monotonic() + 60  # the lease is 3 s
+        while len((out / "metrics.jsonl").read_text().splitlines()) < paused_at + 2:
+            assert time.monotonic() < deadline, (f"the job is still paused 60 s after its service died "
+                                                 f"(step {paused_at}); control.json: {control}")
+            time.sleep(0.1)
+        s.start()  # settles the lease it finds and adopts the job
+        assert s.jobs()["t"]["state"] in ("running", "completed")
+        s.wait(lambda j: j["t"]["state"] == "completed", timeout=300)
+        assert_same_result(out, root / "reference")
     finally:
         s.stop()
 

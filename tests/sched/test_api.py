@@ -3,6 +3,7 @@ change nothing."""
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,6 +14,7 @@ from ember.sched.owner import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
 from ember.web.server import ensure_token, is_loopback
+from tests.helpers import run_ember, write_recipe
 
 
 @pytest.fixture
@@ -201,6 +203,23 @@ class Recorder:
         self.server.server_close()
 
 
+def test_explain_says_why_each_waiting_job_waits(service):
+    """`ember queue --explain` and the queue page read this: a hand's hold (which --explain did
+    not see), memory, and the owner's yield, each in words with the way out (issue 24, item 11)."""
+    gib = 2**30
+    rows.insert(service.con, "big", "/x.toml", "/tmp/big", [], 0, {"memory": 4 * gib}, "queued")
+    rows.insert(service.con, "held", "/x.toml", "/tmp/held", [], 5, {"memory": 4 * gib}, "queued")
+    service.pause("held", hard=True)  # also one scheduling pass
+    why = {row["job"]: row["waiting"] for row in service.explain()}
+    assert why["held"] == ["held by hand (a hard pause): `ember resume held` lets it start again"]
+    (big,) = why["big"]
+    assert big.startswith("memory: it needs 4.00 GiB per device and no device may give a job more than 1.00 GiB"), big
+    service.yield_devices(None, timeout=5)
+    why = {row["job"]: row["waiting"] for row in service.explain()}
+    assert why["big"] == ["yield: ember yield"] and why["held"][0].startswith("held by hand"), why
+    assert [v.waiting for v in service.queue() if v.name == "big"] == [why["big"]]  # what the page shows
+
+
 def test_the_inference_proxy_forwards_only_the_openai_routes(service):
     """`/v1/..%2F..%2Fsecret` reached the engine as `/secret`: dot segments and encoded separators
     are refused before routing (on every path), and only the documented routes are forwarded."""
@@ -226,6 +245,31 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.post("/v1/chat/completions", json={"messages": []}, headers=AUTH).status_code == 200
         assert [(m, p) for m, p, _ in engine.seen] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+    finally:
+        engine.close()
+
+
+def test_an_adapter_asked_of_the_upstream_engine_is_refused_not_answered_by_its_base(service, tmp_path):
+    """With [inference] upstream, a request naming one of ember's LoRA runs went to llama.cpp, which
+    answered with its base model as if it were the adapter (issue 24, item 9). Now it is a 404
+    saying what is missing and what to do, and never forwarded; other names still go."""
+    engine = Recorder()
+    try:
+        service.rules.inference.upstream = engine.url
+        recipe = write_recipe(tmp_path / "recipe", method={"kind": "lora", "rank": 4}, train={"max_steps": 1})
+        out = Path(os.environ["EMBER_HOME"]) / "runs" / "bible-lora"  # where the service's jobs train
+        done = run_ember("run", recipe, "--out", out, "--no-ledger")
+        assert done.returncode == 0, done.stderr
+        c = TestClient(create_app(service, "s3cret", True, engine.url), base_url="http://127.0.0.1", headers=AUTH)
+        for path, body in (("/v1/completions", {"model": "bible-lora", "prompt": "In"}),
+                           ("/v1/chat/completions", {"model": "bible-lora", "messages": []})):
+            r = c.post(path, json=body)
+            assert r.status_code == 404, (r.status_code, r.text)
+            assert "LoRA run" in r.json()["error"] and "ember export" in r.json()["error"], r.json()
+        assert engine.seen == []
+        for model in ("base", "gpt-4o", None):  # the upstream engine's own model, under any name
+            assert c.post("/v1/completions", json={"model": model, "prompt": "In"}).status_code == 200
+        assert len(engine.seen) == 3
     finally:
         engine.close()
 

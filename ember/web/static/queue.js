@@ -30,7 +30,7 @@
     const tr = document.createElement("tr");
     tr.dataset.job = j.id;
     let note = j.hold ? `held: ${j.hold}` : j.pause ? `pause: ${j.pause}` : j.state === "failed" ? (j.cause || "") : "";
-    if (j.held_by.length && !["completed", "failed", "cancelled"].includes(j.state)) note += " " + j.held_by.join("; ");
+    if (j.waiting.length) note += " " + j.waiting.join("; ");
     tr.append(cell(j.id), cell(j.name), cell(j.state, "state"), cell(j.priority, "n"), cell(j.devices.join(",") || "-"),
               cell(`${j.step}/${j.max_steps}`), cell(j.goodput === null ? "-" : `${(100 * j.goodput).toFixed(1)}%`, "n"),
               cell(note, "note"));

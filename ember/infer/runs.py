@@ -1,0 +1,40 @@
+"""The runs an engine can be asked for by name, without torch (the service reads this too).
+
+A model name is a run folder's name (`runs/a` -> `a`): each registered folder that holds a
+run.json is one run, and each folder of such folders holds several.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ember.train.rundir import RUN_FILE
+
+BASE = "base"
+
+
+def find_runs(roots: list[Path]) -> dict[str, Path]:
+    """Model name -> run folder, for every run under `roots` now."""
+    found: dict[str, Path] = {}
+    for root in roots:
+        if (root / RUN_FILE).is_file():
+            found.setdefault(root.name, root)
+        elif root.is_dir():
+            for p in sorted(root.iterdir()):
+                if p.name != BASE and (p / RUN_FILE).is_file():
+                    found.setdefault(p.name, p)
+    return found
+
+
+def lora_runs(roots: list[Path]) -> dict[str, Path]:
+    """The runs under `roots` that trained a LoRA adapter (those a base model answers wrongly)."""
+    out = {}
+    for name, path in find_runs(roots).items():
+        try:
+            kind = json.loads((path / RUN_FILE).read_text()).get("recipe", {}).get("method", {}).get("kind")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if kind == "lora":
+            out[name] = path
+    return out
