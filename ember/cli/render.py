@@ -5,6 +5,7 @@ Every message is printed without markup, so brackets in user paths stay as typed
 
 from __future__ import annotations
 
+import datetime
 import time
 
 from rich.console import Console
@@ -26,8 +27,9 @@ def duration(seconds: float) -> str:
 
 
 class Renderer:
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, stamped: bool = False):
         self.console = console
+        self.stamped = stamped  # a long-running service's lines: each starts with the local time
         self.bar: Progress | None = None
         self.last_line = 0.0
 
@@ -36,6 +38,8 @@ class Renderer:
             self._progress(e)
             return
         out = self.bar.console if self.bar is not None else self.console
+        if self.stamped:
+            out.print(datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S "), end="", markup=False, highlight=False)
         if e.kind == "warning":
             out.print("[yellow]warning:[/yellow] ", end="", highlight=False)
             out.print(e.message, markup=False, highlight=False)
@@ -71,6 +75,7 @@ class Renderer:
             self.bar = None
 
 
-def stderr_events() -> Events:
-    """Events rendered on standard error (progress and notices; results go to standard output)."""
-    return Events(Renderer(Console(stderr=True, soft_wrap=True)))
+def stderr_events(stamped: bool = False) -> Events:
+    """Events rendered on standard error (progress and notices; results go to standard output);
+    `stamped`: each line starts with the local date and time (the service's and the dashboard's log)."""
+    return Events(Renderer(Console(stderr=True, soft_wrap=True), stamped))

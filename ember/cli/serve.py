@@ -119,13 +119,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return print_explained()
     from ember.cli.render import stderr_events
     from ember.web.server import ServeOptions, serve
-    return serve(ServeOptions(args.host, args.port, args.devices, args.ledger), stderr_events())
+    return serve(ServeOptions(args.host, args.port, args.devices, args.ledger), stderr_events(stamped=True))
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
     from ember.web.server import UiOptions, ui
-    return ui(UiOptions(args.host, args.port, args.ledger), stderr_events())
+    return ui(UiOptions(args.host, args.port, args.ledger), stderr_events(stamped=True))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

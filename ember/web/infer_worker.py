@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
 from ember.infer.engine import BASE, Engine, Generation, RequestError, Sampling
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
+from ember.web.sockets import listen
 
 MAX_BODY = 1 << 20  # bytes: a prompt beyond this is far past any context ember serves
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
@@ -243,20 +243,6 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (0 = a free port): connections queue until the server runs."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise EmberError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
-                         f"choose another port, or 0 for a free one") from None
-    sock.listen(128)
-    return sock
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, listen, say where, and serve until SIGTERM or SIGINT."""
     import uvicorn
@@ -273,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         engine = Engine(args.model, args.runs, device=args.device, seed=args.seed, events=Events(report))
-        sock = listen(args.host, args.port)
+        sock = listen(args.host, args.port, f"--host {args.host} --port {args.port}")
     except EmberError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -37,6 +37,7 @@ from ember.sched.owner import OwnerRules, load_rules
 from ember.sched.process import alive, start_time
 from ember.sched.service import Service
 from ember.web.security import WORKER_TOKEN_ENV
+from ember.web.sockets import listen
 
 STOP_TIMEOUT = 120.0   # seconds the jobs get to checkpoint and exit when the service stops
 GRACE_SECONDS = 3      # open requests (a dashboard's live stream) get this long when the server stops
@@ -157,6 +158,7 @@ def serve(opt: ServeOptions, events: Events) -> int:
     d = serve_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock = acquire(d / "serve.lock", "ember serve")
+    sock = listen(host, port, "ember serve ([service] host and port in owner.toml, or --host and --port)")
     token = ensure_token()
     loopback = is_loopback(host)
     announce_access(host, loopback, rules, events)
@@ -181,7 +183,7 @@ def serve(opt: ServeOptions, events: Events) -> int:
     announced = threading.Thread(target=_announce, args=(server, host, d, events), daemon=True)
     announced.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         events.info("stopping: preempting jobs (checkpoint, exit 75)")
         service.shutdown(STOP_TIMEOUT)
@@ -253,6 +255,7 @@ def ui(opt: UiOptions, events: Events) -> int:
     port = rules.service.port if opt.port is None else opt.port
     d = serve_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    sock = listen(host, port, "ember ui ([service] host and port in owner.toml, or --host and --port)")
     token = ensure_token()
     loopback = is_loopback(host)
     announce_access(host, loopback, rules, events)
@@ -262,7 +265,7 @@ def ui(opt: UiOptions, events: Events) -> int:
                                            timeout_graceful_shutdown=GRACE_SECONDS))
     threading.Thread(target=_announce, args=(server, host, d, events, "ui"), daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         (d / "ui.json").unlink(missing_ok=True)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -207,6 +208,26 @@ def test_a_second_service_is_refused_naming_the_first(reference, tmp_path):
         s.stop()
 
 
+def test_a_port_in_use_is_a_clear_error_before_anything_starts(tmp_path):
+    """A busy port ended `ember serve` in uvicorn's own words after the engine had started (issue
+    24, item 14): now it is refused first, naming the port and the settings, exit 1, no traceback;
+    no inference engine was started. The same for `ember ui`."""
+    import socket
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "owner.toml").write_text("[inference]\nenabled = true\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for command in ("serve", "ui"):
+            r = run_ember(command, "--port", str(port), env={"EMBER_HOME": str(home)}, timeout=120)
+            assert r.returncode == 1, (command, r.returncode, r.stderr[-2000:])
+            assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr
+            assert "another program listens there" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (home / "serve" / "engine.json").exists()  # refused before the engine started
+
+
 @pytest.mark.serial  # a CPU-load rule: another test's load would hold the job too
 def test_owner_rules_window_foreign_load_and_yield(reference):
     """A weekday window keeps a job queued; a foreign busy process soft-pauses it; `ember yield
@@ -341,6 +362,8 @@ def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
             anonymous = httpx.post(s.url + "/v1/completions", timeout=30, json={"prompt": "In", "max_tokens": 1})
             assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]  # never forwarded
             assert s.api("GET", "/api/stats").json()["inference"]["requests"] == 2
-            assert "every request needs the token" in s.output()  # said at start-up
+            # said at start-up, and like every line of the service's log, after the local time
+            assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d every request needs the token", s.output(), re.M), \
+                s.output()[:2000]
         finally:
             s.stop()
