@@ -65,6 +65,18 @@ def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: flo
         time.sleep(0.002)
 
 
+def wait_until(what: str, check, timeout: float, every: float = 0.5):
+    """Poll `check()` until it returns something true, at most `timeout` seconds; on timeout, say
+    what was waited for and what was seen last."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s; last saw {check()!r}")
+
+
 def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
     """Signal the child we started (by PID) and reap it."""
     if proc.poll() is None:

@@ -16,22 +16,12 @@ import psutil
 import pytest
 
 from ember.sched.process import start_time
-from tests.helpers import GENESIS, ROOT, start_ember, stop, wait_for_step, write_recipe
+from tests.helpers import GENESIS, ROOT, start_ember, stop, wait_for_step, wait_until, write_recipe
 from tests.serve_harness import Serve
 
 pytestmark = pytest.mark.e2e
 
 GONE_SECONDS = 30
-
-
-def wait_for(what: str, check, timeout: float = 120, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"waited {timeout:.0f} s for {what}; last saw {check()!r}")
 
 
 def still_running(procs: list[psutil.Process]) -> list[str]:
@@ -75,7 +65,7 @@ def test_a_supervisors_training_process_stops_with_it(tmp_path):
     supervisor = start_ember("run", recipe, "--out", out, "--restarts", "2", env={"EMBER_FAULT_DATA_DELAY": "0.05"})
     try:
         wait_for_step(supervisor, out / "metrics.jsonl", 2, timeout=180)
-        trainer = wait_for("the supervisor's training child", lambda: children(supervisor))
+        trainer = wait_until("the supervisor's training child", lambda: children(supervisor), 120, every=0.05)
         assert supervisor.poll() is None, "test setup: the supervisor ended before it was killed"
         assert stop(supervisor, signal.SIGKILL) == -signal.SIGKILL
         assert_gone(trainer, "the training process of a SIGKILLed supervisor")
@@ -102,7 +92,7 @@ def test_tokenization_workers_stop_with_their_run(tmp_path):
     try:
         def spawned() -> list[psutil.Process]:
             return [p for p in children(run) if "spawn_main" in command(p)]
-        wait_for("two tokenization workers", lambda: len(spawned()) >= 2, timeout=180)
+        wait_until("two tokenization workers", lambda: len(spawned()) >= 2, 180, every=0.05)
         workers = children(run)  # the pool's workers and multiprocessing's resource tracker
         assert run.poll() is None, "test setup: the run ended before it was killed"
         assert stop(run, signal.SIGKILL) == -signal.SIGKILL
@@ -121,7 +111,8 @@ seed = 7
 
 def engine_pid(s: Serve) -> int:
     record = s.home / "serve" / "engine.json"
-    return wait_for("the service's engine.json", lambda: record.exists() and json.loads(record.read_text())["pid"])
+    return wait_until("the service's engine.json", lambda: record.exists() and json.loads(record.read_text())["pid"],
+                      120, every=0.05)
 
 
 def test_the_inference_engine_stops_with_its_service_and_a_leftover_one_is_reaped(tmp_path):
@@ -147,8 +138,8 @@ def test_the_inference_engine_stops_with_its_service_and_a_leftover_one_is_reape
         try:
             assert leftover.wait(GONE_SECONDS) == -signal.SIGKILL
             assert f"stopped the inference engine an earlier service left running (PID {leftover.pid})" in \
-                   wait_for("the reaping said in the log", lambda: "earlier service left" in again.output()
-                            and again.output())
+                   wait_until("the reaping said in the log", lambda: "earlier service left" in again.output()
+                              and again.output(), 120, every=0.05)
             assert engine_pid(again) != leftover.pid
         finally:
             again.stop()

@@ -15,7 +15,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from ember.ledger import remote as remote_rows
 from ember.ledger import store
 from ember.policy.registry import register
-from tests.helpers import GENESIS, assert_same_result, run_ember, write_recipe
+from tests.helpers import GENESIS, assert_same_result, run_ember, wait_until, write_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -104,17 +103,6 @@ def site(slurm, tmp_path_factory) -> Site:
     done = run_ember("run", recipe, "--out", root / "baseline", "--no-ledger")
     assert done.returncode == 0, done.stderr
     return Site(root, recipe, data, root / "baseline", root / "sbatch-calls")
-
-
-def wait_until(what: str, check, timeout: float, every: float = 0.5):
-    """Poll `check()` until it returns something true, at most `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
 
 
 def slurm_field(job_id: str, key: str) -> str:
