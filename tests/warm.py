@@ -40,11 +40,11 @@ WARM_MODULES = ["torch", "torch.distributed.tensor", "torch._dynamo", "transform
 # --- the warm process ---------------------------------------------------------------------------
 
 def serve(path: str) -> None:
-    import ctypes
     import gc
     import importlib
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the worker
     sys.path[0] = str(ROOT)  # this checkout's ember, as `python -m ember` run from ROOT imports it
+    from ember.proc import die_with_parent
+    die_with_parent(signal.SIGKILL)  # gone with the worker
     for name in WARM_MODULES:
         importlib.import_module(name)
     gc.collect()

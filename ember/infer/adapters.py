@@ -19,11 +19,10 @@ from ember.ckpt.contents import MODEL_FILE
 from ember.ckpt.store import MANIFEST, CheckpointStore
 from ember.errors import EmberError
 from ember.events import Events
+from ember.infer.runs import BASE, find_runs  # noqa: F401  (re-exported: the engine's names)
 from ember.models import resolve_path
 from ember.recipe import MethodConfig
-from ember.infer.runs import BASE, find_runs  # noqa: F401  (re-exported: the engine's names)
 from ember.train.rundir import RUN_FILE, RunDir
-
 
 
 class RequestError(EmberError):

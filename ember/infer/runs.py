@@ -27,14 +27,14 @@ def find_runs(roots: list[Path]) -> dict[str, Path]:
     return found
 
 
-def lora_runs(roots: list[Path]) -> dict[str, Path]:
-    """The runs under `roots` that trained a LoRA adapter (those a base model answers wrongly)."""
-    out = {}
-    for name, path in find_runs(roots).items():
-        try:
-            kind = json.loads((path / RUN_FILE).read_text()).get("recipe", {}).get("method", {}).get("kind")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if kind == "lora":
-            out[name] = path
-    return out
+def lora_run(roots: list[Path], name: str) -> Path | None:
+    """The run under `roots` named `name`, if it trained a LoRA adapter (which a base model would
+    answer for wrongly); only its own record is read."""
+    path = find_runs(roots).get(name)
+    if path is None:
+        return None
+    try:
+        kind = json.loads((path / RUN_FILE).read_text()).get("recipe", {}).get("method", {}).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if kind == "lora" else None

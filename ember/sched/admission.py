@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.plan.memory import GiB
+
 AGEING_SECONDS = 600.0
 
 
@@ -112,14 +114,13 @@ def decide(queue: list[Want], running: list[Holding], devices: list[Room], now: 
 def _no_room(w: Want, devices: list[Room]) -> str:
     """Why `w` cannot start even by preempting: too big for any device, too few devices, or
     taken by jobs of its priority or higher."""
-    gib = 2**30
-    usable = [r for r in devices if r.capacity >= w.memory]
     if not devices:
         return "no device may take jobs now (the owner's rules hold every device)"
+    usable = [r for r in devices if r.capacity >= w.memory]
     if not usable:
-        return (f"memory: it needs {w.memory / gib:.2f} GiB per device and no device may give a job more "
-                f"than {max(r.capacity for r in devices) / gib:.2f} GiB ([memory] max_share_*, foreign use)")
+        return (f"memory: it needs {w.memory / GiB:.2f} GiB per device and no device may give a job more "
+                f"than {max(r.capacity for r in devices) / GiB:.2f} GiB ([memory] max_share_*, foreign use)")
     if len(usable) < w.count:
-        return f"devices: it needs {w.count} devices of {w.memory / gib:.2f} GiB and only {len(usable)} could hold it"
+        return f"devices: it needs {w.count} devices of {w.memory / GiB:.2f} GiB and only {len(usable)} could hold it"
     return ("priority: the devices that could hold it are taken by jobs of equal or higher priority; "
             "it starts when one ends (or ages past them: one level per ten minutes)")

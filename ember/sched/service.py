@@ -28,8 +28,8 @@ from pathlib import Path
 from ember import control
 from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, EmberError
-from ember.infer.runs import BASE, lora_runs
 from ember.events import Events
+from ember.infer.runs import BASE, lora_run
 from ember.ledger import jobs as rows
 from ember.ledger.jobs import JobRow
 from ember.ledger.store import connect, default_path
@@ -562,7 +562,7 @@ class Service:
         its base model. None when it may go."""
         if not self.rules.inference.upstream or not isinstance(model, str) or model == BASE:
             return None
-        path = lora_runs(self.inference_roots()).get(model)
+        path = lora_run(self.inference_roots(), model)
         if path is None:
             return None
         return (f"model {model!r} is ember's LoRA run {path}; the upstream engine "

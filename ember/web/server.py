@@ -34,7 +34,7 @@ from ember.lock import acquire
 from ember.paths import ember_home
 from ember.proc import dies_with_us
 from ember.sched.owner import OwnerRules, load_rules
-from ember.sched.process import alive, start_time
+from ember.sched.process import signal_job, start_time
 from ember.sched.service import Service
 from ember.web.security import WORKER_TOKEN_ENV
 from ember.web.sockets import listen
@@ -106,12 +106,8 @@ def reap_engine(events: Events) -> None:
         pid, started = int(seen["pid"]), str(seen["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if alive(pid, started):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            events.warn(f"stopped the inference engine an earlier service left running (PID {pid})")
-        except ProcessLookupError:
-            pass
+    if signal_job(pid, started, signal.SIGKILL):
+        events.warn(f"stopped the inference engine an earlier service left running (PID {pid})")
     path.unlink(missing_ok=True)
 
 
