@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weight precision: f32 (default, the trained weights exactly) or f16")
 
     from ember.cli.doctor import add_parser as add_doctor
+    from ember.cli.owner import add_parsers as add_owner
     from ember.cli.plan import add_parsers
     from ember.cli.remote import add_parsers as add_remote
     from ember.cli.serve import add_parsers as add_serve
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor(sub)
     add_serve(sub)
     add_remote(sub)
+    add_owner(sub)
 
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "recipe":
             return cmd_recipe(args)
+        if args.command == "owner":
+            from ember.cli import owner
+            return owner.cmd(args)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
         from ember.cli import remote, serve
         if args.command in remote.COMMANDS:

@@ -154,7 +154,16 @@ def print_explained() -> int:
         out.print(f"{row['job']} ({row['state']}{extra}): {why}", markup=False, highlight=False)
     if not rows:
         out.print("no unfinished jobs", markup=False)
+    print_owner_notes()
     return 0
+
+
+def print_owner_notes() -> None:
+    """owner.toml's state in the service, when it is not simply in force: the error that left the
+    rules as they were, or the changes that wait for a restart (stderr: --json stays parseable)."""
+    err = Console(stderr=True, soft_wrap=True)
+    for note in request("GET", "/api/owner").json()["notes"]:
+        err.print(f"warning: {note}", markup=False, highlight=False)
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -163,6 +172,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
     jobs = request("GET", "/api/jobs").json()
     if args.json:
         print(json.dumps(jobs, indent=1))
+        print_owner_notes()
         return 0
     table = Table("id", "name", "state", "priority", "devices", "progress", "goodput", "note")
     for j in jobs:
@@ -175,6 +185,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
                       "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
     Console(soft_wrap=True).print(table)
+    print_owner_notes()
     return 0
 
 

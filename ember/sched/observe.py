@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections import deque
 
 import psutil
 
@@ -59,15 +60,33 @@ def process_tree(pids: set[int]) -> set[int]:
     return out
 
 
+class WindowMean:
+    """The time-weighted mean of readings, each taken over the interval before it, across the last
+    `window` seconds (a reading that ends inside the window counts whole; 0: the last one alone)."""
+
+    def __init__(self) -> None:
+        self.readings: deque[tuple[float, float, float]] = deque()  # (end, seconds, value)
+
+    def add(self, end: float, seconds: float, value: float, window: float) -> float:
+        """Take a reading; return the mean over the window that ends with it."""
+        self.readings.append((end, seconds, value))
+        while len(self.readings) > 1 and self.readings[0][0] <= end - window:
+            self.readings.popleft()
+        weight = sum(s for _, s, _ in self.readings)
+        return value if weight <= 0 else sum(s * v for _, s, v in self.readings) / weight
+
+
 class Observer:
-    """Takes an Observation per call; CPU shares are over the time since the previous call."""
+    """Takes an Observation per call; CPU shares are over the time since the previous call,
+    averaged over [cpu] average_seconds."""
 
     def __init__(self) -> None:
         self._busy: float | None = None
         self._when = time.monotonic()
         self._ours: dict[int, float] = {}
+        self._mean = WindowMean()
 
-    def _cpu(self, ours: set[int]) -> float:
+    def _cpu(self, ours: set[int], window: float) -> float:
         t = psutil.cpu_times()
         busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
         now = time.monotonic()
@@ -79,13 +98,13 @@ class Observer:
             except psutil.Error:
                 continue
         if self._busy is None:
-            share = 0.0
+            share, interval = 0.0, 0.0
         else:
             ours_delta = sum(s - self._ours.get(pid, 0.0) for pid, s in seconds.items())
-            elapsed = max(1e-3, now - self._when) * (psutil.cpu_count() or 1)
-            share = max(0.0, (busy - self._busy) - ours_delta) / elapsed
+            interval = max(1e-3, now - self._when)
+            share = min(1.0, max(0.0, (busy - self._busy) - ours_delta) / (interval * (psutil.cpu_count() or 1)))
         self._busy, self._when, self._ours = busy, now, seconds
-        return min(1.0, share)
+        return self._mean.add(now, interval, share, window)
 
     def observe(self, rules: OwnerRules, ours: set[int]) -> Observation:
         """What the rules need, read now; `ours`: the PIDs of ember's jobs and the service."""
@@ -101,5 +120,5 @@ class Observer:
                     names.add(p.info["name"])
             programs = frozenset(names)
         foreign = {i: (len(pids), 0) for i, pids in foreign_accelerator_pids(tree).items()}
-        return Observation(idle, source, self._cpu(tree), None if battery is None else not battery.power_plugged,
-                           programs, foreign)
+        on_battery = None if battery is None else not battery.power_plugged
+        return Observation(idle, source, self._cpu(tree, rules.cpu.average_seconds), on_battery, programs, foreign)

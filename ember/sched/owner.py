@@ -1,5 +1,9 @@
 """The owner's rules: `$EMBER_HOME/owner.toml`, validated like a recipe (same validator, same
-errors), and one pure function saying which rules hold training right now.
+errors), and one pure function saying which rules hold training right now. The dataclasses below
+are the one definition of the file: docs/owner.md is generated from them (ember.sched.owner_reference),
+and `ember owner check` prints them resolved. A running service reads the file again when it
+changes: RESTART_KEYS wait for a restart, the rest hold at once, and a file that does not validate
+leaves the rules in force as they were (`merge`, `RulesStatus`).
 
     holds(rules, observation, now) -> list[Hold]
 
@@ -10,7 +14,8 @@ hard (checkpoint and exit: the device is free). Soft holds become hard after
     rule                           default       pause   applies to
     activity.suspend_while_active  false         soft    every job, while input was seen within idle_minutes
     activity.accelerators_while_active false     soft    accelerator jobs, while the user is active
-    cpu.max_other_load             0 (off)       soft    every job, while non-ember load exceeds the share
+    cpu.max_other_load             0 (off)       soft    every job, while non-ember load (mean over
+                                                          cpu.average_seconds) exceeds the share
     schedule.<day>                 all day       hard    every job, outside the day's windows
     power.run_on_battery           false         hard    every job, on battery
     programs.suspend_while         []            soft    every job, while one of these programs runs
@@ -21,7 +26,9 @@ hard (checkpoint and exit: the device is free). Soft holds become hard after
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +43,14 @@ WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
 
 @dataclass
 class ServiceRules:
-    host: str = setting("127.0.0.1", "Address the service listens on; anything but loopback "
-                        "requires the token for every request.")
-    port: int = setting(8765, "Port the service listens on (0: any free port).", min=0, max=65535)
-    allowed: list[str] = setting(lambda: ["~"], "Folders recipes (and run folders) must lie under.",
-                                 factory=True)
-    max_body_bytes: int = setting(1 << 20, "Largest request body accepted.", min=1024)
+    host: str = setting("127.0.0.1", "Address the service listens on (`ember serve --host` overrides); "
+                        "anything but loopback requires the token for every request.")
+    port: int = setting(8765, "Port the service listens on (0: any free port; `--port` overrides).",
+                        min=0, max=65535)
+    allowed: list[str] = setting(lambda: ["~"], "Folders recipes (and run folders) must lie under, "
+                                 "resolved through links; checked at each submit.", factory=True)
+    max_body_bytes: int = setting(1 << 20, "Largest request body accepted, in bytes; a larger one is "
+                                  "answered 413 as soon as it passes the limit.", min=1024)
     open_on_loopback: bool = setting(False, "Bound to loopback, answer reading requests (pages, "
                                      "/api GETs, /metrics) and /v1 inference without the token; "
                                      "changes still need it. Off: any program or user of this "
@@ -50,7 +59,9 @@ class ServiceRules:
 
 @dataclass
 class ActivityRules:
-    idle_minutes: float = setting(3.0, "The user is active when input was seen within this window.",
+    idle_minutes: float = setting(3.0, "The user is active when input was seen within this many "
+                                  "minutes: X11's idle time (xprintidle), else logind's IdleHint of "
+                                  "graphical sessions; without a graphical session nobody is active.",
                                   min=0)
     suspend_while_active: bool = setting(False, "Pause all training while the user is active.")
     accelerators_while_active: bool = setting(False, "Allow accelerator jobs while the user is active "
@@ -59,15 +70,25 @@ class ActivityRules:
 
 @dataclass
 class CpuRules:
-    max_other_load: float = setting(0.0, "Pause when processes other than ember's jobs use more than "
-                                    "this share of all cores (0 = no such rule).", min=0, max=1)
+    max_other_load: float = setting(0.0, "Pause (soft) while processes other than ember's use more than "
+                                    "this share of all cores, e.g. 0.5 = half the machine: the machine's "
+                                    "busy CPU time (user, nice, system, irq, softirq, steal) less that of "
+                                    "the service, its jobs and their children alive at each reading, "
+                                    "averaged over average_seconds; training resumes once the mean is "
+                                    "at or below the share (0 = no such rule).", min=0, max=1)
+    average_seconds: float = setting(10.0, "The window max_other_load's share is averaged over, in "
+                                     "seconds (time-weighted over the service's readings, one every "
+                                     "0.5 s), so that a burst shorter than this (a compile, a page "
+                                     "load) does not pause training; 0 = the last reading alone.",
+                                     min=0, max=600)
 
 
 @dataclass
 class MemoryRules:
-    max_share_active: float = setting(0.5, "Share of host RAM jobs may plan to use while the user "
-                                      "is active.", min=0, max=1)
-    max_share_idle: float = setting(0.9, "Share of host RAM jobs may plan to use while idle.", min=0, max=1)
+    max_share_active: float = setting(0.5, "Share of host RAM (0 to 1) that jobs may plan to use while "
+                                      "the user is active; admission starts no job past it.", min=0, max=1)
+    max_share_idle: float = setting(0.9, "Share of host RAM (0 to 1) that jobs may plan to use while "
+                                    "idle.", min=0, max=1)
 
 
 @dataclass
@@ -77,8 +98,14 @@ class PowerRules:
 
 @dataclass
 class ProgramRules:
-    suspend_while: list[str] = setting(list, "Pause while a process of one of these names runs.",
-                                       factory=True)
+    suspend_while: list[str] = setting(list, "Pause (soft) while a process of one of these names runs, "
+                                       "e.g. ['blender', 'steam']. A name is compared exactly (case "
+                                       "too) with the process name the kernel reports (Linux: the "
+                                       "executable's file name cut to 15 characters, the full name "
+                                       "when the command line's first word starts with it), never "
+                                       "with the command line: a script run by an interpreter is "
+                                       "'python3', not its file. Processes of ember's jobs do not "
+                                       "count. Checked every 0.5 s.", factory=True)
 
 
 @dataclass
@@ -86,7 +113,8 @@ class AcceleratorRules:
     pause_on_foreign_process: bool = setting(True, "Pause jobs on an accelerator when a process that "
                                              "is not ember's appears on it (NVML).")
     foreign_memory_max: str = setting("1GiB", "Pause jobs on an accelerator when processes that are "
-                                      "not ember's use more than this much of its memory.")
+                                      "not ember's use more than this much of its memory: a size such "
+                                      "as '512MiB' or '2GiB'.")
 
 
 @dataclass
@@ -103,8 +131,9 @@ class ScheduleRules:
 
 @dataclass
 class PauseRules:
-    hard_after_minutes: float = setting(10.0, "A soft pause that lasts longer becomes hard: the job "
-                                        "checkpoints and exits, freeing its device.", min=0)
+    hard_after_minutes: float = setting(10.0, "A soft pause (by a rule or by hand) that lasts longer "
+                                        "than this many minutes becomes hard: the job checkpoints and "
+                                        "exits, freeing its device.", min=0)
 
 
 @dataclass
@@ -118,8 +147,8 @@ class InferenceRules:
                         "random initialisation from it).", min=0)
     device: int = setting(0, "The device inference runs on: training there pauses during requests.",
                           min=0)
-    idle_gap_seconds: float = setting(2.0, "Training resumes after inference has been idle this long.",
-                                      min=0)
+    idle_gap_seconds: float = setting(2.0, "Training resumes after inference has been idle this many "
+                                      "seconds.", min=0)
     pause_lease_seconds: float = setting(15.0, "A pause for inference is a lease the service renews "
                                          "while requests run: if the service dies, the job resumes "
                                          "by itself this long after the last renewal.", min=1, max=30)
@@ -145,37 +174,107 @@ SECTIONS = {"service": ServiceRules, "activity": ActivityRules, "cpu": CpuRules,
             "schedule": ScheduleRules, "pause": PauseRules, "inference": InferenceRules}
 
 
+# Read once when the service starts: the address it binds, its HTTP app's limit and access, the
+# inference engine it launches and the device it guards. A change to one of these waits for a
+# restart (`merge`); every other key is read again at each observation and holds within a second.
+RESTART_KEYS = ("service.host", "service.port", "service.max_body_bytes", "service.open_on_loopback",
+                "inference.upstream", "inference.model", "inference.runs", "inference.seed",
+                "inference.device", "inference.enabled")
+HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_-]+)\s*\]")
+KEY = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*=")
+
+
 def owner_file() -> Path:
+    """$EMBER_HOME/owner.toml, the file `ember serve` reads."""
     return ember_home() / "owner.toml"
 
 
+def key_lines(text: str) -> dict[tuple[str, str | None], int]:
+    """The line (from 1) where each [section] (key None) and each of its keys first appears."""
+    out: dict[tuple[str, str | None], int] = {}
+    section = None
+    for n, line in enumerate(text.splitlines(), 1):
+        if m := HEADER.match(line):
+            section = m.group(1)
+            out.setdefault((section, None), n)
+        elif section is not None and (m := KEY.match(line)):
+            out.setdefault((section, m.group(1)), n)
+    return out
+
+
 def load_rules(path: Path | None = None) -> OwnerRules:
-    """owner.toml (absent: every default), with unknown keys, wrong types and bad ranges refused."""
+    """owner.toml (absent: every default), with unknown keys, wrong types and bad ranges refused;
+    the error names the file, the line and the key."""
     from ember.sched.resources import parse_size
     path = path or owner_file()
     if not path.is_file():
         return OwnerRules()
     raw = read_toml(path)
-    classes = SECTIONS
+    lines = key_lines(path.read_text())
+
+    def at(section: str, key: str | None = None) -> str:
+        n = lines.get((section, key)) or lines.get((section, None))
+        return f"{path}:{n}" if n else str(path)
+
     sections = {}
     for name, value in raw.items():
-        if name not in classes:
-            raise EmberError(f"{path}: unknown section [{name}]{did_you_mean(name, classes)}; sections "
-                             f"are {', '.join(classes)}")
+        if name not in SECTIONS:
+            raise EmberError(f"{at(name)}: unknown section [{name}]{did_you_mean(name, SECTIONS)}; sections "
+                             f"are {', '.join(SECTIONS)}")
         if not isinstance(value, dict):
-            raise EmberError(f"{path}: '{name}' must be a [{name}] table")
-        sections[name] = build_section(classes[name], name, value, str(path))
+            raise EmberError(f"{at(name)}: '{name}' must be a [{name}] table")
+        for key, item in value.items():  # one key at a time: the error names its line
+            build_section(SECTIONS[name], name, {key: item}, at(name, key))
+        sections[name] = build_section(SECTIONS[name], name, value, str(path))
     rules = OwnerRules(**sections)
     for day in DAYS:
         for w in getattr(rules.schedule, day) or []:
             if not WINDOW.match(w) or minutes(w.split("-")[0]) >= minutes(w.split("-")[1]):
-                raise EmberError(f"{path}: [schedule] {day}: window {w!r}: write HH:MM-HH:MM with the "
-                                 f"start before the end, e.g. '18:00-24:00'")
-    parse_size(rules.accelerators.foreign_memory_max, f"{path}: [accelerators] foreign_memory_max")
+                raise EmberError(f"{at('schedule', day)}: [schedule] {day}: window {w!r}: write HH:MM-HH:MM "
+                                 f"with the start before the end, e.g. '18:00-24:00'")
+    parse_size(rules.accelerators.foreign_memory_max, f"{at('accelerators', 'foreign_memory_max')}: "
+                                                      f"[accelerators] foreign_memory_max")
     if rules.inference.upstream and not re.match(r"^https?://[^/\s]+", rules.inference.upstream):
-        raise EmberError(f"{path}: [inference] upstream = {rules.inference.upstream!r}: write a URL like "
-                         f"'http://127.0.0.1:8080'")
+        raise EmberError(f"{at('inference', 'upstream')}: [inference] upstream = {rules.inference.upstream!r}: "
+                         f"write a URL like 'http://127.0.0.1:8080'")
     return rules
+
+
+def merge(running: OwnerRules, new: OwnerRules) -> tuple[OwnerRules, list[dict]]:
+    """What a running service applies of `new`: every key but RESTART_KEYS, which keep their
+    running values; and those whose value in `new` differs, as {key, file, in_force}."""
+    merged, waiting = copy.deepcopy(new), []
+    for dotted in RESTART_KEYS:
+        section, key = dotted.split(".")
+        now, wanted = getattr(getattr(running, section), key), getattr(getattr(new, section), key)
+        setattr(getattr(merged, section), key, copy.deepcopy(now))
+        if wanted != now:
+            waiting.append({"key": dotted, "file": wanted, "in_force": now})
+    return merged, waiting
+
+
+@dataclass
+class RulesStatus:
+    """What a running service made of owner.toml: for `ember queue` and the dashboard."""
+    path: str
+    loaded_at: float                      # when the rules in force were read (seconds since the epoch)
+    error: str | None = None              # the file as it is now does not validate: the rules before it hold
+    restart: list[dict] = field(default_factory=list)  # {key, file, in_force}: changes waiting for a restart
+
+    def notes(self) -> list[str]:
+        """The status in words; empty when the service applies the file as it is."""
+        out = []
+        if self.error:
+            when = dt.datetime.fromtimestamp(self.loaded_at).strftime("%Y-%m-%d %H:%M:%S")
+            out.append(f"owner.toml does not validate, so the service keeps the rules it loaded at {when}: "
+                       f"{self.error}. Fix the file (`ember owner check` says what is wrong); the service "
+                       f"reads it again as soon as it changes.")
+        if self.restart:
+            changes = "; ".join(f"{c['key']} = {json.dumps(c['file'])} (in force: {json.dumps(c['in_force'])})"
+                                for c in self.restart)
+            out.append(f"{self.path}: {changes}: read only when the service starts; restart it for this to "
+                       f"take effect (`systemctl --user restart ember`, or stop and start `ember serve`).")
+        return out
 
 
 def minutes(hhmm: str) -> int:
@@ -188,7 +287,8 @@ class Observation:
     """The machine as the service saw it a moment ago (ember.sched.observe)."""
     idle_seconds: float | None                 # since the last input; None: no desktop session found
     idle_source: str
-    other_cpu_share: float                     # of all cores, processes other than ember's jobs
+    other_cpu_share: float                     # of all cores, processes other than ember's jobs,
+                                               # mean over [cpu] average_seconds
     on_battery: bool | None
     programs: frozenset[str] = frozenset()     # names of running processes the rules mention
     foreign: dict[int, tuple[int, int]] = field(default_factory=dict)  # accelerator -> (processes, bytes)
@@ -232,7 +332,8 @@ def holds(rules: OwnerRules, obs: Observation, now: dt.datetime) -> list[Hold]:
     limit = rules.cpu.max_other_load
     if limit and obs.other_cpu_share > limit:
         out.append(Hold("cpu.max_other_load", "soft", None, False,
-                        f"other processes use {obs.other_cpu_share:.0%} of all cores, above {limit:.0%}"))
+                        f"other processes use {obs.other_cpu_share:.0%} of all cores (mean over "
+                        f"{rules.cpu.average_seconds:g} s), above {limit:.0%}"))
     ok, which = in_window(rules.schedule, now)
     if not ok:
         out.append(Hold(f"schedule.{DAYS[now.weekday()]}", "hard", None, False,

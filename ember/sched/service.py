@@ -22,7 +22,7 @@ import sqlite3
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ember import control
@@ -90,8 +90,8 @@ class Service:
         self.gate = Gate(rules.inference.device, rules.inference.idle_gap_seconds)
         self.stopping = threading.Event()
         self.plans: dict[str, dict] = {}
-        path = owner.owner_file()
-        self.rules_mtime = path.stat().st_mtime_ns if path.exists() else None
+        self.rules_text = self._rules_bytes()
+        self.rules_status = owner.RulesStatus(str(owner.owner_file()), time.time())
 
     # ---- the API's verbs ------------------------------------------------------------------
 
@@ -419,25 +419,44 @@ class Service:
         self.holds = owner.holds(self.rules, self.observation, dt.datetime.now())
         self.observed_at = now
 
-    def reload_rules(self) -> None:
-        """owner.toml edited: its rules hold from the next observation ([service] and [inference]
-        take effect at the next start). A file that does not validate is reported and ignored."""
-        path = owner.owner_file()
+    def _rules_bytes(self) -> bytes | None:
+        """owner.toml's bytes (None: absent): compared, not its mtime, which two quick edits can share."""
         try:
-            mtime = path.stat().st_mtime_ns
+            return owner.owner_file().read_bytes()
         except FileNotFoundError:
-            mtime = None
-        if mtime == self.rules_mtime:
+            return None
+        except OSError as e:
+            return repr(e).encode()  # unreadable: load_rules says why, once, until that changes
+
+    def reload_rules(self) -> None:
+        """owner.toml edited: its live keys hold from now; a change to a key read only at start
+        (owner.RESTART_KEYS) waits for a restart; a file that does not validate changes nothing.
+        Both are said in the log and kept in `rules_status` (ember queue, the dashboard)."""
+        text = self._rules_bytes()
+        if text == self.rules_text:
             return
-        self.rules_mtime = mtime
+        self.rules_text, path = text, owner.owner_file()
         try:
             new = owner.load_rules(path)
-        except EmberError as e:
-            self.events.warn(f"{e}; keeping the rules in force")
+        except (EmberError, OSError) as e:
+            self.rules_status.error = str(e)
+            self.events.warn(f"{e}; the rules in force stay as they were until the file is fixed")
             return
-        new.service, new.inference = self.rules.service, self.rules.inference
-        self.rules = new
-        self.events.info(f"owner rules loaded from {path}" if mtime else "owner rules: the defaults")
+        self.rules, restart = owner.merge(self.rules, new)
+        self.gate.idle_gap = self.rules.inference.idle_gap_seconds
+        self.rules_status = owner.RulesStatus(str(path), time.time(), None, restart)
+        later = f"; {', '.join(c['key'] for c in restart)}: changed, but read only at start" if restart else ""
+        self.events.info(f"owner rules read from {path}: in force now{later}" if text is not None
+                         else f"{path} is gone: the default rules are in force now{later}")
+        for note in self.rules_status.notes():
+            self.events.warn(note)
+
+    def owner_status(self) -> dict:
+        """owner.toml as the service applies it: the error or the changes waiting for a restart,
+        said in words (notes), and the rules in force."""
+        with self.lock:
+            status, rules = self.rules_status, self.rules
+            return {**asdict(status), "notes": status.notes(), "rules": asdict(rules)}
 
     def holds_on(self, job: JobRow) -> list[owner.Hold]:
         devices = tuple(job.devices) or tuple(d.index for d in self.machine.devices)

@@ -10,6 +10,8 @@
     GET  /api/jobs/{job}/logs?offset= its output from byte `offset`
     POST /api/yield                   {seconds?: number | null, release?: bool}               token
     GET  /api/explain                 which owner rule holds each job
+    GET  /api/owner                   owner.toml as the service applies it: its error, the changes
+                                      that wait for a restart, in words (notes), the rules in force
     GET  /api/stats                   inference requests and pause latencies
     GET  /v1/models, POST /v1/completions, /v1/chat/completions, /v1/embeddings
                                       OpenAI-compatible inference, forwarded to the engine; any
@@ -269,6 +271,10 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
     @app.get("/api/explain")
     async def explain() -> Any:
         return await call(service.explain)
+
+    @app.get("/api/owner")
+    async def owner_rules() -> Any:
+        return await call(service.owner_status)
 
     @app.get("/api/stats")
     async def stats() -> Any:

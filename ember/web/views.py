@@ -69,6 +69,7 @@ class MachinePage:
 class QueuePage:
     jobs: list[JobView]
     yielding: bool                         # an `ember yield` holds all training now
+    owner_notes: list[str] = field(default_factory=list)  # owner.toml's error, changes waiting for a restart
 
 
 class Views:
@@ -157,7 +158,8 @@ class Views:
     def queue(self) -> QueuePage:
         if self.service is None:
             raise BadRequest(503, "no service runs here: the queue is `ember serve`'s (this is `ember ui`)")
-        return QueuePage(self.service.queue(), self.service.yield_until is not None)
+        return QueuePage(self.service.queue(), self.service.yield_until is not None,
+                         self.service.rules_status.notes())
 
     def plan(self, run_id: str | None, job: str | None, device_memory: float | None,
              target_micro_batch: int | None) -> dict[str, Any]:

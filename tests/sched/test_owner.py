@@ -1,11 +1,16 @@
 """The owner's rules: validation like recipes, and which rules hold, by hand-made observations."""
 
+import dataclasses
 import datetime as dt
 
 import pytest
 
 from ember.errors import EmberError
-from ember.sched.owner import Hold, Observation, OwnerRules, applies, holds, in_window, load_rules
+from ember.sched.observe import WindowMean
+from ember.sched.owner import (RESTART_KEYS, SECTIONS, Hold, Observation, OwnerRules, applies, holds, in_window,
+                               load_rules, merge)
+from ember.sched.owner_reference import reference, settings
+from tests.helpers import ROOT, run_ember
 
 MONDAY_NOON = dt.datetime(2026, 11, 30, 12, 0)  # a Monday
 QUIET = Observation(None, "no graphical session", 0.0, None)
@@ -61,3 +66,83 @@ def test_which_jobs_a_hold_applies_to():
     one_device = Hold("accelerators.pause_on_foreign_process", "soft", (1,), True, "")
     assert applies(accel_only, (0,), accelerator=True) and not applies(accel_only, (0,), accelerator=False)
     assert applies(one_device, (1,), True) and not applies(one_device, (0,), True)
+
+
+def test_docs_owner_md_is_generated_from_the_settings_and_documents_every_key():
+    """owner.toml's keys lived only in code (issue 24, item 10): docs/owner.md is generated from
+    the dataclasses, lists every key with its help, range and whether a change waits for a
+    restart, and is what `ember owner settings --markdown` prints now."""
+    docs = (ROOT / "docs" / "owner.md").read_text()
+    assert docs == reference(), "docs/owner.md is stale: `ember owner settings --markdown > docs/owner.md`"
+    rows = settings()
+    assert len(rows) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    for key, _type, _default, _range, change, help_text in rows:
+        assert help_text.strip() and f"| `{key}` |" in docs, key
+        assert change == ("restart" if key in RESTART_KEYS else "live"), key
+    assert set(RESTART_KEYS) <= {row[0] for row in rows}  # each names a real key
+    assert "| `cpu.average_seconds` | float | `10.0` | 0 to 600 | live |" in docs
+
+
+def test_an_error_names_the_file_the_line_and_the_key(tmp_path):
+    with pytest.raises(EmberError) as e:
+        rules(tmp_path, "[cpu]\nmax_other_load = 0.5\n\n[activity]\n# a comment\nidle_minutes = 'soon'\n")
+    assert str(e.value).startswith(f"{tmp_path / 'owner.toml'}:6: [activity] idle_minutes = 'soon'"), e.value
+    with pytest.raises(EmberError, match=r"owner.toml:3: unknown key 'max_other_lod' in \[cpu\]"):
+        rules(tmp_path, "[pause]\n[cpu]\nmax_other_lod = 0.5\n")
+    with pytest.raises(EmberError, match=r"owner.toml:2: \[schedule\] tue: window"):
+        rules(tmp_path, "[schedule]\ntue = ['9-17']\n")
+
+
+def test_a_running_service_applies_live_keys_and_keeps_restart_keys_as_they_run():
+    running = OwnerRules()
+    new = OwnerRules()
+    new.pause.hard_after_minutes, new.service.allowed = 2.0, ["/data"]   # live
+    new.service.port, new.inference.runs = 9000, ["/runs/a"]             # read at start
+    merged, waiting = merge(running, new)
+    assert merged.pause.hard_after_minutes == 2.0 and merged.service.allowed == ["/data"]
+    assert merged.service.port == 8765 and merged.inference.runs == []
+    assert waiting == [{"key": "service.port", "file": 9000, "in_force": 8765},
+                       {"key": "inference.runs", "file": ["/runs/a"], "in_force": []}]
+    assert new.service.port == 9000 and running.pause.hard_after_minutes == 10.0  # inputs untouched
+    assert merge(merged, OwnerRules())[1] == []  # the file back as it runs: nothing waits
+
+
+def test_other_load_is_averaged_over_the_window_so_a_burst_does_not_pause():
+    """max_other_load held on a half-second reading (issue 24, item 14): a one-second burst of
+    100% paused training. The share is now the time-weighted mean over [cpu] average_seconds."""
+    mean = WindowMean()
+    for t in range(1, 10):
+        got = mean.add(t * 1.0, 1.0, 1.0 if t == 5 else 0.0, window=10)
+    assert got == pytest.approx(1 / 9)
+    assert mean.add(10.5, 0.5, 0.0, window=10) == pytest.approx(1 / 9.5)
+    assert mean.add(16.0, 5.5, 1.0, window=10) == pytest.approx(5.5 / 9)  # readings that ended by 6 s left
+    assert mean.add(16.2, 0.2, 0.3, window=0) == 0.3  # 0: the last reading alone
+    r = OwnerRules()
+    r.cpu.max_other_load = 0.5
+    busy = Observation(None, "no graphical session", 0.75, None)
+    (h,) = holds(r, busy, MONDAY_NOON)
+    assert h.rule == "cpu.max_other_load" and "mean over 10 s" in h.detail
+    assert holds(r, Observation(None, "no graphical session", 0.5, None), MONDAY_NOON) == []
+
+
+def test_owner_check_prints_the_resolved_rules_or_exits_2_naming_the_key(tmp_path):
+    good = tmp_path / "owner.toml"
+    good.write_text("[cpu]\nmax_other_load = 0.5\n[service]\nport = 9000\n")
+    r = run_ember("owner", "check", good)
+    assert r.returncode == 0, r.stderr
+    assert f"{good}: valid" in r.stdout
+    assert "set to other than the default: service.port, cpu.max_other_load" in r.stdout
+    lines = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
+    assert lines["port"] == ["9000", "8765", "restart"] and lines["max_other_load"] == ["0.5", "0.0", "live"]
+    assert lines["hard_after_minutes"] == ["10.0", "10.0", "live"]  # every key, resolved
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cpu]\nmax_other_load = 0.5\n[pause]\nhard_after_minutes = -1\n")
+    r = run_ember("owner", "check", bad)
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert f"{bad}:4: [pause] hard_after_minutes = -1.0: must be >= 0" in r.stderr, r.stderr
+    assert "fix it and run `ember owner check` again" in r.stderr
+    home = tmp_path / "home"   # no PATH: the file the service reads, $EMBER_HOME/owner.toml
+    home.mkdir()
+    (home / "owner.toml").write_text("[activty]\n")
+    r = run_ember("owner", "check", env={"EMBER_HOME": str(home)})
+    assert r.returncode == 2 and f"{home / 'owner.toml'}:1: unknown section [activty]" in r.stderr, r.stderr

@@ -231,6 +231,28 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
     assert not errors, errors
 
 
+def test_queue_page_shows_an_owner_toml_that_does_not_validate_as_it_happens(chromium, tmp_path):
+    """owner.toml that did not validate showed only in the service's log (issue 24, item 10): the
+    Queue page reads /api/owner with the queue, so the error appears without reloading the page,
+    and goes once the file is fixed."""
+    s = Serve(tmp_path / "home", OWNER.format(root=tmp_path)).start()
+    errors: list[str] = []
+    try:
+        page = open_page(chromium, errors)
+        page.goto(f"{s.url}/login?token={s.token}")
+        page.goto(f"{s.url}/queue")
+        assert page.inner_text("#owner-rules") == ""
+        (s.home / "owner.toml").write_text(OWNER.format(root=tmp_path) + "[cpu]\nmax_other_load = 2\n")
+        page.wait_for_selector("#owner-rules p.error:has-text('does not validate')")
+        assert "[cpu] max_other_load = 2.0: must be <= 1" in page.inner_text("#owner-rules")
+        shoot(page, "queue-owner-error")
+        (s.home / "owner.toml").write_text(OWNER.format(root=tmp_path))
+        page.wait_for_selector("#owner-rules p", state="detached")
+    finally:
+        s.stop()
+    assert not errors, errors
+
+
 def transitions(home: Path, job: int) -> list:
     con = store.connect(home / "ledger.db")
     try:

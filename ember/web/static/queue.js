@@ -51,6 +51,16 @@
     const body = table.tBodies[0];
     body.replaceChildren(...jobs.map(row));
     table.dataset.refreshed = String(Date.now());
+    // owner.toml's state: an error (the rules before it hold) or changes waiting for a restart.
+    const owner = await fetch("/api/owner", { credentials: "same-origin" });
+    if (!owner.ok) return;
+    const notes = (await owner.json()).notes.map(n => {
+      const p = document.createElement("p");
+      p.className = "error";
+      p.textContent = n;
+      return p;
+    });
+    document.getElementById("owner-rules").replaceChildren(...notes);
   }
 
   table.addEventListener("click", async e => {
