@@ -182,11 +182,13 @@ def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, A
     info = store_info(tokens_path)
     packing, rule = resolve_packing(recipe.data, tokens_path)
     d = recipe.data
+    train = learning(tokens_path, d.seq_len, packing, rule)
     try:
         notes = PackedBatches(tokens_path, d.seq_len, recipe.train.micro_batch, 0, DataCursor(), packing, rule).notes
-    except EmberError:  # too little data: the loop's first batch says so, with the attempt in the ledger
+    except EmberError:  # no row at all: every record dropped (say so), or too little data (the loop says so)
+        if train.dropped:
+            raise EmberError(train.refusal()) from None
         return {**info, "packing": packing, "long_records": rule, "packing_notes": {}}
-    train = learning(tokens_path, d.seq_len, packing, rule)
     if (refused := train.refusal()) is not None:
         raise EmberError(refused)
     held = learning(eval_path, d.seq_len, packing, rule) if (eval_path := eval_tokens(tokens_path)) else None

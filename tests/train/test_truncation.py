@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from ember.ckpt.state import DataCursor
-from ember.recipe import DataConfig, GuardConfig
+from ember.errors import EmberError
+from ember.events import Events, collect
+from ember.recipe import DataConfig, GuardConfig, Recipe
 from ember.train import stability, truncation
 from ember.train.data import PackedBatches, data_fingerprint, tokenize
+from ember.train.job import data_notes
 from ember.train.model import ByteTokenizer
 from ember.train.truncation import learned_in, learning
 
@@ -132,3 +135,20 @@ def test_a_step_with_no_learned_token_is_judged_empty():
     assert stability.judge(math.nan, 0.0, 0, [], g, scaler_handles_inf=False).kind == "empty"
     assert stability.judge(2.0, 1.0, 12, [], g, scaler_handles_inf=False).kind == "ok"
     assert stability.judge(math.nan, 1.0, 12, [], g, scaler_handles_inf=False).kind == "nonfinite"
+
+
+@pytest.mark.parametrize("rule", ["truncate", "drop"])
+def test_the_run_refuses_before_training_when_nothing_is_left(tmp_path, rule):
+    """data_notes, which prepare() calls before the first step: refused with the counts, whether
+    the records lost their answers or were all left out."""
+    records = [chat("long " * (12 + i), f"kept {i}") for i in range(6)]
+    path = store(tmp_path, records)
+    recipe = Recipe()
+    recipe.data = DataConfig(files=[str(tmp_path / "chat.jsonl")], seq_len=SEQ, long_records=rule)
+    with pytest.raises(EmberError, match=r"nothing to learn: none of the 6 training records .* seq_len = \d+ would keep"):
+        data_notes(recipe, path, Events())
+    recipe.data.long_records = "keep_answer"
+    events, seen = collect()
+    notes = data_notes(recipe, path, events)
+    assert notes["learning"]["learned"] == notes["learning"]["before"] == sum(len(f"kept {i}\n") + 1 for i in range(6))
+    assert notes["warnings"] == [] and "6 longer than seq_len 48: prompt's beginning cut" in seen[0].message
