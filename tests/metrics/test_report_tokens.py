@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from ember.metrics.compare import compare_runs
 from ember.metrics.report import build_report, summary_line
 from ember.recipe import Recipe
 
@@ -59,3 +60,11 @@ def test_the_report_says_what_the_data_holds_to_learn(tmp_path):
     assert d.warnings == ["30 of 40 lose all"]
     assert d.text() == ("data: 40 chat records, 187 tokens learned per epoch at seq_len 64 (of 750; "
                         "long_records = truncate); 30 records lost some of their learned tokens, 30 all")
+
+
+def test_runs_with_the_same_empty_steps_compare_identical():
+    record = {"recipe": Recipe().to_dict()}
+    same = {1: math.nan, 2: 3.0}
+    assert compare_runs(record, record, same, dict(same), 0.0).verdict == "identical"
+    other = compare_runs(record, record, same, {1: 2.0, 2: 3.0}, 1.0)
+    assert other.verdict == "diverged" and other.first_differing_step == 1
