@@ -156,7 +156,7 @@ def learning(tokens_path: Path, seq_len: int, packing: str, rule: str) -> Learni
     lengths = np.diff(docs)
     first = np.minimum(docs[:-1] + 1, docs[1:])
     per_record = learned_in(targets, first, docs[1:])
-    longest = sorted(lengths.tolist(), reverse=True)[:3]
+    longest = np.sort(lengths)[::-1][:3].tolist()
     p95 = int(np.ceil(np.percentile(lengths, 95))) if len(lengths) else 0
     if packing == "mixed":  # the stream in rows of seq_len, the ragged tail dropped
         rows = np.arange(size // seq_len, dtype=np.int64) * seq_len
