@@ -194,7 +194,8 @@ class PackedBatches(Dataset):
             return sorted({int(d) for r in rows for d in range(
                 int(np.searchsorted(starts, r * self.seq_len, side="right")) - 1,
                 int(np.searchsorted(starts, (r + 1) * self.seq_len, side="left")))})
-        return sorted({int(self.piece_record[p]) for r in rows for p in range(self.pack_start[r], self.pack_start[r + 1])})
+        return sorted({int(self.piece_record[p]) for r in rows
+                       for p in range(self.pack_start[r], self.pack_start[r + 1])})
 
     def take(self, rows: list[int]) -> MicroBatch:
         """The micro-batch of these rows (sequence indices, in storage order)."""

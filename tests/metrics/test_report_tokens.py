@@ -24,7 +24,8 @@ def write_run(folder, steps: list[tuple[int, float, float]], data: dict | None =
 
 
 def test_steps_without_learned_tokens_are_not_averaged_in(tmp_path):
-    write_run(tmp_path / "r", [(0, math.nan, 1.0), (100, 3.0, 0.5), (0, math.nan, 2.0), (300, 2.5, 1.5), (0, math.nan, 1.0)])
+    write_run(tmp_path / "r", [(0, math.nan, 1.0), (100, 3.0, 0.5), (0, math.nan, 2.0), (300, 2.5, 1.5),
+                               (0, math.nan, 1.0)])
     report = build_report(tmp_path / "r", None)
     assert report.throughput.tokens_per_second == 400 / 2.0  # the two steps that learned: not 400 / 6.0
     assert report.mfu.value == 200 * 1e6 / 1e12
