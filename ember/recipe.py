@@ -71,10 +71,14 @@ class DataConfig:
         "positions restarting at each and attention block-diagonal (no cross-contamination); "
         "'padded' puts one document per row, padded to the longest of its length-sorted bucket. "
         "'auto' = documents for chat and completion data, mixed for text.")
-    long_records: Literal["truncate", "drop"] = setting(
-        "truncate", "A chat or completion record longer than seq_len (documents and padded "
-        "packing): keep its first seq_len tokens, or leave it out. Either way it is counted in "
-        "run.json's data notes. Long text documents are split into seq_len pieces.")
+    long_records: Literal["keep_answer", "truncate", "drop"] = setting(
+        "keep_answer", "A chat or completion record longer than seq_len (documents and padded "
+        "packing): 'keep_answer' cuts the prompt's beginning so the learned tokens (assistant turns, "
+        "completion) stay whole (an answer longer than a row keeps its beginning, after seq_len/2 "
+        "tokens of prompt); 'truncate' keeps the first seq_len tokens (a long prompt leaves nothing "
+        "to learn); 'drop' leaves the record out. The default keeps what the loss learns. Counted in "
+        "run.json's data notes; a run with no learned token left refuses to start. Long text "
+        "documents are split into seq_len pieces.")
     seq_len: int = setting(128, "Tokens per packed training sequence.", min=2)
     workers: int = setting(0, "Data-loader worker processes (0 = load in the training process).",
                            min=0, max=64)

@@ -67,6 +67,10 @@ def print_report(report: RunReport) -> None:
     out.print(f"{r.id}  {r.status}  step {r.steps}/{r.max_steps}  attempts {_fmt(r.attempts, 'd')}  ({r.path})",
               highlight=False, markup=False)
     out.print(summary_line(report), highlight=False, markup=False)
+    if d := report.data:
+        out.print(d.text(), highlight=False, markup=False)
+        for w in d.warnings:
+            out.print(f"warning: {w}", highlight=False, markup=False)
     if g := report.goodput:
         t = Table("where the time went", "seconds", "share", "evidence", title="goodput")
         t.add_row("productive", f"{g.buckets['productive']:.2f}", f"{g.goodput:.1%}", "")

@@ -48,6 +48,9 @@ class Renderer:
 
     def _progress(self, e: Event) -> None:
         d = e.data
+        # A step with no learned token has no loss and no tokens/s (the guard warned about it).
+        loss = "- (no learned token)" if d.get("tokens") == 0 else f"{d['loss']:.4f}"
+        tok_s = "-" if d["tokens_per_second"] is None else f"{d['tokens_per_second']:,.0f}"
         if self.console.is_terminal:
             if self.bar is None:
                 self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
@@ -55,8 +58,7 @@ class Renderer:
                                     TimeRemainingColumn(), console=self.console, transient=False)
                 self.task = self.bar.add_task("train", total=d["total"], completed=d["step"], loss="-", tok_s="-")
                 self.bar.start()
-            self.bar.update(self.task, completed=d["step"], loss=f"{d['loss']:.4f}",
-                            tok_s=f"{d['tokens_per_second']:,.0f}")
+            self.bar.update(self.task, completed=d["step"], loss=loss, tok_s=tok_s)
             if d["step"] >= d["total"]:
                 self.close()
             return
@@ -65,8 +67,8 @@ class Renderer:
         if (not self.last_line or d["step"] % every == 0 or d["step"] == d["total"]
                 or now - self.last_line >= PLAIN_EVERY_SECONDS):
             self.last_line = now
-            self.console.print(f"step {d['step']}/{d['total']}  loss {d['loss']:.4f}  "
-                               f"{d['tokens_per_second']:,.0f} tok/s  {d['seconds']:.2f} s/step  "
+            self.console.print(f"step {d['step']}/{d['total']}  loss {loss}  "
+                               f"{tok_s} tok/s  {d['seconds']:.2f} s/step  "
                                f"ETA {duration(d['eta_seconds'])}", highlight=False, markup=False)
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ one check of whether two folders of final weights are bit-identical."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,7 +46,7 @@ def compare_runs(a: dict[str, Any], b: dict[str, Any], losses_a: dict[int, float
     common = sorted(set(losses_a) & set(losses_b))
     first, worst = None, 0.0
     for step in common:
-        d = abs(losses_a[step] - losses_b[step])
+        d = distance(losses_a[step], losses_b[step])
         if d != 0 and first is None:
             first = step
         worst = max(worst, d)
@@ -61,6 +62,13 @@ def compare_runs(a: dict[str, Any], b: dict[str, Any], losses_a: dict[int, float
                       sorted(pa ^ pb), a.get("data_fingerprint") == b.get("data_fingerprint"),
                       weights_equal)
 
+
+def distance(x: float, y: float) -> float:
+    """|x - y| of two steps' losses; two NaNs (a step with no learned token in both runs, or a
+    non-finite step in both) are the same; one NaN is as far as can be."""
+    if math.isnan(x) or math.isnan(y):
+        return 0.0 if math.isnan(x) and math.isnan(y) else math.inf
+    return abs(x - y)
 
 
 # `ember compare` and `ember repro` exit with the verdict's code, so scripts can branch on it

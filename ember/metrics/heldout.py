@@ -22,16 +22,19 @@ CONFIDENCE = 0.95
 
 
 def history(run: Path) -> list[dict[str, Any]]:
-    """Every evaluation a run folder kept, oldest first."""
+    """Every evaluation a run folder kept that measured a loss, oldest first (one over no
+    learned token has no loss: it is kept on disk with its count, and left out here)."""
     folder = run / EVAL_DIR
     if not folder.is_dir():
         return []
     out = []
     for p in sorted(folder.glob("step-*.json")):
         try:
-            out.append(json.loads(p.read_text()))
+            kept = json.loads(p.read_text())
         except (OSError, ValueError):  # written durably and whole; unreadable means damaged: skip it
             continue
+        if "loss" in kept:
+            out.append(kept)
     return out
 
 

@@ -91,6 +91,25 @@ class CostInfo:
 
 
 @dataclass
+class DataInfo:
+    """What the training data holds to learn (run.json's data notes, ember.train.truncation)."""
+    format: str
+    records: int
+    learned: int               # learned tokens per epoch, after truncation and packing
+    before: int                # learned tokens of the whole records
+    cut: int | None            # records that lost some of theirs
+    emptied: int | None        # records that lost all of theirs
+    seq_len: int
+    long_records: str
+    warnings: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lost = f"; {self.cut} records lost some of their learned tokens, {self.emptied} all" if self.cut else ""
+        return (f"data: {self.records} {self.format} records, {self.learned:,} tokens learned per epoch at seq_len "
+                f"{self.seq_len} (of {self.before:,}; long_records = {self.long_records}){lost}")
+
+
+@dataclass
 class RunReport:
     run: RunInfo
     loss: LossInfo | None
@@ -108,6 +127,7 @@ class RunReport:
     ranks: RanksSummary | None = None  # a distributed run's ranks, as of its last attempt's end
     held_out: list[dict[str, Any]] = field(default_factory=list)  # step, loss, perplexity, tokens per evaluation
     step_histogram: Histogram | None = None  # the surviving steps' times, 40 bins
+    data: DataInfo | None = None  # what the data holds to learn (runs since it was recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,22 +212,25 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
                   lost=pending and r["step"] > newest) for r in kept]
     steps += [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"], True) for r in lost]
     good = [r for r in kept if not (pending and r["step"] > newest)]
+    # A step with no learned token has no loss, and no tokens/s or MFU to average in as 0.
+    learned = [r for r in good if r["tokens"]]
 
     report = RunReport(
         run=RunInfo(record.get("id"), str(run_path), status, good[-1]["step"] if good else 0,
                     recipe["train"]["max_steps"], len(rows) or None, record.get("created")),
-        loss=LossInfo(good[0]["loss"], good[-1]["loss"]) if good else None,
-        notes=notes, ranks=load_ranks(run_path),
+        loss=LossInfo(learned[0]["loss"], learned[-1]["loss"]) if learned else None,
+        notes=notes, ranks=load_ranks(run_path), data=data_info(record),
         held_out=[{k: e[k] for k in ("step", "loss", "perplexity", "tokens")} for e in held_out_history(run_path)
                   if not good or e["step"] <= good[-1]["step"]])
     devices = perf.get("devices", 1)
-    if good:
-        seconds = sum(r["step_seconds"] for r in good)
-        tokens = sum(r["tokens"] for r in good)
+    if learned:
+        seconds = sum(r["step_seconds"] for r in learned)
+        tokens = sum(r["tokens"] for r in learned)
         per_device = tokens / seconds / devices
         seq_len = recipe["data"]["seq_len"]
         report.throughput = Throughput(tokens / seconds, per_device, tokens / seq_len / seconds, devices, tokens)
-        report.mfu = _mfu(perf, per_device)
+    if good:
+        report.mfu = _mfu(perf, report.throughput.tokens_per_second_per_device if report.throughput else None)
         sp = spread([r["step_seconds"] for r in good])
         first_steps = {a.resumed_from + 1 if a.resumed_from is not None else 1 for a in rows} or {1}
         ck_steps = {e["step"] for e in events if e["kind"] == "checkpoint" and e["step"] is not None}
@@ -234,14 +257,26 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
     return report
 
 
+def data_info(record: dict[str, Any]) -> DataInfo | None:
+    """The data notes of run.json, where the run recorded what its data holds to learn."""
+    d = record.get("data", {})
+    if "learning" not in d:
+        return None
+    x = d["learning"]
+    return DataInfo(d.get("format", "text"), x["records"], x["learned"], x["before"], x["cut"], x["emptied"],
+                    x["seq_len"], d.get("long_records", x["rule"]), d.get("warnings", []))
+
+
 def _last_time(records: list[dict[str, Any]], attempt: int) -> float:
     return max((r["time"] for r in records if r.get("attempt") == attempt), default=0.0)
 
 
-def _mfu(perf: dict[str, Any], per_device: float) -> Mfu:
+def _mfu(perf: dict[str, Any], per_device: float | None) -> Mfu:
+    """MFU at `per_device` tokens/s (None: no step learned a token, so there is no figure)."""
     fpt, peak = perf.get("flops_per_token"), perf.get("peak_flops")
-    value = mfu(per_device, fpt, peak) if fpt else None
-    reason = None if value is not None else perf.get("peak_source", "no performance record")
+    value = mfu(per_device, fpt, peak) if fpt and per_device is not None else None
+    reason = None if value is not None else ("no step learned a token" if per_device is None else
+                                             perf.get("peak_source", "no performance record"))
     return Mfu(value, perf.get("flops_formula"), fpt, peak, perf.get("peak_source"), perf.get("device_name"),
                reason)
 

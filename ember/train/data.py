@@ -35,6 +35,7 @@ from ember.train.formats import _field, read_records
 from ember.train.model import Tokenizer
 from ember.train.sources import held_out  # noqa: F401  (re-exported: the split rule)
 from ember.train.tokenize import build
+from ember.train.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
 STORE_VERSION = 2  # the token store's layout (a folder of splits); part of the cache key
@@ -152,15 +153,15 @@ class PackedBatches(Dataset):
     def __init__(self, tokens_path: Path, seq_len: int, micro_batch: int, seed: int, start: DataCursor,
                  packing: str = "mixed", long_rule: str = "split"):
         self.tokens = np.load(tokens_path, mmap_mode="r")
-        folder = Path(tokens_path).parent
+        self.folder = folder = Path(tokens_path).parent
         self.targets = np.load(folder / "targets.npy", mmap_mode="r") if (folder / "targets.npy").is_file() else None
         self.seq_len, self.micro_batch, self.seed, self.packing = seq_len, micro_batch, seed, packing
         self.notes: dict[str, int] = {}
         if packing == "mixed":
             self.num_sequences = len(self.tokens) // seq_len  # the ragged tail is dropped
         else:
-            self.piece_start, self.piece_len, self.pack_start, notes = rows_of(str(tokens_path), seq_len, packing,
-                                                                               long_rule)
+            self.piece_start, self.piece_len, self.piece_record, self.pack_start, notes = rows_of(
+                str(tokens_path), seq_len, packing, long_rule)
             self.notes = dict(notes)
             self.num_sequences = len(self.pack_start) - 1
         if self.num_sequences == 0:
@@ -177,12 +178,24 @@ class PackedBatches(Dataset):
 
     def batch(self, k: int) -> MicroBatch:
         faults.data_delay()
-        first = self.start + k * self.micro_batch
-        rows = []
-        for g in range(first, first + self.micro_batch):
-            epoch, offset = divmod(g, self.num_sequences)
-            rows.append(int(self.order(epoch)[offset]))
-        return self.take(rows)
+        return self.take(self.rows_at(self.first_ordinal + k))
+
+    def rows_at(self, ordinal: int) -> list[int]:
+        """The rows (sequence indices, in storage order) of micro-batch `ordinal` of the stream."""
+        first = self.start + (ordinal - self.first_ordinal) * self.micro_batch
+        return [int(self.order(g // self.num_sequences)[g % self.num_sequences])
+                for g in range(first, first + self.micro_batch)]
+
+    def records_in(self, rows: list[int]) -> list[int]:
+        """The records (documents of the split, numbered from 0) these rows hold parts of."""
+        if self.packing == "mixed":
+            docs = self.folder / "docs.npy"
+            starts = np.load(docs, mmap_mode="r") if docs.is_file() else np.array([0, len(self.tokens)])
+            return sorted({int(d) for r in rows for d in range(
+                int(np.searchsorted(starts, r * self.seq_len, side="right")) - 1,
+                int(np.searchsorted(starts, (r + 1) * self.seq_len, side="left")))})
+        return sorted({int(self.piece_record[p]) for r in rows
+                       for p in range(self.pack_start[r], self.pack_start[r + 1])})
 
     def take(self, rows: list[int]) -> MicroBatch:
         """The micro-batch of these rows (sequence indices, in storage order)."""
@@ -245,40 +258,20 @@ class PackedBatches(Dataset):
 
 @lru_cache(maxsize=4)
 def rows_of(tokens_path: str, seq_len: int, packing: str, long_rule: str) -> tuple[np.ndarray, ...]:
-    """(piece starts, piece lengths, where each row's first piece is, notes) of a store packed
-    by whole documents: O(documents) work, done once per process (the run's notes, the loop's
-    batches and the evaluator all read the same layout)."""
+    """(piece starts, piece lengths, the record of each piece, where each row's first piece is,
+    notes) of a store packed by whole documents, long ones cut by `long_rule`
+    (ember.train.truncation): O(documents) work, done once per process (the run's notes, the
+    loop's batches and the evaluator all read the same layout)."""
     folder = Path(tokens_path).parent
     docs = np.load(folder / "docs.npy") if (folder / "docs.npy").is_file() else \
         np.array([0, len(np.load(tokens_path, mmap_mode="r"))])
+    targets = np.load(folder / "targets.npy", mmap_mode="r") if (folder / "targets.npy").is_file() else None
     notes: dict[str, int] = {}
-    start, length = pieces(docs, seq_len, long_rule, notes)
+    start, length, record = pieces(docs, seq_len, long_rule, notes, targets)
     packs = greedy_packs(length, seq_len) if packing == "documents" else np.arange(len(length) + 1)
-    for a in (start, length, packs):
+    for a in (start, length, record, packs):
         a.flags.writeable = False  # shared by every PackedBatches of this process
-    return start, length, packs, notes
-
-
-def pieces(docs: np.ndarray, seq_len: int, long_rule: str, notes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) of each document, one longer than seq_len split into seq_len pieces
-    ("split", plain text), cut to its first seq_len tokens ("truncate") or left out ("drop");
-    `notes` counts what was done."""
-    starts, lengths = docs[:-1], np.diff(docs)
-    long = lengths > seq_len
-    notes.update(documents=int(len(lengths)), longer_than_seq_len=int(long.sum()))
-    if long_rule == "drop":
-        notes["dropped"] = int(long.sum())
-        return starts[~long], lengths[~long]
-    if long_rule == "truncate":
-        notes["truncated"] = int(long.sum())
-        return starts, np.minimum(lengths, seq_len)
-    out_s, out_n = [], []
-    for s, n in zip(starts.tolist(), lengths.tolist()):
-        for o in range(0, n, seq_len):
-            out_s.append(s + o)
-            out_n.append(min(seq_len, n - o))
-    notes["split"] = int(long.sum())
-    return np.asarray(out_s, dtype=np.int64), np.asarray(out_n, dtype=np.int64)
+    return start, length, record, packs, notes
 
 
 def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:

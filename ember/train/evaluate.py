@@ -37,8 +37,8 @@ from ember.train.data import PackedBatches, eval_tokens, resolve_packing
 @dataclass
 class EvalResult:
     step: int
-    loss: float                # token-weighted mean over the split
-    perplexity: float
+    loss: float | None         # token-weighted mean over the split (None: no learned token in it)
+    perplexity: float | None
     tokens: int                # learned tokens evaluated
     rows: int
     seconds: float
@@ -80,8 +80,8 @@ class Evaluator:
             groups = groups[:r.eval.max_batches]
         row_loss, row_tokens = self._shared(groups)
         tokens = sum(row_tokens)
-        loss = sum(row_loss) / max(tokens, 1)
-        return EvalResult(step, loss, math.exp(min(loss, 700.0)), tokens, len(row_tokens),
+        loss = sum(row_loss) / tokens if tokens else None  # over no token there is no loss (not 0.0)
+        return EvalResult(step, loss, None if loss is None else math.exp(min(loss, 700.0)), tokens, len(row_tokens),
                           time.perf_counter() - t0, row_loss, row_tokens)
 
     def _shared(self, groups: list[list[int]]) -> tuple[list[float], list[int]]:
@@ -111,8 +111,9 @@ class Evaluator:
         """Keep the per-row figures (for `ember compare`) and the generations, durably: one small
         file per evaluation, replaced whole when a resumed run evaluates that step again."""
         self.folder.mkdir(exist_ok=True)
+        figures = {"loss": result.loss, "perplexity": result.perplexity} if result.loss is not None else {}
         write_durable(self.folder / f"step-{result.step:09d}.json", json.dumps(
-            {"step": result.step, "loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+            {"step": result.step, **figures, "tokens": result.tokens,
              "rows": result.rows, "seconds": round(result.seconds, 6), "generations": generated,
              "row_loss": result.row_loss, "row_tokens": result.row_tokens}))
 

@@ -34,12 +34,13 @@ from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.breakdown import StepTimer
-from ember.train.data import (PackedBatches, data_file_hashes, data_fingerprint, resolve_packing, store_info,
-                              tokenize)
+from ember.train.data import (PackedBatches, data_file_hashes, data_fingerprint, eval_tokens, resolve_packing,
+                              store_info, tokenize)
 from ember.train.model import ModelBundle, load_model
 from ember.train.parallel import check_distributed, parallelize, tp_degree, unwrapped
 from ember.train.parts import build_parts
 from ember.train.rundir import RunDir
+from ember.train.truncation import learning
 from ember.world import World, join
 
 
@@ -175,25 +176,38 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
 
 
 def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
-    """What the data became (format, packing, counts, long records), for run.json; said once."""
+    """What the data became (format, packing, counts, long records, the tokens learned after
+    the cut and the packing), for run.json; said once. Refuses a training split with no learned
+    token left; warns when many records lose all of theirs (ember.train.truncation)."""
     info = store_info(tokens_path)
     packing, rule = resolve_packing(recipe.data, tokens_path)
     d = recipe.data
+    train = learning(tokens_path, d.seq_len, packing, rule)
     try:
         notes = PackedBatches(tokens_path, d.seq_len, recipe.train.micro_batch, 0, DataCursor(), packing, rule).notes
-    except EmberError:  # too little data: the loop's first batch says so, with the attempt in the ledger
-        notes = {}
-    train = info.get("train", {})
+    except EmberError:  # no row at all: every record dropped (say so), or too little data (the loop says so)
+        if train.dropped:
+            raise EmberError(train.refusal()) from None
+        return {**info, "packing": packing, "long_records": rule, "packing_notes": {}}
+    if (refused := train.refusal()) is not None:
+        raise EmberError(refused)
+    held = learning(eval_path, d.seq_len, packing, rule) if (eval_path := eval_tokens(tokens_path)) else None
     how = "detected" if d.format == "auto" else "[data] format"
-    said = (f"data: {info.get('format', 'text')} records ({how}), {train.get('documents', '?')} for training "
-            f"({train.get('targets', 0):,} of {train.get('tokens', 0):,} tokens learned), packing {packing}")
-    if "eval" in info:
-        said += f"; {info['eval']['documents']} held out for evaluation"
+    said = (f"data: {info.get('format', 'text')} records ({how}), {train.records} for training "
+            f"({train.summary()}), packing {packing}")
+    if held is not None:
+        said += f"; {held.records} held out for evaluation ({held.learned:,} tokens learned)"
     if notes.get("longer_than_seq_len"):
-        said += f"; {notes['longer_than_seq_len']} longer than seq_len {d.seq_len}: " + (
-            "split into pieces" if rule == "split" else "truncated" if rule == "truncate" else "left out")
+        said += f"; {notes['longer_than_seq_len']} longer than seq_len {d.seq_len}: " + {
+            "split": "split into pieces", "truncate": "end cut", "keep_answer": "prompt's beginning cut",
+            "drop": "left out"}[rule]
     events.info(said)
-    return {**info, "packing": packing, "long_records": rule, "packing_notes": notes}
+    warnings = [w for w in [train.warning()] if w]
+    for w in warnings:
+        events.warn(w)
+    return {**info, "packing": packing, "long_records": rule, "packing_notes": notes,
+            "learning": train.to_dict(), **({"eval_learning": held.to_dict()} if held else {}),
+            "warnings": warnings}
 
 
 def rank_threads(recipe: Recipe, world: World) -> int:

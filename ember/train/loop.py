@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,7 +45,7 @@ class StepResult:
     tokens: int
     batches: list[int]          # micro-batch ordinals in the data stream
     next_k: int                 # loader index after the last micro-batch used
-    verdict: str                # "ok", "nonfinite", "spike" (see ember.train.stability)
+    verdict: str                # "ok", "empty", "nonfinite", "spike" (see ember.train.stability)
     applied: bool               # whether the optimizer update was applied
     phases: dict[str, float]    # seconds per part of the step (ember.train.breakdown)
 
@@ -105,6 +107,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
     ck = r.checkpoint
     interval = initial_interval(job)
     attempt_tokens, attempt_seconds, blocked = 0, 0.0, 0.0
+    learning_seconds = 0.0  # of the steps that learned tokens: a step without any is no tokens/s figure
     step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.ranks)
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
@@ -126,6 +129,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             state.train_seconds += seconds
             watchdog.beat(state.step, seconds)
             attempt_tokens, attempt_seconds = attempt_tokens + result.tokens, attempt_seconds + seconds
+            learning_seconds += seconds if result.tokens else 0.0
             step_seconds.append(seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
@@ -140,10 +144,10 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             metrics.append(record)
             scalars.log(record)
             job.phase_totals = {k: job.phase_totals.get(k, 0.0) + v for k, v in result.phases.items()}
-            guard(job, result)
+            guard(job, result, data)
             job.events.emit("progress", f"step {state.step}/{r.train.max_steps}", step=state.step,
-                            total=r.train.max_steps, loss=result.loss, seconds=seconds,
-                            tokens_per_second=attempt_tokens / attempt_seconds,
+                            total=r.train.max_steps, loss=result.loss, seconds=seconds, tokens=result.tokens,
+                            tokens_per_second=attempt_tokens / learning_seconds if learning_seconds else None,
                             eta_seconds=(r.train.max_steps - state.step) * attempt_seconds / len(step_seconds))
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
             if (held := pauses.check()) is not None:  # the service asked: wait here, keep the process
@@ -188,6 +192,10 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
                         f"at step {state.step}); run the same command to resume", step=state.step,
                         newest_checkpoint=newest)
         return EXIT_INTERRUPTED
+    if state.tokens_seen == 0:  # every step was empty (the guard warned at each): nothing was trained
+        raise EmberError(f"no step of this run learned a token: all {state.step} held none in their rows "
+                         f"(see the warnings above); the run is not completed. Raise [data] seq_len or set "
+                         f"[data] long_records = \"keep_answer\"")
     t0 = time.time()
     weights = full_weights(job.model) if world.distributed else None  # a collective under FSDP
     if not world.main:
@@ -211,6 +219,10 @@ def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
     if job.world.main:
         evaluator.save(result, generated)
     job.ledger.event("evaluation", t0, time.time(), step=step)
+    if result.loss is None:  # a loss over no token is no figure: none is written
+        job.events.info(f"step {step}: held-out loss: no tokens (its {result.rows} rows hold no learned token; "
+                        f"{result.seconds:.2f} s)", step=step)
+        return {"eval_tokens": 0}
     job.events.info(f"step {step}: held-out loss {result.loss:.4f} (perplexity {result.perplexity:.2f}, "
                     f"{result.tokens} tokens, {result.seconds:.2f} s)", step=step, eval_loss=result.loss)
     return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens}
@@ -294,8 +306,8 @@ def train_step(job: Steppable, data: Data) -> StepResult:
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
     params = trainable_parameters(model)
     grad_norm = clip_gradients(params, r.optimizer.grad_clip)
-    loss_value = loss_sum / world.dp_size
-    verdict = stability.judge(loss_value, grad_norm, state.loss_window, r.guard,
+    loss_value = loss_sum / world.dp_size if tokens else math.nan  # no learned token: its mean is 0/0
+    verdict = stability.judge(loss_value, grad_norm, tokens, state.loss_window, r.guard,
                               scaler_handles_inf=job.scaler.is_enabled())
     applied = verdict.kind == "ok" or (verdict.kind == "spike" and r.guard.spike_action == "warn")
     lr = job.scheduler.get_last_lr()[0]
@@ -303,7 +315,9 @@ def train_step(job: Steppable, data: Data) -> StepResult:
         job.scaler.step(opt)  # skips the update if fp16 gradients overflowed
     job.scaler.update()
     if verdict.kind != "spike" or r.guard.spike_action != "rollback":
-        job.scheduler.step()  # a rolled-back step is not a step: the schedule does not advance
+        with warnings.catch_warnings():  # torch warns of a schedule step before any update: a skip is meant
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            job.scheduler.step()  # a rolled-back step is not a step: the schedule does not advance
     opt.zero_grad(set_to_none=True)
     timer.lap("optimizer")
     phases = timer.end()
@@ -330,7 +344,7 @@ def _fsdp_no_sync(model: Any) -> Any:
         model.set_requires_gradient_sync(True)
 
 
-def guard(job: Job, result: StepResult) -> None:
+def guard(job: Job, result: StepResult, data: Data) -> None:
     """Record a bad step, keep the loss window, and stop after too many bad steps in a row."""
     state, g = job.state, job.recipe.guard
     if result.verdict == "ok" or (result.verdict == "spike" and g.spike_action == "warn"):
@@ -339,18 +353,34 @@ def guard(job: Job, result: StepResult) -> None:
         state.bad_streak = 0
         return
     state.bad_streak += 1
-    state.bad_steps.append({"step": state.step, "why": result.verdict, "loss": result.loss,
-                                "batches": result.batches, "applied": result.applied})
-    job.events.warn(f"step {state.step}: {result.verdict} (loss {result.loss:.4g}, grad norm "
-                    f"{result.grad_norm:.4g}); {'applied' if result.applied else 'update skipped'}; "
-                    f"batches {result.batches}", step=state.step, verdict=result.verdict)
+    bad = {"step": state.step, "why": result.verdict, "loss": result.loss, "batches": result.batches,
+           "applied": result.applied}
+    if result.verdict == "empty":  # the rows and records that hold nothing to learn: what to look at
+        rows = [row for ordinal in result.batches for row in data.batches.rows_at(ordinal)]
+        bad.update(rows=rows, records=data.batches.records_in(rows))
+    state.bad_steps.append(bad)
+    job.events.warn(f"step {state.step}: {described(bad, result.grad_norm)}; "
+                    f"{'applied' if result.applied else 'update skipped'}; batches {result.batches}",
+                    step=state.step, verdict=result.verdict)
     if state.bad_streak >= g.max_bad_steps:
-        bad = state.bad_steps[-state.bad_streak:]
+        bad_run = state.bad_steps[-state.bad_streak:]
+        remedy = ("no row of these steps holds a learned token: raise [data] seq_len or set [data] "
+                  "long_records = \"keep_answer\" (run.json's data notes count the records that lost theirs)"
+                  if all(b["why"] == "empty" for b in bad_run) else
+                  "lower [optimizer] lr, check those batches, or resume from an earlier checkpoint")
         raise EmberError(f"{state.bad_streak} bad steps in a row ([guard] max_bad_steps = "
                          f"{g.max_bad_steps}): " + "; ".join(
-                             f"step {b['step']} {b['why']} loss {b['loss']:.4g} batches {b['batches']}"
-                             for b in bad) + "; lower [optimizer] lr, check those batches, or "
-                         "resume from an earlier checkpoint")
+                             f"step {b['step']} {described(b)} batches {b['batches']}" for b in bad_run)
+                         + f"; {remedy}")
+
+
+def described(bad: dict[str, Any], grad_norm: float | None = None) -> str:
+    """A bad step's verdict and its evidence, in words."""
+    if bad["why"] == "empty":
+        return f"empty (no learned token in rows {bad['rows']}, training records {bad['records']})"
+    if grad_norm is None:
+        return f"{bad['why']} loss {bad['loss']:.4g}"
+    return f"{bad['why']} (loss {bad['loss']:.4g}, grad norm {grad_norm:.4g})"
 
 
 def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> tuple[MetricsLog, Data]:

@@ -1,5 +1,6 @@
 """Numerical guards: judge each step's loss and gradient norm before its update is applied.
 
+    empty      no learned token in the step's rows (its loss is 0/0): never applied
     nonfinite  NaN/Inf loss, or NaN/Inf gradient norm outside fp16 loss scaling: never applied
     spike      loss above median + k * MAD of the recent window: [guard] spike_action decides
                (warn: apply it; skip: do not apply it; rollback: back to the last checkpoint,
@@ -20,12 +21,15 @@ from ember.recipe import GuardConfig
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str            # "ok" | "nonfinite" | "spike"
+    kind: str            # "ok" | "empty" | "nonfinite" | "spike"
     threshold: float | None = None
 
 
-def judge(loss: float, grad_norm: float, window: list[float], cfg: GuardConfig,
+def judge(loss: float, grad_norm: float, tokens: int, window: list[float], cfg: GuardConfig,
           scaler_handles_inf: bool) -> Verdict:
+    """The verdict on a step of `tokens` learned tokens (see the module docstring)."""
+    if tokens == 0:
+        return Verdict("empty")
     if not math.isfinite(loss) or (not math.isfinite(grad_norm) and not scaler_handles_inf):
         return Verdict("nonfinite")
     if cfg.spike_action == "off" or len(window) < cfg.spike_min_steps:

@@ -1,14 +1,19 @@
 """Chat data, document packing and held-out evaluation in whole runs: interrupted and resumed,
-a run ends bit-for-bit where the uninterrupted one did, evaluations included."""
+a run ends bit-for-bit where the uninterrupted one did, evaluations included; records longer than
+seq_len: a run with nothing left to learn refuses, many emptied records are warned of, an empty
+step is a guarded fault, and no figure is given over zero tokens."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from tests.helpers import assert_same_result, losses, run_ember, start_ember, stop, wait_for_step, write_recipe
 
@@ -95,3 +100,149 @@ def test_two_ranks_weigh_tokens_as_one_process_does(tmp_path):
         a, b = json.loads(step_file.read_text()), json.loads((two / "eval" / step_file.name).read_text())
         assert (a["row_loss"], a["row_tokens"]) == (b["row_loss"], b["row_tokens"]) and len(a["row_tokens"]) > 2
     assert len({r["tokens"] for r in map(json.loads, (one / "metrics.jsonl").read_text().splitlines())}) > 1
+
+
+# Records whose user turn is longer than a row (seq_len 64): cut at the end, nothing of the
+# answer is left; the first `short` records have a short user turn instead.
+def long_chats(folder: Path, n: int = 40, short: int = 0, name: str = "long.jsonl") -> Path:
+    rng = random.Random(1)
+    path = folder / name
+    with open(path, "w") as f:
+        for i in range(n):
+            words = rng.choices(WORDS, k=rng.randint(1, 3) if i < short else rng.randint(30, 60))
+            msgs = [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": f"so {i}"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def rendered_lengths(path: Path) -> list[int]:
+    """Tokens per record through the byte model's template ('<|role|>' lines) and its EOS."""
+    out = []
+    for line in path.read_text().splitlines():
+        u, a = (m["content"] for m in json.loads(line)["messages"])
+        out.append(len(f"<|user|>\n{u}\n<|assistant|>\n{a}\n".encode()) + 1)
+    return out
+
+
+def long_recipe(folder: Path, data: dict, **sections: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_recipe(folder, data={"seq_len": 64, **data}, **{
+        "train": {"max_steps": 4, "micro_batch": 2}, "checkpoint": {"every_steps": 0}, **sections})
+
+
+def metric_rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_with_nothing_left_to_learn_refuses_before_its_first_step(tmp_path):
+    data = long_chats(tmp_path)
+    recipe = long_recipe(tmp_path, {"files": [str(data)], "long_records": "truncate"})
+    out = tmp_path / "out"
+    done = run_ember("run", recipe, "--out", out)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    p95 = int(np.ceil(np.percentile(rendered_lengths(data), 95)))
+    assert "nothing to learn: none of the 40 training records keeps a learned token in rows of seq_len 64" in done.stderr
+    assert f"seq_len = {p95} would keep 95% of them whole" in done.stderr, done.stderr[-3000:]
+    assert f"longest records have {max(rendered_lengths(data))}" in done.stderr
+    assert not (out / "metrics.jsonl").exists() or not metric_rows(out)  # not one step
+    assert not list((out / "checkpoints").glob("step-*")) and not (out / "final").exists()
+
+
+def test_keeping_the_answer_learns_at_every_step(tmp_path):
+    """The same records with the default long_records = "keep_answer": the prompt loses its
+    beginning, every answer is learned whole, and so every step learns tokens."""
+    data = long_chats(tmp_path)
+    recipe = long_recipe(tmp_path, {"files": [str(data)]})
+    out = tmp_path / "out"
+    done = run_ember("run", recipe, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "40 longer than seq_len 64: prompt's beginning cut" in done.stderr
+    rows = metric_rows(out)
+    assert len(rows) == 4 and all(r["tokens"] > 0 and "skipped" not in r for r in rows)
+    learning = json.loads((out / "run.json").read_text())["data"]["learning"]
+    answers = sum(len(f"so {i}\n") + 1 for i in range(40))  # content, newline, end-of-sequence
+    assert learning["learned"] == learning["before"] == answers and learning["emptied"] == 0
+    assert f"40 for training ({answers:,} tokens learned)" in done.stderr
+
+
+def test_many_records_losing_all_their_tokens_are_warned_of_on_console_record_and_dashboard(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ember.ledger import store
+    from ember.web.api import create_app
+    data = long_chats(tmp_path, short=32)  # 8 of 40 (20%) lose all their learned tokens
+    assert [n > 64 for n in rendered_lengths(data)] == [False] * 32 + [True] * 8
+    recipe = long_recipe(tmp_path, {"files": [str(data)], "long_records": "truncate"},
+                         train={"max_steps": 2, "micro_batch": 4}, guard={"max_bad_steps": 50})
+    out, ledger = tmp_path / "out", tmp_path / "ledger.db"
+    done = run_ember("run", recipe, "--out", out, "--ledger", ledger)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "8 of 40 training records (20%) lose all their learned tokens in rows of seq_len 64"
+    assert f"warning: {said}" in done.stderr and "seq_len = " in done.stderr
+    notes = json.loads((out / "run.json").read_text())["data"]
+    assert said in notes["warnings"][0] and notes["learning"]["emptied"] == 8 and notes["learning"]["cut"] == 8
+    assert ": 8 records lost some, 8 all of theirs" in done.stderr
+    report = run_ember("report", out, "--ledger", ledger)
+    assert f"warning: {said}" in report.stdout, report.stdout + report.stderr
+    con = store.connect(ledger)
+    run_id = store.find_run(con, str(out))["id"]
+    con.close()
+    page = TestClient(create_app(None, "t", True, None, ledger=ledger), base_url="http://127.0.0.1",
+                      headers={"Authorization": "Bearer t"}).get(f"/runs/{run_id}")
+    assert page.status_code == 200 and said in page.text
+
+
+def test_steps_without_a_learned_token_are_guarded_faults(tmp_path):
+    """One record per row (padded packing), three in four of them emptied by the cut: an empty
+    step is warned of with its rows and records and never applied; a run of them stops with the
+    cause; tokens/s is measured over the steps that learned; a run whose every step was empty
+    does not say it completed."""
+    data = long_chats(tmp_path, short=10)
+    recipe = long_recipe(tmp_path, {"files": [str(data)], "long_records": "truncate", "packing": "padded"},
+                         train={"max_steps": 12, "micro_batch": 1})
+    stopped = run_ember("run", recipe, "--out", tmp_path / "stopped", "--set", "guard.max_bad_steps=3")
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert "3 bad steps in a row" in stopped.stderr and "no row of these steps holds a learned token" in stopped.stderr
+    assert "empty (no learned token in rows [" in stopped.stderr and "completed" not in stopped.stderr
+
+    out = tmp_path / "out"
+    done = run_ember("run", recipe, "--out", out, "--set", "guard.max_bad_steps=50")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metric_rows(out)
+    empty = [r for r in rows if r["tokens"] == 0]
+    assert empty and len(empty) < len(rows) and all(r["skipped"] == "empty" and math.isnan(r["loss"]) for r in empty)
+    assert f"step {empty[0]['step']}: empty (no learned token in rows [" in done.stderr
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    bad = torch.load(newest / "train_state.pt", weights_only=True)["run_state"]["bad_steps"]
+    assert [b["step"] for b in bad] == [r["step"] for r in empty]
+    assert all(b["why"] == "empty" and len(b["rows"]) == 1 and b["records"][0] >= 10 for b in bad)  # a long record
+    learned = [r for r in rows if r["tokens"]]
+    report = json.loads(run_ember("report", out, "--json").stdout)
+    expected = sum(r["tokens"] for r in learned) / sum(r["step_seconds"] for r in learned)
+    assert report["throughput"]["tokens_per_second"] == pytest.approx(expected)
+    assert report["loss"]["first"] == learned[0]["loss"] and "loss - (no learned token)" in done.stderr
+
+    first_learning = learned[0]["step"]  # a run that ends before it: every step was empty
+    assert first_learning > 1
+    nothing = run_ember("run", recipe, "--out", tmp_path / "nothing", "--set", "guard.max_bad_steps=50",
+                        "--set", f"train.max_steps={first_learning - 1}")
+    assert nothing.returncode == 1 and "no step of this run learned a token" in nothing.stderr, nothing.stderr[-3000:]
+    assert "completed" not in nothing.stdout and not (tmp_path / "nothing" / "final").exists()
+
+
+def test_a_held_out_loss_over_no_tokens_is_no_figure(tmp_path):
+    held = long_chats(tmp_path, n=6, name="held.jsonl")  # every held-out record loses its answer
+    recipe = long_recipe(tmp_path, {"files": [str(chat_file(tmp_path))], "long_records": "truncate"},
+                         eval={"files": [str(held)], "every_steps": 2})
+    out = tmp_path / "out"
+    done = run_ember("run", recipe, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2: held-out loss: no tokens" in done.stderr and "perplexity 1.00" not in done.stderr
+    assert "6 held out for evaluation (0 tokens learned)" in done.stderr
+    evaluated = [r for r in metric_rows(out) if "eval_tokens" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    assert all(r["eval_tokens"] == 0 and "eval_loss" not in r and "eval_perplexity" not in r for r in evaluated)
+    kept = json.loads((out / "eval" / "step-000000004.json").read_text())
+    assert kept["tokens"] == 0 and "loss" not in kept and "perplexity" not in kept
+    report = run_ember("report", out)
+    assert report.returncode == 0 and "held-out loss" not in report.stdout, report.stdout + report.stderr

@@ -114,7 +114,7 @@ def store(tmp_path: Path, records: list[dict], holdout: float = 0.0, name: str =
 def test_document_packing_restarts_positions_and_never_crosses_a_document(tmp_path):
     recs = [{"prompt": "p" * n, "completion": "c" * n} for n in (3, 5, 2, 7, 4, 6)]
     path, cfg = store(tmp_path, recs, seq_len=24)
-    assert resolve_packing(cfg, path) == ("documents", "truncate")  # chat-like data: documents by default
+    assert resolve_packing(cfg, path) == ("documents", "keep_answer")  # chat-like data: documents, answers kept
     b = PackedBatches(path, 24, 2, 0, DataCursor(), "documents", "truncate")
     for row in range(b.num_sequences):
         mb = b.take([row])
