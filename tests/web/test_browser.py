@@ -180,6 +180,49 @@ def test_runs_and_run_pages_draw_the_servers_curves(chromium, tmp_path):
     assert not errors, errors
 
 
+def test_the_run_page_draws_its_step_histogram_lr_ticks_and_slow_step_warning(chromium, tmp_path):
+    home, ledger = tmp_path / "home", tmp_path / "ledger.db"
+    home.mkdir()
+    con = store.connect(ledger)
+    run = make_run(con, tmp_path / "runs" / "lr", 300)
+    con.close()
+    # A learning rate as a fine-tune has it: linear warm-up to 1e-4 over 30 steps, then cosine to
+    # 0; and one step ten times the others.
+    metrics = tmp_path / "runs" / "lr" / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in steps:
+        s = r["step"]
+        r["lr"] = 1e-4 * s / 30 if s <= 30 else 0.5e-4 * (1 + math.cos(math.pi * (s - 30) / 270))
+        r["step_seconds"] = 0.2 if s == 150 else r["step_seconds"]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    ui = Ui(home, ledger)
+    errors: list[str] = []
+    try:
+        page = open_page(chromium, errors)
+        page.goto(ui.login)
+        page.goto(f"{ui.url}/runs/{run}")
+        page.wait_for_selector("#charts[data-drawn]", timeout=30_000)
+        shoot(page, "run-histogram")
+        # Each bar of the step-time histogram is as tall as its count says (150 px for the largest).
+        counts = page.evaluate(f"fetch('/api/runs/{run}').then(r => r.json())")["step_histogram"]["counts"]
+        bars = page.locator("#step-histogram rect.bar")
+        heights = [bars.nth(i).bounding_box()["height"] for i in range(bars.count())]
+        assert len(heights) == len(counts) and max(heights) > 140
+        assert all(abs(h - 150 * c / max(counts)) < 1.5 for h, c in zip(heights, counts)), (heights, counts)
+        # The learning-rate axis: every tick says a different number.
+        for chart in ("lr", "loss"):
+            ticks = page.evaluate(f"() => window.ember.charts.{chart}.axes[1]._values")
+            assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (chart, ticks)
+        # The slow steps, as `ember report` lists them as stalls, said at the top of the page.
+        warning = page.locator("#slow-steps")
+        assert warning.is_visible() and warning.bounding_box()["y"] < page.locator("#charts").bounding_box()["y"]
+        text = warning.inner_text()
+        assert text.startswith("4 slow steps") and "step 150, took 200.0 ms (10.0× median)" in text, text
+    finally:
+        ui.stop()
+    assert not errors, errors
+
+
 OWNER = """
 [service]
 allowed = ["{root}"]
