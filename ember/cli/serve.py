@@ -169,8 +169,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
         note = j["hold"] and f"held: {j['hold']}" or j["pause"] and f"pause: {j['pause']}" or ""
         if j["held_by"] and j["state"] not in ("completed", "failed", "cancelled"):
             note = "; ".join(filter(None, [note, *j["held_by"]]))
-        if j["state"] == "failed" and j["cause"]:
-            note = j["cause"]
+        if j["state"] == "failed":
+            note = f"{j['cause'] or 'no cause recorded'}; its output: ember logs {j['name']}"
         table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
                       "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
@@ -182,7 +182,8 @@ def cmd_job(args: argparse.Namespace) -> int:
     body = {"hard": True} if getattr(args, "hard", False) else {}
     j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
     extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
-    print(f"job {j['id']} {j['name']}: {j['state']}{extra}")
+    waiting = f" ({'; '.join(j['waiting'])})" if j["waiting"] else ""
+    print(f"job {j['id']} {j['name']}: {j['state']}{extra}{waiting}")
     return 0
 
 

@@ -231,9 +231,30 @@ enabled = false
 """
 
 
+def finished_jobs(ledger: Path, recipe: Path, root: Path) -> dict[str, int]:
+    """A job that failed while a hand's soft pause was on it, and one that completed, in the ledger
+    as the service records them (a real failure takes four supervised attempts: minutes here)."""
+    from ember.ledger import jobs as rows
+    from ember.sched.jobs import move
+    con = store.connect(ledger)
+    try:
+        failed = rows.insert(con, "broken", str(recipe), str(root / "broken"), [], 0, {"memory": 1, "max_steps": 24},
+                             "running")
+        move(con, failed, "failed", "gave up", cause="error: [data] files: /data/x.jsonl does not exist",
+             pause="user")
+        done = rows.insert(con, "done", str(recipe), str(root / "done"), [], 0, {"memory": 1, "max_steps": 24},
+                           "running")
+        move(con, done, "completed", "finished")
+        return {"broken": failed.id, "done": done.id}
+    finally:
+        con.close()
+
+
 def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
     recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 5000}, checkpoint={"every_steps": 100})
-    s = Serve(tmp_path / "home", OWNER.format(root=tmp_path), "sim:1x64MiB").start()
+    s = Serve(tmp_path / "home", OWNER.format(root=tmp_path), "sim:1x64MiB")
+    finished = finished_jobs(s.home / "ledger.db", recipe, tmp_path)
+    s.start()
     errors: list[str] = []
     try:
         r = s.cli("ui")  # a service runs: `ember ui` says where its dashboard is and how to sign in
@@ -261,14 +282,34 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
         shoot(page, "queue")
         page.click(f"{row} button[data-action=resume]")
         wait_state("running")
+        # A change is answered once the job's process took it: the page and `ember resume` say the new state.
         page.click(f"{row} button[data-action=pause]")
-        wait_state("soft-paused")
-        page.click(f"{row} button[data-action=resume]")
+        page.wait_for_selector(f"#queue-message:has-text('job {job} browser: soft-paused')")
+        r = s.cli("resume", "browser")
+        assert r.returncode == 0 and r.stdout.strip() == f"job {job} browser: running", r.stdout + r.stderr
         wait_state("running")
         page.click(f"{row} button[data-action=cancel]")
+        page.wait_for_selector(f"#queue-message:has-text('job {job} browser: cancelled')")
         wait_state("cancelled")
         states = [t["to_state"] for t in transitions(s.home, job)]
         assert states[:2] == ["queued", "starting"] and "soft-paused" in states and states[-1] == "cancelled"
+        # Finished jobs take no more changes: their buttons are off, as rendered and as refreshed, and the
+        # API refuses them (409); a failed job's note says why it failed and where its output is.
+        log = s.home / "serve" / "jobs" / f"{finished['broken']}.log"
+        why = f"failed: error: [data] files: /data/x.jsonl does not exist; its output: {log} (ember logs broken)"
+        for fresh in (True, False):
+            if fresh:
+                page.reload()
+            else:
+                seen = page.evaluate("() => document.querySelector('#jobs').dataset.refreshed || ''")
+                page.wait_for_function(f"() => (document.querySelector('#jobs').dataset.refreshed || '') > '{seen}'")
+            for j in (finished["broken"], finished["done"], job):
+                buttons = page.locator(f"#jobs tr[data-job='{j}'] button")
+                assert buttons.count() == 3 and all(buttons.nth(i).is_disabled() for i in range(3)), (j, fresh)
+            assert page.inner_text(f"#jobs tr[data-job='{finished['broken']}'] td.note") == why
+        for j in finished.values():
+            r = s.api("POST", f"/api/jobs/{j}/resume")
+            assert r.status_code == 409 and "nothing to resume" in r.json()["error"]
     finally:
         s.stop()
     assert not errors, errors
