@@ -46,7 +46,7 @@ TICK_SECONDS = 0.1
 OBSERVE_SECONDS = 0.5
 YIELD_BOUND_SECONDS = 2.0     # a planned step longer than this is reported at submit: pauses wait a step
 PREEMPT_KILL_SECONDS = 300.0  # a job that has not exited this long after SIGTERM is killed
-SETTLE_SECONDS = 30.0   # pause, resume and cancel answer once the job's process took the change, or after this
+SETTLE_SECONDS = 30.0   # a soft pause or resume is answered once the job's process took it, or after this
 RESTARTS = 3            # crashes a job's supervisor restarts within an hour before the job fails
 YIELD_FILE = "yield.json"    # in the service folder: an `ember yield` in force, kept across restarts
 
@@ -180,8 +180,7 @@ class Service:
             else:
                 move(self.con, job, job.state, "soft pause by hand", pause="user")
             self.tick()
-        if hard:
-            return self.settled(ref, lambda j: j.state not in LIVE)
+        # A hard pause is answered at once (preempting: it checkpoints at its next step, then exits).
         return self.settled(ref, lambda j: j.state not in ("starting", "running") or j.pause != "user")
 
     def resume(self, ref: str) -> JobRow:
@@ -207,11 +206,11 @@ class Service:
                 move(self.con, job, "preempting", "cancelled by hand", hold="cancel")
             else:
                 self._preempt(job, "cancelled by hand", hold="cancel")
-        return self.settled(ref, lambda j: j.state in FINAL)
+            return self.find(ref)
 
     def settled(self, ref: str, done: Callable[[JobRow], bool], timeout: float = SETTLE_SECONDS) -> JobRow:
-        """The job once `done(job)`: its process acknowledged a pause or resume (at a step boundary)
-        or checkpointed and exited; as it is after `timeout` (a long step) otherwise."""
+        """The job once `done(job)`: its process acknowledged a soft pause or a resume (at a step
+        boundary); as it is after `timeout` (a long step) otherwise."""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
