@@ -265,7 +265,11 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
         page.fill("#yield-minutes", "30")
         page.click("#yield")
         page.wait_for_selector("#queue-message:has-text('devices free after')")
-        job = s.api("POST", "/api/jobs", {"recipe": str(recipe), "name": "browser"}).json()["id"]
+        # Submitted from the recipe's folder (the service's is another): the path is the client's.
+        r = subprocess.run(ember_cmd("submit", "recipe.toml", "--name", "browser"), cwd=recipe.parent,
+                           env={**s.env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        job = int(r.stdout.split()[1])
         row = f"#jobs tr[data-job='{job}']"
 
         def wait_state(state: str, timeout: float = 90_000) -> None:
