@@ -4,8 +4,11 @@
 Runs and Run pages: the chart's drawn data is the server's downsampled curve, with the run's
 spike in it and on the canvas where it should be; zooming asks the server for the finer steps;
 a run that trains is drawn as its steps arrive (server-sent events) until it ends.
-Queue page: a queued job is held, released, resumed (it starts), paused, resumed and cancelled
-with the page's buttons, each change seen in the page. Every page is screenshotted into
+Run page: the step-time histogram's bars are as tall as their counts, the axes' ticks differ,
+the slow steps are said at the top. Queue page: a queued job is held, released, resumed (it
+starts), paused, resumed and cancelled with the page's buttons (and `ember resume`), each change
+seen in the page; finished jobs' buttons are off and a failed job's note says why and where its
+output is. Every page is screenshotted into
 .artifacts/dashboard/ (printed), and no page logs an error (a CSP refusal included)."""
 
 from __future__ import annotations
