@@ -23,7 +23,7 @@ COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "logs
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="the local service: a queue of training jobs that steps aside "
                        "for the owner and for inference",
-                       description="Run the service in the foreground (systemd: see README). Rules "
+                       description="Run the service in the foreground (under systemd: --install-unit). Rules "
                        "and settings: $EMBER_HOME/owner.toml.")
     s.add_argument("--host", help="address to listen on (default [service] host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default [service] port, 8765; 0: any free port)")
@@ -32,6 +32,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--explain", action="store_true", help="ask the running service which owner rule "
                    "holds each job right now, and exit")
     s.add_argument("--ledger", type=Path, help="the ledger database (default $EMBER_HOME/ledger.db)")
+    s.add_argument("--install-unit", action="store_true", help="write the systemd user unit that runs this "
+                   "ember's service ($XDG_CONFIG_HOME/systemd/user/ember.service), and exit")
 
     s = sub.add_parser("ui", help="the dashboard alone (runs, machine, plan), when no service runs; with one, "
                        "print where its dashboard is and a link that signs you in",
@@ -117,6 +119,13 @@ def cmd(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.explain:
         return print_explained()
+    if args.install_unit:
+        from ember.web.unit import install_unit
+        path, replaced = install_unit()
+        print(f"{'replaced' if replaced else 'wrote'} {path}; start it with: systemctl --user daemon-reload && "
+              f"systemctl --user enable --now ember (and loginctl enable-linger $USER to keep it running "
+              f"when you log out)")
+        return 0
     from ember.cli.render import stderr_events
     from ember.web.server import ServeOptions, serve
     return serve(ServeOptions(args.host, args.port, args.devices, args.ledger), stderr_events(stamped=True))
@@ -179,8 +188,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
         note = j["hold"] and f"held: {j['hold']}" or j["pause"] and f"pause: {j['pause']}" or ""
         if j["held_by"] and j["state"] not in ("completed", "failed", "cancelled"):
             note = "; ".join(filter(None, [note, *j["held_by"]]))
-        if j["state"] == "failed" and j["cause"]:
-            note = j["cause"]
+        if j["state"] == "failed":
+            note = f"{j['cause'] or 'no cause recorded'}; its output: ember logs {j['name']}"
         table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
                       "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
@@ -193,7 +202,8 @@ def cmd_job(args: argparse.Namespace) -> int:
     body = {"hard": True} if getattr(args, "hard", False) else {}
     j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
     extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
-    print(f"job {j['id']} {j['name']}: {j['state']}{extra}")
+    waiting = f" ({'; '.join(j['waiting'])})" if j["waiting"] else ""
+    print(f"job {j['id']} {j['name']}: {j['state']}{extra}{waiting}")
     return 0
 
 

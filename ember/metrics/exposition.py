@@ -6,7 +6,8 @@ Everything is read at scrape time, from the ledger and the run folders, by `Ledg
     ember_tokens_per_second_per_device{run}       the run's stored figure; a live run's, over its
                                                   current attempt's steps
     ember_mfu_ratio{run}                          model FLOPs utilisation (the same, where known)
-    ember_goodput_ratio{run}                      productive share of the run's wall-clock
+    ember_goodput_ratio{run}                      productive share of the run's wall-clock (a live
+                                                  run: so far, its running attempt up to now)
     ember_badput_seconds{run,bucket}              the wall-clock outside `productive`, by bucket
     ember_checkpoints_total{run}                  checkpoints committed
     ember_checkpoint_blocked_seconds_total{run}   seconds checkpoints held training up
@@ -31,8 +32,11 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
+from ember.ledger.goodput import Goodput, Step
 from ember.metrics.flops import mfu
+from ember.metrics.report import goodput_so_far
 from ember.metrics.series import read_records
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -49,6 +53,7 @@ class Tail:
     attempt: int | None = None        # the newest attempt seen, and its steps' tokens and seconds
     attempt_tokens: int = 0
     attempt_seconds: float = 0.0
+    by_attempt: dict[int, list[float]] = field(default_factory=dict)  # attempt -> [step seconds, data wait]
 
 
 class StepTimes:
@@ -82,6 +87,9 @@ class StepTimes:
                 tail.attempt, tail.attempt_tokens, tail.attempt_seconds = r.get("attempt"), 0, 0.0
             tail.attempt_tokens += r.get("tokens", 0)
             tail.attempt_seconds += s
+            sums = tail.by_attempt.setdefault(r.get("attempt"), [0.0, 0.0])
+            sums[0] += s
+            sums[1] += r.get("data_wait_seconds", 0.0)
         return tail
 
 
@@ -129,14 +137,25 @@ class LedgerCollector:
                 tps.add_metric([run], per_device)
             if ratio is not None:
                 util.add_metric([run], ratio)
-            if summary.get("goodput") is not None:
-                good.add_metric([run], summary["goodput"])
-            for bucket, seconds in (summary.get("buckets") or {}).items():
+            goodput, buckets = summary.get("goodput"), summary.get("buckets") or {}
+            if run in live and (so_far := self._goodput_so_far(con, run, path, tail)) is not None:
+                goodput, buckets = so_far.goodput, so_far.buckets  # the stored summary is an earlier attempt's
+            if goodput is not None:
+                good.add_metric([run], goodput)
+            for bucket, seconds in buckets.items():
                 if bucket != "productive":
                     bad.add_metric([run, bucket], seconds)
         yield from (step, tps, util, good, bad)
         yield from self._checkpoints(con)
         yield from self._service(con)
+
+    def _goodput_so_far(self, con: sqlite3.Connection, run_id: str, run: Path, tail: Tail) -> Goodput | None:
+        """A live run's goodput up to now: its surviving steps' sums from `tail`, and the steps
+        computed again after a resume (metrics.lost.jsonl, small: read whole)."""
+        steps = [Step(attempt, 0, seconds, wait, False) for attempt, (seconds, wait) in tail.by_attempt.items()]
+        steps += [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"], True)
+                  for r in read_jsonl(run / "metrics.lost.jsonl")]
+        return goodput_so_far(con, run_id, steps)
 
     def _performance(self, run: Path) -> dict:
         if str(run) not in self.performance:

@@ -199,12 +199,7 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
     rows = ledger_store.attempts(con, record["id"]) if con is not None and "id" in record else []
     events = ledger_store.events(con, record["id"]) if rows else []
 
-    status, spans = "unknown", []
-    for a in rows:
-        alive = a.outcome is None and pid_alive(a.pid, a.host)
-        end = a.end or (time.time() if alive else max(a.last_seen or a.start, _last_time(kept + lost, a.attempt)))
-        spans.append(Span(a.attempt, a.start, end))
-        status = a.outcome or ("running" if alive else "killed")
+    status, spans = attempt_spans(rows, kept + lost)
     # Steps after the newest checkpoint of an attempt that died are lost too, once resumed.
     newest = max((step for step, _ in committed_in(run_path / "checkpoints")), default=0)
     pending = status in ("killed", "crashed", "failed")
@@ -265,6 +260,31 @@ def data_info(record: dict[str, Any]) -> DataInfo | None:
     x = d["learning"]
     return DataInfo(d.get("format", "text"), x["records"], x["learned"], x["before"], x["cut"], x["emptied"],
                     x["seq_len"], d.get("long_records", x["rule"]), d.get("warnings", []))
+
+
+def attempt_spans(rows: list[AttemptRow], records: list[dict[str, Any]]) -> tuple[str, list[Span]]:
+    """The run's status and each attempt's wall-clock span: to its end; to now while its process
+    runs here; else to its last sign of life (the ledger's, or its last step in `records`)."""
+    status, spans = "unknown", []
+    for a in rows:
+        alive = a.outcome is None and pid_alive(a.pid, a.host)
+        end = a.end or (time.time() if alive else max(a.last_seen or a.start, _last_time(records, a.attempt)))
+        spans.append(Span(a.attempt, a.start, end))
+        status = a.outcome or ("running" if alive else "killed")
+    return status, spans
+
+
+def goodput_so_far(con: sqlite3.Connection, run_id: str, steps: list[Step]) -> Goodput | None:
+    """The goodput up to now of a run whose last attempt runs here (None otherwise), from the
+    ledger's attempts and events and the run's `steps` (surviving and lost; `account` only sums
+    them, so one Step may carry an attempt's totals)."""
+    rows = ledger_store.attempts(con, run_id)
+    status, spans = attempt_spans(rows, [])
+    if status != "running":
+        return None
+    known = {a.attempt for a in rows}  # a copied folder's metrics carry the original run's steps too
+    events = [Event(e["attempt"], e["kind"], e["start"], e["end"]) for e in ledger_store.events(con, run_id)]
+    return account(spans, events, [s for s in steps if s.attempt in known])
 
 
 def _last_time(records: list[dict[str, Any]], attempt: int) -> float:

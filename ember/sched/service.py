@@ -22,6 +22,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ TICK_SECONDS = 0.1
 OBSERVE_SECONDS = 0.5
 YIELD_BOUND_SECONDS = 2.0     # a planned step longer than this is reported at submit: pauses wait a step
 PREEMPT_KILL_SECONDS = 300.0  # a job that has not exited this long after SIGTERM is killed
+SETTLE_SECONDS = 30.0   # a soft pause or resume is answered once the job's process took it, or after this
 RESTARTS = 3            # crashes a job's supervisor restarts within an hour before the job fails
 YIELD_FILE = "yield.json"    # in the service folder: an `ember yield` in force, kept across restarts
 
@@ -67,6 +69,7 @@ class JobView:
     goodput: float | None = None
     held_by: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)  # why it does not train now, in words
+    log: str = ""                                      # its output (`ember logs`)
 
 
 class Service:
@@ -177,7 +180,8 @@ class Service:
             else:
                 move(self.con, job, job.state, "soft pause by hand", pause="user")
             self.tick()
-            return self.find(ref)
+        # A hard pause is answered at once (preempting: it checkpoints at its next step, then exits).
+        return self.settled(ref, lambda j: j.state not in ("starting", "running") or j.pause != "user")
 
     def resume(self, ref: str) -> JobRow:
         with self.lock:
@@ -188,7 +192,8 @@ class Service:
                 move(self.con, job, job.state, "resumed by hand", hold=None if job.hold != "cancel" else "cancel",
                      pause=None)
             self.tick()
-            return self.find(ref)
+        # Settled when it trains again, or when something else (the owner's rules, inference) keeps it paused.
+        return self.settled(ref, lambda j: j.state != "soft-paused" or control.requested(self.ctl(j)) is not None)
 
     def cancel(self, ref: str) -> JobRow:
         with self.lock:
@@ -202,6 +207,18 @@ class Service:
             else:
                 self._preempt(job, "cancelled by hand", hold="cancel")
             return self.find(ref)
+
+    def settled(self, ref: str, done: Callable[[JobRow], bool], timeout: float = SETTLE_SECONDS) -> JobRow:
+        """The job once `done(job)`: its process acknowledged a soft pause or a resume (at a step
+        boundary); as it is after `timeout` (a long step) otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                self.tick()
+                job = self.find(ref)
+            if done(job) or time.monotonic() >= deadline:
+                return job
+            time.sleep(0.05)
 
     def yield_devices(self, seconds: float | None, timeout: float = 600.0) -> dict:
         """Hold all training for `seconds` (None: until released) and return once every job's
@@ -277,7 +294,7 @@ class Service:
         by = [f"{h.rule}: {h.detail}" for h in self.holds_on(j)]
         return JobView(j.id, j.name, j.state, j.priority, j.devices, step, j.request.get("max_steps", 0),
                        j.hold, j.pause, j.preemptions, j.cause, j.out, run_goodput(self.con, j.out), by,
-                       self.why_waiting(j, by))
+                       self.why_waiting(j, by), str(self.log_path(j)))
 
     def why_waiting(self, j: JobRow, held_by: list[str]) -> list[str]:
         """Why job `j` does not train now: a hand's hold or pause, the owner's rules and yield,

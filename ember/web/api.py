@@ -3,6 +3,7 @@
     GET  /health                      200 when inference is ready, 503 while it loads (or is off)
     GET  /api/jobs                    the queue
     POST /api/jobs                    submit {recipe, name?, priority?, out?, overrides?}   token
+                                      (recipe and out: absolute paths)
     GET  /api/jobs/{job}              one job
     POST /api/jobs/{job}/pause        {hard?: bool}                                           token
     POST /api/jobs/{job}/resume                                                               token
@@ -230,8 +231,13 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
         overrides = field(data, "overrides", list, [])
         if not all(isinstance(x, str) for x in overrides):
             raise BadRequest(400, "'overrides': a list of 'section.key=value' strings")
-        job = await call(service.submit, recipe, field(data, "name", str), field(data, "priority", int, 0),
-                         field(data, "out", str), overrides)
+        name, priority, out = field(data, "name", str), field(data, "priority", int, 0), field(data, "out", str)
+        for key, path in (("recipe", recipe), ("out", out)):
+            if path is not None and not Path(path).expanduser().is_absolute():
+                raise BadRequest(400, f"'{key}': {path!r} is relative, and the service cannot know the folder "
+                                      f"it is relative to; send an absolute path (`ember submit` resolves "
+                                      f"it against the folder you run it in)")
+        job = await call(service.submit, recipe, name, priority, out, overrides)
         return JSONResponse(asdict(service.view(job)), status_code=201)
 
     @app.get("/api/jobs/{ref}")

@@ -40,7 +40,7 @@ from ember.metrics.exposition import LedgerCollector
 from ember.metrics.listing import SORT_KEYS, RunEntry, run_live
 from ember.metrics.report import RunReport
 from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
-from ember.sched.jobs import STATES
+from ember.sched.jobs import FINAL, STATES
 from ember.web import security
 from ember.web.views import BadRequest, MachinePage, Views
 
@@ -139,7 +139,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     @app.get("/queue", include_in_schema=False)
     def queue_page(request: Request) -> HTMLResponse:
         data = views.queue() if views.service is not None else None
-        return page(request, "queue.html", "Queue", q=data)
+        return page(request, "queue.html", "Queue", q=data, final=FINAL)
 
     @app.get("/machine", include_in_schema=False)
     def machine_page(request: Request, since: str | None = None) -> HTMLResponse:

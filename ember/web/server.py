@@ -9,7 +9,9 @@
                   python -m ember.web.infer_worker), started here and stopped on exit; it gets
                   SIGKILL from the kernel if the service dies (ember.proc), and one an earlier
                   service left (engine.json: PID and start time) is stopped before a new one starts
-      HTTP        uvicorn on [service] host:port; address, port and PID in serve.json for clients
+      HTTP        uvicorn on [service] host:port; address, port, PID and its start time in serve.json
+                  for clients (`ember ui`: ui.json), written atomically once it listens, removed at
+                  exit; a reader trusts it only while that process runs (`announced`)
       SIGTERM     preempt every job (checkpoint, exit 75), wait for them, exit
 """
 
@@ -154,6 +156,7 @@ def serve(opt: ServeOptions, events: Events) -> int:
     d = serve_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock = acquire(d / "serve.lock", "ember serve")
+    (d / "serve.json").unlink(missing_ok=True)  # an earlier service's, which died: the lock is ours
     sock = listen(host, port, "ember serve ([service] host and port in owner.toml, or --host and --port)")
     token = ensure_token()
     loopback = is_loopback(host)
@@ -191,7 +194,7 @@ def serve(opt: ServeOptions, events: Events) -> int:
                 worker.kill()
             worker.wait()
             (d / ENGINE_FILE).unlink(missing_ok=True)
-        (d / "serve.json").unlink(missing_ok=True)
+        withdraw("serve")
         lock.release()
     return 0
 
@@ -202,7 +205,8 @@ def _announce(server, host: str, d: Path, events: Events, name: str = "serve") -
         if server.started and server.servers:
             port = server.servers[0].sockets[0].getsockname()[1]
             url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}"
-            write_durable(d / f"{name}.json", json.dumps({"url": url, "pid": os.getpid(), "host": host,
+            write_durable(d / f"{name}.json", json.dumps({"url": url, "pid": os.getpid(),
+                                                          "start": start_time(os.getpid()), "host": host,
                                                           "port": port}))
             # The service's output may go to a shared log (the journal): the sign-in link, which
             # holds the token, is printed by `ember ui` to the owner's terminal only.
@@ -218,14 +222,36 @@ def login_link(url: str, token: str) -> str:
     return f"{url}/login?token={token}"
 
 
-def running_service() -> str | None:
-    """The URL of the service running on this machine (its serve.json names a live process), or None."""
+def announced(name: str) -> dict | None:
+    """What NAME.json ("serve" or "ui") says, while the process that wrote it runs: the same PID
+    *and* start time (a crashed server leaves its file; its PID may since name another process)."""
     try:
-        info = json.loads((serve_dir() / "serve.json").read_text())
-        os.kill(int(info["pid"]), 0)
+        info = json.loads((serve_dir() / f"{name}.json").read_text())
+        pid, started = int(info["pid"]), info.get("start")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return info["url"]
+    if not isinstance(info.get("url"), str):
+        return None
+    if started is None:  # written by an older ember, without the start time
+        return info if start_time(pid) is not None else None
+    return info if start_time(pid) == started else None
+
+
+def withdraw(name: str) -> None:
+    """Remove NAME.json at exit if it is this process's."""
+    path = serve_dir() / f"{name}.json"
+    try:
+        ours = json.loads(path.read_text()).get("pid") == os.getpid()
+    except (OSError, ValueError, AttributeError):
+        return
+    if ours:
+        path.unlink(missing_ok=True)
+
+
+def running_service() -> str | None:
+    """The URL of the service running on this machine, or None."""
+    info = announced("serve")
+    return info["url"] if info else None
 
 
 @dataclass
@@ -246,11 +272,16 @@ def ui(opt: UiOptions, events: Events) -> int:
         events.info(f"ember serve runs here and serves the dashboard: {url}/ ; sign in to change jobs: "
                     f"{login_link(url, ensure_token())}", url=url)
         return 0
+    if (other := announced("ui")) is not None:
+        events.info(f"ember ui already runs here (PID {other['pid']}): {other['url']}/ ; sign in to change "
+                    f"jobs: {login_link(other['url'], ensure_token())}", url=other["url"])
+        return 0
     rules = load_rules()
     host = opt.host or rules.service.host
     port = rules.service.port if opt.port is None else opt.port
     d = serve_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (d / "ui.json").unlink(missing_ok=True)  # a crashed one's: it names a server that is gone
     sock = listen(host, port, "ember ui ([service] host and port in owner.toml, or --host and --port)")
     token = ensure_token()
     loopback = is_loopback(host)
@@ -260,20 +291,23 @@ def ui(opt: UiOptions, events: Events) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=GRACE_SECONDS))
     threading.Thread(target=_announce, args=(server, host, d, events, "ui"), daemon=True).start()
+    # uvicorn stops on SIGTERM or SIGINT, then raises the signal again with the handler it found:
+    # the default one would end the process before ui.json is removed.
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda _signum, _frame: setattr(server, "should_exit", True))
     try:
         server.run(sockets=[sock])
     finally:
-        (d / "ui.json").unlink(missing_ok=True)
+        withdraw("ui")
     return 0
 
 
 def client_target() -> tuple[str, str]:
     """The running service's URL and token, for the commands that talk to it."""
-    try:
-        info = json.loads((serve_dir() / "serve.json").read_text())
-    except (OSError, ValueError):
-        raise EmberError(f"no service is running ({serve_dir() / 'serve.json'} is missing); start one "
-                         f"with `ember serve` (or `systemctl --user start ember`)") from None
+    info = announced("serve")
+    if info is None:
+        raise EmberError(f"no service is running ({serve_dir() / 'serve.json'} is missing or names a process "
+                         f"that has ended); start one with `ember serve` (or `systemctl --user start ember`)")
     try:
         token = token_path().read_text().strip()
     except OSError as e:

@@ -87,10 +87,13 @@ def test_off_loopback_every_request_needs_the_token(service):
     assert c.get("/api/jobs", headers=AUTH).status_code == 200
 
 
-def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path):
+def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path, monkeypatch):
     c = client(service)
     outside = tmp_path / "elsewhere.toml"
     outside.write_text("")
+    # A relative path is not resolved against the service's folder: whoever sent it meant their own.
+    write_recipe(tmp_path / "allowed")
+    monkeypatch.chdir(tmp_path / "allowed")
     cases = [
         (c.post("/api/jobs", content=b"{not json", headers=AUTH), 400, "not valid JSON"),
         (c.post("/api/jobs", json=[1, 2], headers=AUTH), 400, "JSON object"),
@@ -100,6 +103,9 @@ def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path):
         (c.post("/api/jobs", json={"recipe": str(outside)}, headers=AUTH), 403, "outside the folders"),
         (c.post("/api/jobs", json={"recipe": str(tmp_path / "allowed" / "none.toml")}, headers=AUTH), 400,
          "no such file"),
+        (c.post("/api/jobs", json={"recipe": "recipe.toml"}, headers=AUTH), 400, "'recipe': 'recipe.toml' is relative"),
+        (c.post("/api/jobs", json={"recipe": str(tmp_path / "allowed" / "recipe.toml"), "out": "runs/x"}, headers=AUTH),
+         400, "'out': 'runs/x' is relative"),
         (c.post("/api/jobs", content=b"x" * 5000, headers=AUTH), 413, "over 4096 bytes"),
         (c.post("/api/jobs/nope/pause", json={}, headers=AUTH), 404, "no job 'nope'"),
         (c.post("/api/jobs/7/cancel", headers=AUTH), 404, "no job"),

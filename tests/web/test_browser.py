@@ -4,8 +4,11 @@
 Runs and Run pages: the chart's drawn data is the server's downsampled curve, with the run's
 spike in it and on the canvas where it should be; zooming asks the server for the finer steps;
 a run that trains is drawn as its steps arrive (server-sent events) until it ends.
-Queue page: a queued job is held, released, resumed (it starts), paused, resumed and cancelled
-with the page's buttons, each change seen in the page. Every page is screenshotted into
+Run page: the step-time histogram's bars are as tall as their counts, the axes' ticks differ,
+the slow steps are said at the top. Queue page: a queued job is held, released, resumed (it
+starts), paused, resumed and cancelled with the page's buttons (and `ember resume`), each change
+seen in the page; finished jobs' buttons are off and a failed job's note says why and where its
+output is. Every page is screenshotted into
 .artifacts/dashboard/ (printed), and no page logs an error (a CSP refusal included)."""
 
 from __future__ import annotations
@@ -180,6 +183,49 @@ def test_runs_and_run_pages_draw_the_servers_curves(chromium, tmp_path):
     assert not errors, errors
 
 
+def test_the_run_page_draws_its_step_histogram_lr_ticks_and_slow_step_warning(chromium, tmp_path):
+    home, ledger = tmp_path / "home", tmp_path / "ledger.db"
+    home.mkdir()
+    con = store.connect(ledger)
+    run = make_run(con, tmp_path / "runs" / "lr", 300)
+    con.close()
+    # A learning rate as a fine-tune has it: linear warm-up to 1e-4 over 30 steps, then cosine to
+    # 0; and one step ten times the others.
+    metrics = tmp_path / "runs" / "lr" / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in steps:
+        s = r["step"]
+        r["lr"] = 1e-4 * s / 30 if s <= 30 else 0.5e-4 * (1 + math.cos(math.pi * (s - 30) / 270))
+        r["step_seconds"] = 0.2 if s == 150 else r["step_seconds"]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    ui = Ui(home, ledger)
+    errors: list[str] = []
+    try:
+        page = open_page(chromium, errors)
+        page.goto(ui.login)
+        page.goto(f"{ui.url}/runs/{run}")
+        page.wait_for_selector("#charts[data-drawn]", timeout=30_000)
+        shoot(page, "run-histogram")
+        # Each bar of the step-time histogram is as tall as its count says (150 px for the largest).
+        counts = page.evaluate(f"fetch('/api/runs/{run}').then(r => r.json())")["step_histogram"]["counts"]
+        bars = page.locator("#step-histogram rect.bar")
+        heights = [bars.nth(i).bounding_box()["height"] for i in range(bars.count())]
+        assert len(heights) == len(counts) and max(heights) > 140
+        assert all(abs(h - 150 * c / max(counts)) < 1.5 for h, c in zip(heights, counts)), (heights, counts)
+        # The learning-rate axis: every tick says a different number.
+        for chart in ("lr", "loss"):
+            ticks = page.evaluate(f"() => window.ember.charts.{chart}.axes[1]._values")
+            assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (chart, ticks)
+        # The slow steps, as `ember report` lists them as stalls, said at the top of the page.
+        warning = page.locator("#slow-steps")
+        assert warning.is_visible() and warning.bounding_box()["y"] < page.locator("#charts").bounding_box()["y"]
+        text = warning.inner_text()
+        assert text.startswith("4 slow steps") and "step 150, took 200.0 ms (10.0× median)" in text, text
+    finally:
+        ui.stop()
+    assert not errors, errors
+
+
 OWNER = """
 [service]
 allowed = ["{root}"]
@@ -188,9 +234,30 @@ enabled = false
 """
 
 
+def finished_jobs(ledger: Path, recipe: Path, root: Path) -> dict[str, int]:
+    """A job that failed while a hand's soft pause was on it, and one that completed, in the ledger
+    as the service records them (a real failure takes four supervised attempts: minutes here)."""
+    from ember.ledger import jobs as rows
+    from ember.sched.jobs import move
+    con = store.connect(ledger)
+    try:
+        failed = rows.insert(con, "broken", str(recipe), str(root / "broken"), [], 0, {"memory": 1, "max_steps": 24},
+                             "running")
+        move(con, failed, "failed", "gave up", cause="error: [data] files: /data/x.jsonl does not exist",
+             pause="user")
+        done = rows.insert(con, "done", str(recipe), str(root / "done"), [], 0, {"memory": 1, "max_steps": 24},
+                           "running")
+        move(con, done, "completed", "finished")
+        return {"broken": failed.id, "done": done.id}
+    finally:
+        con.close()
+
+
 def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
     recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 5000}, checkpoint={"every_steps": 100})
-    s = Serve(tmp_path / "home", OWNER.format(root=tmp_path), "sim:1x64MiB").start()
+    s = Serve(tmp_path / "home", OWNER.format(root=tmp_path), "sim:1x64MiB")
+    finished = finished_jobs(s.home / "ledger.db", recipe, tmp_path)
+    s.start()
     errors: list[str] = []
     try:
         r = s.cli("ui")  # a service runs: `ember ui` says where its dashboard is and how to sign in
@@ -201,7 +268,11 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
         page.fill("#yield-minutes", "30")
         page.click("#yield")
         page.wait_for_selector("#queue-message:has-text('devices free after')")
-        job = s.api("POST", "/api/jobs", {"recipe": str(recipe), "name": "browser"}).json()["id"]
+        # Submitted from the recipe's folder (the service's is another): the path is the client's.
+        r = subprocess.run(ember_cmd("submit", "recipe.toml", "--name", "browser"), cwd=recipe.parent,
+                           env={**s.env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        job = int(r.stdout.split()[1])
         row = f"#jobs tr[data-job='{job}']"
 
         def wait_state(state: str, timeout: float = 90_000) -> None:
@@ -218,14 +289,33 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
         shoot(page, "queue")
         page.click(f"{row} button[data-action=resume]")
         wait_state("running")
+        # A change is answered once the job's process took it: the page and `ember resume` say the new state.
         page.click(f"{row} button[data-action=pause]")
-        wait_state("soft-paused")
-        page.click(f"{row} button[data-action=resume]")
+        page.wait_for_selector(f"#queue-message:has-text('job {job} browser: soft-paused')")
+        r = s.cli("resume", "browser")
+        assert r.returncode == 0 and r.stdout.strip() == f"job {job} browser: running", r.stdout + r.stderr
         wait_state("running")
         page.click(f"{row} button[data-action=cancel]")
         wait_state("cancelled")
         states = [t["to_state"] for t in transitions(s.home, job)]
         assert states[:2] == ["queued", "starting"] and "soft-paused" in states and states[-1] == "cancelled"
+        # Finished jobs take no more changes: their buttons are off, as rendered and as refreshed, and the
+        # API refuses them (409); a failed job's note says why it failed and where its output is.
+        log = s.home / "serve" / "jobs" / f"{finished['broken']}.log"
+        why = f"failed: error: [data] files: /data/x.jsonl does not exist; its output: {log} (ember logs broken)"
+        for fresh in (True, False):
+            if fresh:
+                page.reload()
+            else:
+                seen = page.evaluate("() => document.querySelector('#jobs').dataset.refreshed || ''")
+                page.wait_for_function(f"() => (document.querySelector('#jobs').dataset.refreshed || '') > '{seen}'")
+            for j in (finished["broken"], finished["done"], job):
+                buttons = page.locator(f"#jobs tr[data-job='{j}'] button")
+                assert buttons.count() == 3 and all(buttons.nth(i).is_disabled() for i in range(3)), (j, fresh)
+            assert page.inner_text(f"#jobs tr[data-job='{finished['broken']}'] td.note") == why
+        for j in finished.values():
+            r = s.api("POST", f"/api/jobs/{j}/resume")
+            assert r.status_code == 409 and "nothing to resume" in r.json()["error"]
     finally:
         s.stop()
     assert not errors, errors

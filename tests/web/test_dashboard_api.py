@@ -125,7 +125,9 @@ def run_plan_cli(run: Path, ledger: Path) -> str:
 def test_metrics_exposes_the_ledgers_figures(client, ledger_dir, service):
     base, ledger, ids = ledger_dir
     job_rows.insert(service.con, "waiting", "/x.toml", str(base / "j"), [], 0, {"memory": 1}, "queued")
+    before = build_report(base / "runs" / "live", store.connect(ledger)).goodput
     r = client.get("/metrics")
+    after = build_report(base / "runs" / "live", store.connect(ledger)).goodput
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(r.text) for s in f.samples}
@@ -144,6 +146,11 @@ def test_metrics_exposes_the_ledgers_figures(client, ledger_dir, service):
     # A live run's throughput is its current attempt's, read from the steps as they come.
     live = ("run", ids["live"])
     assert abs(samples[("ember_tokens_per_second_per_device", (live,))] - 128 / 0.02) < 1e-6
+    # And its goodput so far, as `ember report` has it: its productive seconds over a wall-clock that
+    # grows until the scrape, so between the report's before it and after it.
+    assert after.goodput <= samples[("ember_goodput_ratio", (live,))] <= before.goodput < 1
+    assert samples[("ember_badput_seconds", (("bucket", "program_startup"), live))] == \
+        before.buckets["program_startup"] == 2.0
 
 
 def test_the_openapi_document_validates_and_lists_every_json_route(client):

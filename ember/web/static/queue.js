@@ -7,6 +7,7 @@
   const csrf = document.querySelector('meta[name="ember-csrf"]').content;
   const message = document.getElementById("queue-message");
   const signedIn = table.dataset.signedIn === "true";
+  const final = table.dataset.final.split(" ");  // a finished job takes no more changes
 
   async function post(path, body) {
     const r = await fetch(path, {
@@ -29,7 +30,8 @@
   function row(j) {
     const tr = document.createElement("tr");
     tr.dataset.job = j.id;
-    let note = j.hold ? `held: ${j.hold}` : j.pause ? `pause: ${j.pause}` : j.state === "failed" ? (j.cause || "") : "";
+    let note = j.state === "failed" ? `failed: ${j.cause || "no cause recorded"}; its output: ${j.log} (ember logs ${j.name})`
+      : j.hold ? `held: ${j.hold}` : j.pause ? `pause: ${j.pause}` : "";
     if (j.waiting.length) note += " " + j.waiting.join("; ");
     tr.append(cell(j.id), cell(j.name), cell(j.state, "state"), cell(j.priority, "n"), cell(j.devices.join(",") || "-"),
               cell(`${j.step}/${j.max_steps}`), cell(j.goodput === null ? "-" : `${(100 * j.goodput).toFixed(1)}%`, "n"),
@@ -37,7 +39,8 @@
     const actions = cell("", "actions");
     for (const a of ["pause", "resume", "cancel"]) {
       const b = document.createElement("button");
-      b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn;
+      b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn || final.includes(j.state);
+      if (final.includes(j.state)) b.title = `the job is ${j.state}`;
       actions.append(b);
     }
     tr.append(actions);

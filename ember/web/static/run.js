@@ -40,12 +40,29 @@
     return cols;
   }
 
+  // Tick labels with as few significant digits as tell every tick apart: uPlot's own labels
+  // round a learning rate of 1e-4 to "0" on every tick.
+  function label(v, digits) {
+    if (v === 0) return "0";
+    const a = Math.abs(v);
+    return a < 1e-3 || a >= 1e6 ? v.toExponential(digits - 1) : String(Number(v.toPrecision(digits)));
+  }
+
+  function ticks(u, splits) {
+    let labels = [];
+    for (let digits = 1; digits <= 8; digits++) {
+      labels = splits.map(v => label(v, digits));
+      if (new Set(labels).size === labels.length) break;
+    }
+    return labels;
+  }
+
   function options(title, series, height) {
     return {
       title, width: box.clientWidth || 1000, height,
       cursor: { drag: { x: true, y: false, setScale: false } },
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, {}],
+      axes: [{ label: "step" }, { values: ticks, size: 64 }],
       series: [{ label: "step" }, ...series],
       hooks: { setSelect: [u => { if (u.select.width > 4) zoom([u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")]); u.setSelect({ left: 0, width: 0, top: 0, height: 0 }, false); }] },
     };
