@@ -4,8 +4,8 @@
 Runs and Run pages: the chart's drawn data is the server's downsampled curve, with the run's
 spike in it and on the canvas where it should be; zooming asks the server for the finer steps;
 a run that trains is drawn as its steps arrive (server-sent events) until it ends.
-Queue page: a queued job is held, released, resumed (it starts), paused, resumed and cancelled
-with the page's buttons, each change seen in the page. Every page is screenshotted into
+Queue page: a queued job is held, released, resumed (it starts), paused, resumed, cancelled and
+requeued with the page's buttons, each change seen in the page; its name links to its run. Every page is screenshotted into
 .artifacts/dashboard/ (printed), and no page logs an error (a CSP refusal included)."""
 
 from __future__ import annotations
@@ -224,8 +224,15 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
         wait_state("running")
         page.click(f"{row} button[data-action=cancel]")
         wait_state("cancelled")
+        # Its name links to its run's page; cancelled, it offers requeue alone, which resumes the run.
+        run = s.jobs()["browser"]["run"]
+        assert run and page.get_attribute(f"{row} td.run a", "href") == f"/runs/{run}"
+        assert page.locator(f"{row} button").all_inner_texts() == ["requeue"]
+        page.click(f"{row} button[data-action=requeue]")
+        wait_state("running")
         states = [t["to_state"] for t in transitions(s.home, job)]
-        assert states[:2] == ["queued", "starting"] and "soft-paused" in states and states[-1] == "cancelled"
+        assert states[:2] == ["queued", "starting"] and "soft-paused" in states
+        assert states[states.index("cancelled"):][:3] == ["cancelled", "queued", "starting"], states
     finally:
         s.stop()
     assert not errors, errors
