@@ -68,8 +68,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "finished job the filters choose")
     p.add_argument("--state", dest="states", action="append", choices=FINISHED,
                    help="only jobs that ended so (repeat for more; default all three)")
-    p.add_argument("--older-than", dest="older_than", metavar="DURATION", help="only jobs that ended longer ago than this, "
-                   "e.g. 7d, 12h, 30m")
+    p.add_argument("--older-than", dest="older_than", metavar="DURATION",
+                   help="only jobs that ended longer ago than this, e.g. 7d, 12h, 30m")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
 
     s = sub.add_parser("pause", help="pause a job: soft (at the next step, keeping the process) or --hard")

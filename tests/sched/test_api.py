@@ -454,7 +454,8 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     r = c.post("/api/jobs/broke/requeue", headers=AUTH)
     assert r.status_code == 200, r.text
     job = r.json()
-    assert (job["state"], job["hold"], job["cause"], job["out"]) == ("queued", None, None, str(allowed / "runs" / "broke"))
+    assert (job["state"], job["hold"], job["cause"]) == ("queued", None, None)
+    assert job["out"] == str(allowed / "runs" / "broke")
     assert rows.transitions(service.con, broke.id)[-1]["why"] == "requeued by hand"
     r = c.post("/api/jobs/broke/requeue", headers=AUTH)  # now queued: not again
     assert r.status_code == 400 and "job broke is queued" in r.json()["error"] and "ember resume" in r.json()["error"]

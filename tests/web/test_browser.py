@@ -5,8 +5,9 @@ Runs and Run pages: the chart's drawn data is the server's downsampled curve, wi
 spike in it and on the canvas where it should be; zooming asks the server for the finer steps;
 a run that trains is drawn as its steps arrive (server-sent events) until it ends.
 Queue page: a queued job is held, released, resumed (it starts), paused, resumed, cancelled and
-requeued with the page's buttons, each change seen in the page; its name links to its run. Every page is screenshotted into
-.artifacts/dashboard/ (printed), and no page logs an error (a CSP refusal included)."""
+requeued with the page's buttons, each change seen in the page; its name links to its run. Every
+page is screenshotted into .artifacts/dashboard/ (printed), and no page logs an error (a CSP
+refusal included)."""
 
 from __future__ import annotations
 

@@ -277,7 +277,8 @@ def test_the_queue_page_links_each_job_to_its_run_and_offers_requeue_for_a_faile
                              "queued")
     assert job_rows.set_state(service.con, failed.id, "queued", "starting", "test", {})
     assert job_rows.set_state(service.con, failed.id, "starting", "failed", "test", {"cause": "exit 1"})
-    fresh = job_rows.insert(service.con, "fresh", "/x.toml", str(base / "runs" / "fresh"), [], 0, {"memory": 1}, "queued")
+    fresh = job_rows.insert(service.con, "fresh", "/x.toml", str(base / "runs" / "fresh"), [], 0, {"memory": 1},
+                            "queued")
     assert client.get("/api/jobs/linked").json()["run"] == ids["tiny"]
     html = client.get("/queue").text
     linked = re.search(rf'<tr data-job="{failed.id}">(.*?)</tr>', html, re.S).group(1)

@@ -45,7 +45,8 @@
               cell(`${j.step}/${j.max_steps}`), cell(j.goodput === null ? "-" : `${(100 * j.goodput).toFixed(1)}%`, "n"),
               cell(note, "note"));
     const actions = cell("", "actions");
-    const verbs = { completed: [], failed: ["requeue"], cancelled: ["requeue"] }[j.state] || ["pause", "resume", "cancel"];
+    const verbs = { completed: [], failed: ["requeue"], cancelled: ["requeue"] }[j.state]
+      || ["pause", "resume", "cancel"];
     for (const a of verbs) {
       const b = document.createElement("button");
       b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn;
