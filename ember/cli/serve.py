@@ -1,5 +1,5 @@
-"""`ember serve` and the commands that talk to it: submit, queue, pause, resume, cancel, logs,
-yield. Argument parsing, one call, printing."""
+"""`ember serve` and the commands that talk to it: submit, queue (and queue purge), pause, resume,
+cancel, requeue, logs, yield. Argument parsing, one call, printing."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from rich.table import Table
 from ember.errors import EXIT_ERROR, EmberError
 from ember.paths import NAME_GRAMMAR, check_name
 
-COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "logs", "yield")
+COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "requeue", "logs", "yield")
+FINISHED = ("completed", "failed", "cancelled")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -54,16 +55,32 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from ember.cli.remote import add_remote_args
     add_remote_args(s, required=False)  # --target: through the gate to remote compute instead
 
-    s = sub.add_parser("queue", help="the service's jobs: state, priority, devices, progress, goodput")
+    s = sub.add_parser("queue", help="the service's jobs: state, priority, devices, progress, goodput, "
+                       "run folder; `ember queue purge` removes finished ones")
     s.add_argument("--json", action="store_true")
     s.add_argument("--explain", action="store_true", help="why each unfinished job does not train now: a hand's "
                    "pause or hold, the owner's rules, yield, inference, memory, priority, devices")
+    p = s.add_subparsers(dest="action", metavar="[purge]").add_parser(
+        "purge", help="remove finished jobs from the queue (never their run folders or the ledger's runs)",
+        description="Remove finished (completed, failed, cancelled) jobs from the queue: their rows, logs and "
+        "control files. Their run folders and the ledger's runs, attempts and events are never touched: "
+        "`ember runs` and the dashboard still show the runs. A queued, running or paused job is never "
+        "removed: cancel it first.")
+    p.add_argument("jobs", nargs="*", metavar="JOB", help="these jobs (each must be finished); default: every "
+                   "finished job the filters choose")
+    p.add_argument("--state", dest="states", action="append", choices=FINISHED,
+                   help="only jobs that ended so (repeat for more; default all three)")
+    p.add_argument("--older-than", dest="older_than", metavar="DURATION",
+                   help="only jobs that ended longer ago than this, e.g. 7d, 12h, 30m")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
 
     s = sub.add_parser("pause", help="pause a job: soft (at the next step, keeping the process) or --hard")
     s.add_argument("job")
     s.add_argument("--hard", action="store_true", help="checkpoint and exit, freeing the device; stays "
                    "queued until `ember resume`")
-    for name, text in (("resume", "lift a pause or hold"), ("cancel", "cancel a job (checkpointing first)")):
+    for name, text in (("resume", "lift a pause or hold"), ("cancel", "cancel a job (checkpointing first)"),
+                       ("requeue", "queue a failed or cancelled job again: its run resumes from its last "
+                        "checkpoint")):
         sub.add_parser(name, help=text).add_argument("job")
 
     s = sub.add_parser("logs", help="a job's output")
@@ -76,10 +93,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--release", action="store_true", help="end a yield now")
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, option: str = "--for") -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|h|d)?\s*", text)
     if not m:
-        raise EmberError(f"--for {text!r}: write a duration like 90s, 30m, 2h or 1d")
+        raise EmberError(f"{option} {text!r}: write a duration like 90s, 30m, 2h or 1d")
     return float(m.group(1)) * {"s": 1, None: 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
@@ -113,7 +130,8 @@ def request(method: str, path: str, body: dict | None = None, timeout: float = 3
 
 def cmd(args: argparse.Namespace) -> int:
     return {"serve": cmd_serve, "ui": cmd_ui, "submit": cmd_submit, "queue": cmd_queue, "pause": cmd_job,
-            "resume": cmd_job, "cancel": cmd_job, "logs": cmd_logs, "yield": cmd_yield}[args.command](args)
+            "resume": cmd_job, "cancel": cmd_job, "requeue": cmd_job, "logs": cmd_logs,
+            "yield": cmd_yield}[args.command](args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -176,6 +194,8 @@ def print_owner_notes() -> None:
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
+    if args.action == "purge":
+        return cmd_purge(args)
     if args.explain:
         return print_explained()
     jobs = request("GET", "/api/jobs").json()
@@ -186,15 +206,38 @@ def cmd_queue(args: argparse.Namespace) -> int:
     table = Table("id", "name", "state", "priority", "devices", "progress", "goodput", "note")
     for j in jobs:
         note = j["hold"] and f"held: {j['hold']}" or j["pause"] and f"pause: {j['pause']}" or ""
-        if j["held_by"] and j["state"] not in ("completed", "failed", "cancelled"):
+        if j["held_by"] and j["state"] not in FINISHED:
             note = "; ".join(filter(None, [note, *j["held_by"]]))
         if j["state"] == "failed":
             note = f"{j['cause'] or 'no cause recorded'}; its output: ember logs {j['name']}"
         table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
                       "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
-    Console(soft_wrap=True).print(table)
+    out = Console(soft_wrap=True)
+    out.print(table)
+    if jobs:  # below the table, whole: a path in a column is cut to the terminal's width
+        out.print("run folders:\n" + "\n".join(run_line(j) for j in jobs), markup=False, highlight=False)
     print_owner_notes()
+    return 0
+
+
+def run_line(j: dict) -> str:
+    """A job's run folder, and its run's id (its dashboard page /runs/ID) once it trained."""
+    return f"  {j['name']}: {j['out']}" + (f" (run {j['run']})" if j["run"] else "")
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    body = {"jobs": args.jobs, "states": args.states, "dry_run": args.dry_run,
+            "older_than_seconds": parse_duration(args.older_than, "--older-than") if args.older_than else None}
+    removed = request("POST", "/api/jobs/purge", body).json()["removed"]
+    if not removed:
+        chosen = args.jobs or args.states or args.older_than
+        print(f"no finished job{' matches' if chosen else ''}: nothing removed")
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(removed)} finished job(s) from the queue; their run folders and the ledger's runs stay:")
+    for j in removed:
+        print(f"  {j['id']} {j['name']} ({j['state']}): {j['out']}" + (f" (run {j['run']})" if j["run"] else ""))
     return 0
 
 
@@ -202,6 +245,8 @@ def cmd_job(args: argparse.Namespace) -> int:
     body = {"hard": True} if getattr(args, "hard", False) else {}
     j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
     extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
+    if args.command == "requeue":
+        extra += f"; its run resumes from its last checkpoint in {j['out']}"
     waiting = f" ({'; '.join(j['waiting'])})" if j["waiting"] else ""
     print(f"job {j['id']} {j['name']}: {j['state']}{extra}{waiting}")
     return 0
@@ -217,7 +262,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             return 0
         state = request("GET", f"/api/jobs/{args.job}").json()["state"]
-        if state in ("completed", "failed", "cancelled") and not r.content:
+        if state in FINISHED and not r.content:
             return 0
         time.sleep(0.5)
 

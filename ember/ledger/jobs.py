@@ -46,17 +46,17 @@ def insert(con: sqlite3.Connection, name: str, recipe: str, out: str, overrides:
     now = time.time()
     con.execute("BEGIN IMMEDIATE")
     try:
-        cur = con.execute("INSERT INTO jobs (name, recipe, out, overrides, priority, state, submitted, "
-                          "updated, request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                          (name, recipe, out, json.dumps(overrides), priority, state, now, now,
-                           json.dumps(request)))
-        con.execute("INSERT INTO job_transitions VALUES (?, ?, NULL, ?, 'submitted')",
-                    (cur.lastrowid, now, state))
+        job_id = next_id(con)
+        con.execute("INSERT INTO jobs (id, name, recipe, out, overrides, priority, state, submitted, "
+                    "updated, request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, name, recipe, out, json.dumps(overrides), priority, state, now, now,
+                     json.dumps(request)))
+        con.execute("INSERT INTO job_transitions VALUES (?, ?, NULL, ?, 'submitted')", (job_id, now, state))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
         raise
-    return get(con, cur.lastrowid)
+    return get(con, job_id)
 
 
 def get(con: sqlite3.Connection, job_id: int) -> JobRow | None:
@@ -84,7 +84,10 @@ def name_taken(con: sqlite3.Connection, name: str) -> bool:
 
 
 def next_id(con: sqlite3.Connection) -> int:
-    return (con.execute("SELECT coalesce(max(id), 0) FROM jobs").fetchone()[0] or 0) + 1
+    """The next job's id: past every job's, removed ones' too (their transitions stay), so an id
+    is never given twice."""
+    return con.execute("SELECT max((SELECT coalesce(max(id), 0) FROM jobs), "
+                       "(SELECT coalesce(max(job_id), 0) FROM job_transitions))").fetchone()[0] + 1
 
 
 def set_state(con: sqlite3.Connection, job_id: int, expect: str, state: str, why: str,
@@ -100,6 +103,21 @@ def set_state(con: sqlite3.Connection, job_id: int, expect: str, state: str, why
         if cur.rowcount == 1 and state != expect:
             con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, ?, ?)",
                         (job_id, sets["updated"], expect, state, why))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return cur.rowcount == 1
+
+
+def remove(con: sqlite3.Connection, job_id: int, expect: str, why: str) -> bool:
+    """Compare-and-delete: remove the job's row if it is still in `expect`, logging a last
+    transition to 'purged' (its transitions stay). False (nothing removed) if it was not."""
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        cur = con.execute("DELETE FROM jobs WHERE id = ? AND state = ?", (job_id, expect))
+        if cur.rowcount == 1:
+            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, 'purged', ?)", (job_id, time.time(), expect, why))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")

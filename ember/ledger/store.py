@@ -339,6 +339,12 @@ def _runs_at(con: sqlite3.Connection, path: Path) -> list[str]:
                                       (str(path.resolve()),))]
 
 
+def latest_run_at(con: sqlite3.Connection, path: Path) -> str | None:
+    """The id of the newest run recorded in folder `path`, if any."""
+    ids = _runs_at(con, path)
+    return ids[-1] if ids else None
+
+
 def run_attempt_outcomes(con: sqlite3.Connection, path: Path) -> list[str | None]:
     """The outcomes of the attempts of the run in folder `path`, oldest first."""
     ids = _runs_at(con, path)

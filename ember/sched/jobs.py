@@ -13,9 +13,16 @@ checks that no other module calls ember.ledger.jobs.set_state); the service call
     starting | running | soft-paused ──found dead──> queued   (the process died while nobody
                                                            watched, e.g. with the service: it
                                                            resumes from its last checkpoint)
+    failed | cancelled ──requeue (by hand)──> queued       (the same run: it resumes from its run
+                                                           folder's last checkpoint)
+    completed | failed | cancelled ──purge (by hand)──> (row removed; its transitions stay, the
+                                                           last to 'purged'; the run folder and the
+                                                           ledger's runs, attempts, events stay)
 
 A queued job with a `hold` ("user": ember pause --hard; "yield": ember yield) is not admitted
-until the hold is lifted. completed, failed and cancelled are final.
+until the hold is lifted. completed, failed and cancelled are final: no process, and the
+scheduler never moves them; only a hand's requeue or purge does. The service calls `remove` to
+purge (a test checks that no other module calls ember.ledger.jobs.remove).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from ember.ledger import jobs as rows
 from ember.ledger.jobs import JobRow
 
 STATES = ("queued", "starting", "running", "soft-paused", "preempting", "completed", "failed", "cancelled")
-FINAL = ("completed", "failed", "cancelled")
+FINAL = ("completed", "failed", "cancelled")  # ended: no process; only a hand requeues or purges them
 LIVE = ("starting", "running", "soft-paused", "preempting")  # a process exists (or should)
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "queued": ("starting", "cancelled"),
@@ -36,7 +43,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "running": ("soft-paused", "preempting", "completed", "failed", "queued"),
     "soft-paused": ("running", "preempting", "completed", "failed", "queued"),
     "preempting": ("queued", "cancelled", "completed", "failed"),
-    "completed": (), "failed": (), "cancelled": (),
+    "completed": (), "failed": ("queued",), "cancelled": ("queued",),  # queued: requeued by hand
 }
 
 
@@ -52,3 +59,12 @@ def move(con: sqlite3.Connection, job: JobRow, dst: str, why: str, **fields: Any
     if not rows.set_state(con, job.id, job.state, dst, why, fields):
         return None
     return rows.get(con, job.id)
+
+
+def remove(con: sqlite3.Connection, job: JobRow, why: str) -> bool:
+    """Purge a finished job's row if it is still in the state it was read in; False when another
+    change got there first (a requeue)."""
+    if job.state not in FINAL:
+        raise EmberError(f"job {job.name} is {job.state}: only a finished job (completed, failed, "
+                         f"cancelled) is purged")
+    return rows.remove(con, job.id, job.state, why)

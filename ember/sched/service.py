@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -33,11 +34,11 @@ from ember.events import Events
 from ember.infer.runs import BASE, lora_run
 from ember.ledger import jobs as rows
 from ember.ledger.jobs import JobRow
-from ember.ledger.store import connect, default_path
+from ember.ledger.store import connect, default_path, latest_run_at
 from ember.paths import check_name, default_run_folder, ember_home, name_from
 from ember.sched import admission, owner, process
 from ember.sched.inference import Gate
-from ember.sched.jobs import FINAL, LIVE, move
+from ember.sched.jobs import FINAL, LIVE, move, remove
 from ember.sched.observe import Observer
 from ember.sched.planning import plan_json
 from ember.sched.resources import Machine, detect
@@ -70,6 +71,7 @@ class JobView:
     held_by: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)  # why it does not train now, in words
     log: str = ""                                      # its output (`ember logs`)
+    run: str | None = None  # the ledger's id of the run in `out` (the dashboard's /runs/RUN); None before it trains
 
 
 class Service:
@@ -187,7 +189,8 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is {job.state}: nothing to resume")
+                again = f"; `ember requeue {job.name}` queues it again" if job.state != "completed" else ""
+                raise ValueError(f"job {job.name} is {job.state}: nothing to resume{again}")
             if job.hold in ("user", "interrupted") or job.pause == "user":
                 move(self.con, job, job.state, "resumed by hand", hold=None if job.hold != "cancel" else "cancel",
                      pause=None)
@@ -219,6 +222,65 @@ class Service:
             if done(job) or time.monotonic() >= deadline:
                 return job
             time.sleep(0.05)
+
+    def requeue(self, ref: str) -> JobRow:
+        """Queue a failed or cancelled job again: the same run, resumed from its run folder's last
+        checkpoint (from the start if it never trained)."""
+        with self.lock:
+            job = self.find(ref)
+            if job.state not in ("failed", "cancelled"):
+                raise EmberError(f"job {job.name} is {job.state}: only a failed or cancelled job is requeued"
+                                 + ("" if job.state == "completed" else f"; `ember resume {job.name}` lifts "
+                                    f"a pause or hold"))
+            # Checked again: the owner may have narrowed [service] allowed since it was submitted.
+            folder, recipe = Path(job.out), self.allowed(job.recipe, "recipe")
+            run = latest_run_at(self.con, folder)
+            if run is not None and not folder.is_dir():
+                raise EmberError(f"job {job.name}: its run folder {folder} is gone (the ledger's run {run} "
+                                 f"trained there), so there is nothing to resume; submit the recipe again "
+                                 f"for a new run: `ember submit {recipe} --name NEW_NAME`")
+            if not recipe.is_file():
+                raise EmberError(f"job {job.name}: its recipe {recipe} is gone; put it back (the run resumes "
+                                 f"only with the recipe it trained with) and requeue again")
+            busy = [j for j in rows.all_jobs(self.con) if j.out == job.out and j.state not in FINAL]
+            if busy:
+                raise EmberError(f"job {job.name}: its run folder {folder} belongs to job {busy[0].name} "
+                                 f"({busy[0].state}) now; cancel that job first")
+            job = move(self.con, job, "queued", "requeued by hand", hold=None, pause=None, cause=None) or job
+        self.events.info(f"job {job.name}: requeued by hand ({job.state})")
+        return job
+
+    def purge(self, refs: list[str], states: list[str] | None, older_than: float | None,
+              dry_run: bool) -> list[JobView]:
+        """Remove finished jobs from the queue: their rows, logs and control folders, never their
+        run folders or the ledger's runs. `refs`: those jobs (each must be finished), else every
+        finished one; `states` and `older_than` (seconds since it ended) narrow the choice."""
+        wanted = tuple(states or FINAL)
+        for state in wanted:
+            if state not in FINAL:
+                raise EmberError(f"state {state!r}: only finished jobs (completed, failed, cancelled) are "
+                                 f"purged; a queued, running or paused job is cancelled first (`ember cancel JOB`)")
+        if older_than is not None and older_than < 0:
+            raise EmberError(f"older than {older_than:g} s: must be 0 or more")
+        with self.lock:
+            jobs = list({j.id: j for j in map(self.find, refs)}.values()) if refs else rows.all_jobs(self.con, FINAL)
+            for job in jobs:
+                if job.state not in FINAL:
+                    raise EmberError(f"job {job.name} is {job.state}: only finished jobs (completed, failed, "
+                                     f"cancelled) are purged; nothing was removed. `ember cancel {job.name}` "
+                                     f"ends it first")
+            cutoff = math.inf if older_than is None else time.time() - older_than
+            chosen = [j for j in jobs if j.state in wanted and j.updated <= cutoff]
+            views = [self.view(j) for j in chosen]
+            if dry_run:
+                return views
+            gone = [j for j in chosen if remove(self.con, j, "purged by hand")]
+            for job in gone:  # the service's own files about the job; its run folder is not touched
+                self.log_path(job).unlink(missing_ok=True)
+                shutil.rmtree(self.ctl(job))
+        if gone:
+            self.events.info(f"purged {len(gone)} finished job(s): {', '.join(j.name for j in gone)}")
+        return [v for v in views if v.id in {j.id for j in gone}]
 
     def yield_devices(self, seconds: float | None, timeout: float = 600.0) -> dict:
         """Hold all training for `seconds` (None: until released) and return once every job's
@@ -294,7 +356,7 @@ class Service:
         by = [f"{h.rule}: {h.detail}" for h in self.holds_on(j)]
         return JobView(j.id, j.name, j.state, j.priority, j.devices, step, j.request.get("max_steps", 0),
                        j.hold, j.pause, j.preemptions, j.cause, j.out, run_goodput(self.con, j.out), by,
-                       self.why_waiting(j, by), str(self.log_path(j)))
+                       self.why_waiting(j, by), str(self.log_path(j)), latest_run_at(self.con, Path(j.out)))
 
     def why_waiting(self, j: JobRow, held_by: list[str]) -> list[str]:
         """Why job `j` does not train now: a hand's hold or pause, the owner's rules and yield,

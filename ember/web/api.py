@@ -4,10 +4,15 @@
     GET  /api/jobs                    the queue
     POST /api/jobs                    submit {recipe, name?, priority?, out?, overrides?}   token
                                       (recipe and out: absolute paths)
-    GET  /api/jobs/{job}              one job
+    GET  /api/jobs/{job}              one job (`out`: its run folder; `run`: its run's ledger id)
     POST /api/jobs/{job}/pause        {hard?: bool}                                           token
     POST /api/jobs/{job}/resume                                                               token
     POST /api/jobs/{job}/cancel                                                               token
+    POST /api/jobs/{job}/requeue      a failed or cancelled job, to resume its run             token
+    POST /api/jobs/purge              {jobs?: [job], states?: [state], older_than_seconds?,    token
+                                      dry_run?: bool}: remove finished jobs from the queue
+                                      (never their run folders or the ledger's runs); the
+                                      answer lists them: {removed: [job], dry_run}
     GET  /api/jobs/{job}/logs?offset= its output from byte `offset`
     POST /api/yield                   {seconds?: number | null, release?: bool}               token
     GET  /api/explain                 which owner rule holds each job
@@ -257,6 +262,26 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
     @app.post("/api/jobs/{ref}/cancel")
     async def cancel(ref: str) -> Any:
         return asdict(service.view(await call(service.cancel, ref)))
+
+    @app.post("/api/jobs/{ref}/requeue")
+    async def requeue(ref: str) -> Any:
+        return asdict(service.view(await call(service.requeue, ref)))
+
+    @app.post("/api/jobs/purge")
+    async def purge(request: Request) -> Any:
+        data = await body(request)
+        unknown = set(data) - {"jobs", "states", "older_than_seconds", "dry_run"}
+        if unknown:
+            raise BadRequest(400, f"unknown field(s) {sorted(unknown)}")
+        refs, states = field(data, "jobs", list, []), field(data, "states", list)
+        if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in refs):
+            raise BadRequest(400, "'jobs': a list of job names or ids")
+        if states is not None and not all(isinstance(x, str) for x in states):
+            raise BadRequest(400, "'states': a list of 'completed', 'failed', 'cancelled'")
+        older = field(data, "older_than_seconds", (int, float))
+        dry_run = field(data, "dry_run", bool, False)
+        removed = await call(service.purge, [str(r) for r in refs], states, older, dry_run)
+        return {"removed": [asdict(v) for v in removed], "dry_run": dry_run}
 
     @app.get("/api/jobs/{ref}/logs")
     async def logs(ref: str, offset: int = 0) -> Any:

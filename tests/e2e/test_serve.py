@@ -197,6 +197,60 @@ def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
         s.stop()
 
 
+def test_a_failed_job_requeued_resumes_its_run_ends_bit_identical_and_purge_keeps_the_run(reference):
+    """A failed job could only be submitted again, as a new run from step 0, and finished jobs
+    piled up in the queue (issue 24, item 12). Here a job trains, is paused (a checkpoint), then
+    fails: its recipe became unreadable. Put back, `ember requeue` resumes the same run from that
+    checkpoint and it ends bit-identical to an uninterrupted run; `ember queue` names its run
+    folder and run; `ember queue purge` removes the job, never its run folder or ledger rows."""
+    root, recipe = reference
+    mine = root / "requeue-recipe" / "recipe.toml"  # the module's recipe is shared: this one is broken
+    mine.parent.mkdir(exist_ok=True)
+    mine.write_bytes(recipe.read_bytes())
+    s = serve(root, "requeue", None).start()
+    out = root / "requeue" / "runs" / "j"
+    try:
+        assert s.cli("submit", str(mine), "--name", "j").returncode == 0
+        s.wait(lambda j: j["j"]["state"] == "running" and j["j"]["step"] >= 3)
+        assert s.cli("pause", "j", "--hard").returncode == 0
+        s.wait(lambda j: j["j"]["state"] == "queued")
+        mine.write_text("[train\n")  # `ember run` refuses it: the job fails, its checkpoints intact
+        assert s.cli("resume", "j").returncode == 0
+        failed = s.wait(lambda j: j["j"]["state"] == "failed" and j["j"])
+        assert failed["cause"].startswith("error:") and str(mine) in failed["cause"], failed
+        r = s.cli("resume", "j")  # resume lifts holds; it points to requeue
+        assert r.returncode == 1 and "`ember requeue j`" in r.stderr, r.stderr
+        mine.write_bytes(recipe.read_bytes())
+        r = s.cli("requeue", "j")
+        assert r.returncode == 0 and "j: queued" in r.stdout and str(out) in r.stdout, (r.stdout, r.stderr)
+        s.wait(lambda j: j["j"]["state"] == "completed", timeout=300)
+        assert_same_result(out, root / "reference")
+        con = connect(s.home / "ledger.db")
+        run = find_run(con, str(out))["id"]
+        attempts = con.execute("SELECT attempt, resumed_from FROM attempts WHERE run_id = ?", (run,)).fetchall()
+        assert len(attempts) == 2 and attempts[-1][1] >= 3, attempts  # one run, resumed from the pause's checkpoint
+        assert s.jobs()["j"]["run"] == run
+        q = s.cli("queue")
+        assert q.returncode == 0 and f"  j: {out} (run {run})" in q.stdout, q.stdout
+
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        rows = [con.execute(f"SELECT * FROM {t} WHERE run_id = ?", (run,)).fetchall()
+                for t in ("attempts", "events", "checkpoints", "summaries")]
+        dry = s.cli("queue", "purge", "--dry-run")
+        assert dry.returncode == 0 and "would remove 1 finished job(s)" in dry.stdout and "j (completed)" in dry.stdout
+        assert "j" in s.jobs()
+        r = s.cli("queue", "purge", "--state", "completed")
+        assert r.returncode == 0 and "removed 1 finished job(s)" in r.stdout and f"(run {run})" in r.stdout, r.stdout
+        assert "j" not in s.jobs() and "  j: " not in s.cli("queue").stdout
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+        assert find_run(con, str(out))["id"] == run
+        assert [con.execute(f"SELECT * FROM {t} WHERE run_id = ?", (run,)).fetchall()
+                for t in ("attempts", "events", "checkpoints", "summaries")] == rows
+        assert run in run_ember("runs", "--ledger", s.home / "ledger.db").stdout  # the run is still listed
+    finally:
+        s.stop()
+
+
 def test_a_second_service_is_refused_naming_the_first(reference, tmp_path):
     root, _ = reference
     s = serve(root, "twice", None).start()

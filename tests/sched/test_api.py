@@ -346,3 +346,132 @@ def test_ember_yield_outlives_a_restart_of_the_service(service, tmp_path):
     # A job queued now is held by it in the restarted service (no tick here: nothing is started).
     job = rows.insert(service.con, "j", "/x.toml", str(tmp_path / "run"), [], 0, {"memory": 1}, "queued")
     assert [h.rule for h in restarted().holds_on(job)] == ["yield"]
+
+
+def finished(service, name: str, state: str, out: Path, recipe: str = "/x.toml") -> rows.JobRow:
+    """A job that trained into `out` and ended `state` (by the ledger's own compare-and-set)."""
+    job = rows.insert(service.con, name, recipe, str(out), [], 0, {"memory": 1}, "queued")
+    assert rows.set_state(service.con, job.id, "queued", "starting", "admitted", {})
+    assert rows.set_state(service.con, job.id, "starting", state, "ended", {"cause": f"it {state}"})
+    return rows.get(service.con, job.id)
+
+
+def snapshot(folders: list[Path], ledger: Path) -> tuple:
+    """Every byte of the run folders and every row of the ledger's run tables."""
+    import sqlite3
+    files = {p: p.read_bytes() for f in folders for p in sorted(f.rglob("*")) if p.is_file()}
+    con = sqlite3.connect(ledger)
+    tables = {t: sorted(map(repr, con.execute(f"SELECT * FROM {t}")))
+              for t in ("runs", "attempts", "events", "checkpoints", "summaries")}
+    con.close()
+    return files, tables
+
+
+def test_purge_removes_finished_jobs_rows_never_their_runs_and_never_an_active_job(service, tmp_path):
+    """Finished jobs piled up in the queue for ever (issue 24, item 12). `POST /api/jobs/purge`
+    (what `ember queue purge` calls) removes their rows, logs and control files, chosen by name,
+    state or age; the run folders and the ledger's runs, attempts, events, checkpoints and
+    summaries stay byte for byte; a queued or running job is never removed, and naming one
+    removes nothing; the purged ids are never given again."""
+    from tests.web.runs import make_run
+    runs = tmp_path / "allowed" / "runs"
+    ids = {n: make_run(service.con, runs / n, 12) for n in ("done", "broke", "stopped")}
+    jobs = {n: finished(service, n, s, runs / n) for n, s in
+            (("done", "completed"), ("broke", "failed"), ("stopped", "cancelled"))}
+    waiting = rows.insert(service.con, "waiting", "/x.toml", str(runs / "waiting"), [], 0, {"memory": 1}, "queued")
+    training = rows.insert(service.con, "training", "/x.toml", str(runs / "done"), [], 0, {"memory": 1}, "queued")
+    assert rows.set_state(service.con, training.id, "queued", "running", "test", {})
+    for job in jobs.values():
+        service.log_path(job).parent.mkdir(parents=True, exist_ok=True)
+        service.log_path(job).write_text("its output\n")
+        service.ctl(job)
+    before = snapshot([runs], tmp_path / "ledger.db")
+    c = client(service)
+
+    def names() -> set[str]:
+        return {j["name"] for j in c.get("/api/jobs", headers=AUTH).json()}
+
+    # Each job names its run folder and, once it trained, its run.
+    view = c.get("/api/jobs/done", headers=AUTH).json()
+    assert (view["out"], view["run"]) == (str(runs / "done"), ids["done"])
+    assert c.get("/api/jobs/waiting", headers=AUTH).json()["run"] is None
+
+    r = c.post("/api/jobs/purge", json={"dry_run": True}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["dry_run"] is True
+    assert {j["name"] for j in r.json()["removed"]} == {"done", "broke", "stopped"}
+    assert names() == {"done", "broke", "stopped", "waiting", "training"}  # a dry run removes nothing
+    for refused, says in (({"jobs": ["done", "waiting"]}, "job waiting is queued"),
+                          ({"jobs": [training.id]}, "job training is running"),
+                          ({"states": ["running"]}, "only finished jobs"),
+                          ({"older_than_seconds": -1}, "0 or more"),
+                          ({"jobs": ["nope"]}, "no job 'nope'")):
+        r = c.post("/api/jobs/purge", json=refused, headers=AUTH)
+        assert r.status_code in (400, 404) and says in r.json()["error"], (refused, r.text)
+        assert names() == {"done", "broke", "stopped", "waiting", "training"}
+
+    r = c.post("/api/jobs/purge", json={"states": ["failed"]}, headers=AUTH).json()
+    assert [j["name"] for j in r["removed"]] == ["broke"] and names() == {"done", "stopped", "waiting", "training"}
+    service.con.execute("UPDATE jobs SET updated = updated - 3600 WHERE name = 'done'")  # it ended an hour ago
+    r = c.post("/api/jobs/purge", json={"older_than_seconds": 600}, headers=AUTH).json()
+    assert [j["name"] for j in r["removed"]] == ["done"]
+    r = c.post("/api/jobs/purge", json={"jobs": ["stopped"]}, headers=AUTH).json()
+    assert [(j["name"], j["run"]) for j in r["removed"]] == [("stopped", ids["stopped"])]
+    assert names() == {"waiting", "training"}
+    assert c.post("/api/jobs/purge", json={}, headers=AUTH).json()["removed"] == []
+
+    assert snapshot([runs], tmp_path / "ledger.db") == before  # run folders and the ledger's runs untouched
+    for job in jobs.values():
+        assert not service.log_path(job).exists() and not (service.dir / "control" / str(job.id)).exists()
+        assert rows.transitions(service.con, job.id)[-1]["to_state"] == "purged"  # its history stays
+    assert rows.get(service.con, waiting.id).state == "queued" and rows.get(service.con, training.id).state == "running"
+    newest = rows.insert(service.con, "next", "/x.toml", str(runs / "next"), [], 0, {"memory": 1}, "queued")
+    assert newest.id > max(j.id for j in [*jobs.values(), waiting, training])
+
+
+def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot_resume(service, tmp_path):
+    """A failed job could not be queued again (issue 24, item 12). `POST /api/jobs/JOB/requeue`
+    (`ember requeue JOB`, the queue page's button) queues a failed or cancelled job again, its
+    hold, pause and cause cleared, to resume the same run; a job that never trained starts from
+    the beginning. Refused, changing nothing: an unfinished or completed job, a run folder that
+    is gone while the ledger knows its run, a folder another unfinished job owns now."""
+    from tests.web.runs import make_run
+    allowed = tmp_path / "allowed"
+    recipe = allowed / "r.toml"
+    recipe.write_text("")
+    make_run(service.con, allowed / "runs" / "broke", 12, completed=False)
+    make_run(service.con, allowed / "runs" / "gone", 12, completed=False)
+    broke = finished(service, "broke", "failed", allowed / "runs" / "broke", str(recipe))
+    gone = finished(service, "gone", "failed", allowed / "runs" / "gone", str(recipe))
+    import shutil
+    shutil.rmtree(allowed / "runs" / "gone")
+    never = rows.insert(service.con, "never", str(recipe), str(allowed / "runs" / "never"), [], 0, {"memory": 1},
+                        "queued")
+    service.cancel("never")
+    done = finished(service, "done", "completed", allowed / "runs" / "done", str(recipe))
+    c = client(service)
+    for ref, says in (("gone", "its run folder " + str(allowed / "runs" / "gone") + " is gone"),
+                      ("done", "job done is completed: only a failed or cancelled job is requeued"),
+                      ("nope", "no job 'nope'")):
+        r = c.post(f"/api/jobs/{ref}/requeue", headers=AUTH)
+        assert r.status_code in (400, 404) and says in r.json()["error"], (ref, r.text)
+    assert "ember submit" in c.post("/api/jobs/gone/requeue", headers=AUTH).json()["error"]
+    assert (rows.get(service.con, gone.id).state, rows.get(service.con, done.id).state) == ("failed", "completed")
+
+    r = c.post("/api/jobs/broke/requeue", headers=AUTH)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert (job["state"], job["hold"], job["cause"]) == ("queued", None, None)
+    assert job["out"] == str(allowed / "runs" / "broke")
+    assert rows.transitions(service.con, broke.id)[-1]["why"] == "requeued by hand"
+    r = c.post("/api/jobs/broke/requeue", headers=AUTH)  # now queued: not again
+    assert r.status_code == 400 and "job broke is queued" in r.json()["error"] and "ember resume" in r.json()["error"]
+    assert c.post("/api/jobs/never/requeue", headers=AUTH).json()["state"] == "queued"  # never trained: from the start
+
+    rival = finished(service, "rival", "cancelled", allowed / "runs" / "broke", str(recipe))  # broke's folder, queued
+    r = c.post("/api/jobs/rival/requeue", headers=AUTH)
+    assert r.status_code == 400 and "belongs to job broke (queued)" in r.json()["error"], r.text
+    assert rows.get(service.con, rival.id).state == "cancelled"
+    r = c.post("/api/jobs/done/resume", headers=AUTH)
+    assert r.status_code == 409 and "requeue" not in r.json()["error"]  # a completed job is not requeued
+    service.cancel("broke")
+    assert "`ember requeue broke`" in c.post("/api/jobs/broke/resume", headers=AUTH).json()["error"]

@@ -18,15 +18,18 @@ def test_every_state_is_declared_with_its_transitions_in_the_docstring():
         assert src in jobs.__doc__
         for dst in dsts:
             assert dst in STATES and allowed(src, dst)
-    for final in FINAL:
-        assert TRANSITIONS[final] == ()
+    # Final: only a hand's requeue takes a failed or cancelled job back to the queue (issue 24, item 12).
+    assert {s: TRANSITIONS[s] for s in FINAL} == {"completed": (), "failed": ("queued",), "cancelled": ("queued",)}
+    assert "requeue" in jobs.__doc__ and "purge" in jobs.__doc__
     assert not allowed("completed", "queued") and not allowed("queued", "running")
 
 
 def test_only_the_state_machine_module_changes_a_jobs_state():
-    """Nothing but ember/sched/jobs.py calls ember.ledger.jobs.set_state (however imported)."""
-    callers = callers_of("ember.ledger.jobs", "set_state")
-    assert callers == ["sched/jobs.py"], callers
+    """Nothing but ember/sched/jobs.py calls ember.ledger.jobs.set_state or removes a job's row
+    (however imported)."""
+    for function in ("set_state", "remove"):
+        callers = callers_of("ember.ledger.jobs", function)
+        assert callers == ["sched/jobs.py"], (function, callers)
 
 
 def test_the_service_does_not_import_torch():

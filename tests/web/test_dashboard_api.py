@@ -159,7 +159,8 @@ def test_the_openapi_document_validates_and_lists_every_json_route(client):
     paths = set(spec["paths"])
     assert {"/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/curves", "/api/runs/{run_id}/live",
             "/api/runs/{run_id}/record", "/api/runs/{run_id}/diagnosis", "/api/compare", "/api/machine",
-            "/api/capacity", "/api/plan", "/metrics", "/api/jobs", "/api/jobs/{ref}/pause"} <= paths
+            "/api/capacity", "/api/plan", "/metrics", "/api/jobs", "/api/jobs/{ref}/pause", "/api/jobs/{ref}/requeue",
+            "/api/jobs/purge"} <= paths
     assert not any(p.startswith(("/runs", "/static", "/login")) for p in paths)  # pages are not the API
 
 
@@ -272,6 +273,28 @@ def test_changes_need_the_token_or_the_session_and_its_csrf_value(anon, service)
     assert 'content=""' in anon.get("/queue", headers=AUTH).text  # the token, no session: no CSRF value
     r = anon.post(f"/api/jobs/{job.id}/resume", headers=AUTH)  # the commands' way
     assert r.status_code == 200 and r.json()["hold"] is None
+
+
+def test_the_queue_page_links_each_job_to_its_run_and_offers_requeue_for_a_failed_one(client, ledger_dir, service):
+    """A job on the queue page named neither its run folder nor its run, and a failed job could
+    only be submitted again (issue 24, item 12): its name now links to its run's page, its run
+    folder is under it, and a failed one has a requeue button (and no pause, resume, cancel)."""
+    base, _, ids = ledger_dir
+    failed = job_rows.insert(service.con, "linked", "/x.toml", str(base / "runs" / "tiny"), [], 0, {"memory": 1},
+                             "queued")
+    assert job_rows.set_state(service.con, failed.id, "queued", "starting", "test", {})
+    assert job_rows.set_state(service.con, failed.id, "starting", "failed", "test", {"cause": "exit 1"})
+    fresh = job_rows.insert(service.con, "fresh", "/x.toml", str(base / "runs" / "fresh"), [], 0, {"memory": 1},
+                            "queued")
+    assert client.get("/api/jobs/linked").json()["run"] == ids["tiny"]
+    html = client.get("/queue").text
+    linked = re.search(rf'<tr data-job="{failed.id}">(.*?)</tr>', html, re.S).group(1)
+    assert f'<a href="/runs/{ids["tiny"]}">linked</a><div class="sub">{base / "runs" / "tiny"}</div>' in linked, linked
+    assert re.findall(r'data-action="(\w+)"', linked) == ["requeue"]
+    waiting = re.search(rf'<tr data-job="{fresh.id}">(.*?)</tr>', html, re.S).group(1)
+    assert "<a " not in waiting and str(base / "runs" / "fresh") in waiting  # no run yet: its folder, no link
+    assert re.findall(r'data-action="(\w+)"', waiting) == ["pause", "resume", "cancel"]
+    assert client.get(f"/runs/{ids['tiny']}").status_code == 200  # where the link goes
 
 
 def test_ember_ui_without_a_service_serves_the_dashboard_alone(ledger_dir):

@@ -1,5 +1,6 @@
-// The queue page's controls: pause, resume and cancel a job, yield the devices. Each is a POST
-// to the JSON API with the page's CSRF value; the table is read again every two seconds.
+// The queue page's controls: pause, resume and cancel a job, requeue a failed or cancelled one,
+// yield the devices. Each is a POST to the JSON API with the page's CSRF value; the table is read
+// again every two seconds. A job's name links to its run's page once it trained.
 "use strict";
 (function () {
   const table = document.getElementById("jobs");
@@ -33,14 +34,26 @@
     let note = j.state === "failed" ? `failed: ${j.cause || "no cause recorded"}; its output: ${j.log} (ember logs ${j.name})`
       : j.hold ? `held: ${j.hold}` : j.pause ? `pause: ${j.pause}` : "";
     if (j.waiting.length) note += " " + j.waiting.join("; ");
-    tr.append(cell(j.id), cell(j.name), cell(j.state, "state"), cell(j.priority, "n"), cell(j.devices.join(",") || "-"),
+    const name = cell("", "run");
+    if (j.run) {
+      const a = document.createElement("a");
+      a.href = `/runs/${encodeURIComponent(j.run)}`; a.textContent = j.name;
+      name.append(a);
+    } else name.append(j.name);
+    const folder = document.createElement("div");
+    folder.className = "sub"; folder.textContent = j.out;
+    name.append(folder);
+    tr.append(cell(j.id), name, cell(j.state, "state"), cell(j.priority, "n"), cell(j.devices.join(",") || "-"),
               cell(`${j.step}/${j.max_steps}`), cell(j.goodput === null ? "-" : `${(100 * j.goodput).toFixed(1)}%`, "n"),
               cell(note, "note"));
     const actions = cell("", "actions");
-    for (const a of ["pause", "resume", "cancel"]) {
+    // A finished job takes no pause, resume or cancel (shown off); a failed or cancelled one is requeued.
+    const verbs = ["pause", "resume", "cancel", ...(["failed", "cancelled"].includes(j.state) ? ["requeue"] : [])];
+    for (const a of verbs) {
+      const off = final.includes(j.state) && a !== "requeue";
       const b = document.createElement("button");
-      b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn || final.includes(j.state);
-      if (final.includes(j.state)) b.title = `the job is ${j.state}`;
+      b.type = "button"; b.dataset.action = a; b.textContent = a; b.disabled = !signedIn || off;
+      if (off) b.title = `the job is ${j.state}`;
       actions.append(b);
     }
     tr.append(actions);
