@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ember import control
 from ember.durable import fsync_dir, write_durable
-from ember.errors import EXIT_INTERRUPTED, EmberError
+from ember.errors import EXIT_INTERRUPTED, BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
 from ember.events import Events
 from ember.infer.runs import BASE, lora_run
 from ember.ledger import jobs as rows
@@ -102,9 +102,9 @@ class Service:
             check_name(name)
         recipe_path = self.allowed(recipe, "recipe")
         if not recipe_path.is_file():
-            raise EmberError(f"recipe {recipe_path}: no such file")
+            raise BadInput(f"recipe {recipe_path}: no such file")
         if not -1000 <= priority <= 1000:
-            raise EmberError(f"priority {priority}: must be between -1000 and 1000")
+            raise BadInput(f"priority {priority}: must be between -1000 and 1000")
         request = self.plan(recipe_path, overrides)
         capacity = max(self.capacity(d) for d in self.machine.devices)
         if request["memory"] > capacity:
@@ -115,11 +115,11 @@ class Service:
         with self.lock:
             name = name or name_from(recipe_path.stem, str(rows.next_id(self.con)))
             if rows.name_taken(self.con, name):
-                raise EmberError(f"job name {name!r} is taken; choose another --name")
+                raise Conflict(f"job name {name!r} is taken; choose another --name")
             folder = self.allowed(out, "run folder") if out else default_run_folder(name)
             busy = [j for j in rows.all_jobs(self.con) if j.out == str(folder) and j.state not in FINAL]
             if busy:
-                raise EmberError(f"run folder {folder} belongs to job {busy[0].name} ({busy[0].state}); "
+                raise Conflict(f"run folder {folder} belongs to job {busy[0].name} ({busy[0].state}); "
                                  f"cancel it or choose another --out")
             job = rows.insert(self.con, name, str(recipe_path), str(folder), overrides, priority,
                               request, "queued")
@@ -149,17 +149,20 @@ class Service:
 
     def allowed(self, path: str, what: str) -> Path:
         """`path` resolved, if it lies under a folder the owner allowed ([service] allowed)."""
-        p = Path(path).expanduser().resolve()
+        try:
+            p = Path(path).expanduser().resolve()
+        except (ValueError, RuntimeError) as e:  # a NUL byte; a loop of links
+            raise BadInput(f"{what} {path[:200]!r}: not a usable path ({e})") from None
         roots = [Path(a).expanduser().resolve() for a in self.rules.service.allowed]
         if not any(p.is_relative_to(r) for r in roots):
-            raise PermissionError(f"{what} {p} is outside the folders the owner allowed "
-                                  f"({', '.join(map(str, roots))}; [service] allowed in owner.toml)")
+            raise Refused(f"{what} {p} is outside the folders the owner allowed "
+                          f"({', '.join(map(str, roots))}; [service] allowed in owner.toml)")
         return p
 
     def find(self, ref: str) -> JobRow:
         job = rows.find(self.con, str(ref))
         if job is None:
-            raise LookupError(f"no job {ref!r}; `ember queue` lists them")
+            raise NotFound(f"no job {ref!r}; `ember queue` lists them")
         return job
 
     def pause(self, ref: str, hard: bool) -> JobRow:
@@ -168,7 +171,7 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is {job.state}: nothing to pause")
+                raise Conflict(f"job {job.name} is {job.state}: nothing to pause")
             if job.state == "queued" or hard:
                 if job.state in LIVE:
                     self._preempt(job, "paused by hand (hard)", hold="user")
@@ -183,7 +186,7 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is {job.state}: nothing to resume")
+                raise Conflict(f"job {job.name} is {job.state}: nothing to resume")
             if job.hold in ("user", "interrupted") or job.pause == "user":
                 move(self.con, job, job.state, "resumed by hand", hold=None if job.hold != "cancel" else "cancel",
                      pause=None)
@@ -194,7 +197,7 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is already {job.state}")
+                raise Conflict(f"job {job.name} is already {job.state}")
             if job.state == "queued":
                 move(self.con, job, "cancelled", "cancelled by hand")
             elif job.state == "preempting":
@@ -216,8 +219,8 @@ class Service:
                 if not live:
                     return {"freed_after_seconds": time.time() - t0, "until": self.yield_until}
             time.sleep(0.02)
-        raise TimeoutError(f"jobs still on the devices after {timeout:.0f} s: "
-                           f"{', '.join(j.name for j in live)}")
+        raise Unavailable(f"jobs still on the devices after {timeout:.0f} s: {', '.join(j.name for j in live)}; "
+                          f"the yield holds: ask again to wait more")
 
     def release_yield(self) -> None:
         with self.lock:

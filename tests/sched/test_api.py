@@ -49,7 +49,7 @@ def test_mutations_need_the_token(service):
     c = client(service)
     for path in ("/api/jobs", "/api/jobs/1/pause", "/api/jobs/1/cancel", "/api/yield"):
         r = c.post(path, json={})
-        assert r.status_code == 401 and "token" in r.json()["error"]
+        assert r.status_code == 401 and "token" in r.json()["error"]["message"]
         r = c.post(path, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
     assert c.get("/api/jobs", headers=AUTH).status_code == 200
@@ -66,7 +66,8 @@ def test_on_loopback_every_request_needs_the_token_unless_the_owner_opens_readin
                          ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/runs"),
                          ("GET", "/openapi.json")):
         r = c.request(method, path, json={} if method == "POST" else None)
-        assert r.status_code == 401 and "token" in r.json()["error"], (method, path, r.status_code, r.text[:200])
+        assert r.status_code == 401 and "token" in r.json()["error"]["message"], (method, path, r.status_code,
+                                                                                 r.text[:200])
     page = c.get("/queue", headers={"accept": "text/html,application/xhtml+xml"}, follow_redirects=False)
     assert (page.status_code, page.headers["location"]) == (303, "/login")
     assert c.get("/login").status_code == 200 and c.get("/static/ember.css").status_code == 200
@@ -110,7 +111,7 @@ def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path):
     ]
     for r, status, words in cases:
         assert r.status_code == status, (r.status_code, r.text)
-        assert words in r.json()["error"], r.json()
+        assert words in r.json()["error"]["message"], r.json()
     assert rows.all_jobs(service.con) == [] and service.yield_until is None
 
 
@@ -119,7 +120,7 @@ def test_a_finished_job_cannot_be_paused_or_cancelled(service, tmp_path):
     c = client(service)
     assert c.post(f"/api/jobs/{job.id}/cancel", headers=AUTH).json()["state"] == "cancelled"
     r = c.post("/api/jobs/done/pause", json={}, headers=AUTH)
-    assert r.status_code == 409 and "cancelled" in r.json()["error"]
+    assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"]
     assert [t["to_state"] for t in rows.transitions(service.con, job.id)] == ["queued", "cancelled"]
 
 
@@ -132,7 +133,7 @@ def test_a_job_that_can_never_fit_is_refused_at_submit_with_the_plans_verdict(tm
     recipe = write_recipe(tmp_path / "r")
     r = client(service).post("/api/jobs", json={"recipe": str(recipe)}, headers=AUTH)
     assert r.status_code == 400, r.text
-    message = r.json()["error"]
+    message = r.json()["error"]["message"]
     assert "can never fit here" in message and "largest device offers 0.00 GiB" in message
     assert "`ember plan` says: local" in message
     assert rows.all_jobs(service.con) == []
@@ -147,7 +148,7 @@ def test_a_job_name_outside_the_grammar_is_refused_before_anything(service, tmp_
     recipe.write_text("")
     r = client(service).post("/api/jobs", json={"recipe": str(recipe), "name": name}, headers=AUTH)
     assert r.status_code == 400, r.text
-    assert "[A-Za-z0-9][A-Za-z0-9._-]{0,63}" in r.json()["error"]
+    assert "[A-Za-z0-9][A-Za-z0-9._-]{0,63}" in r.json()["error"]["message"]
     assert rows.all_jobs(service.con) == [] and not (tmp_path / "x").exists()
 
 
@@ -160,11 +161,12 @@ def test_the_cli_refuses_a_bad_name_as_a_usage_error(tmp_path):
 
 
 def test_a_default_run_folder_that_is_a_link_out_of_the_runs_folder_is_refused(tmp_path, monkeypatch):
+    from ember.errors import Refused
     from ember.paths import default_run_folder, name_from
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / "runs").mkdir(parents=True)
     (tmp_path / "home" / "runs" / "j").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(PermissionError, match="outside"):
+    with pytest.raises(Refused, match="outside"):  # answered 403 (ember.web.errors)
         default_run_folder("j")
     assert default_run_folder("k") == (tmp_path / "home" / "runs" / "k").resolve()
     assert name_from("../my recipe (v2)", "7") == "my-recipe-v2-7"
@@ -240,7 +242,8 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
         ]
         for method, path, status, says in refused:
             r = c.request(method, path, json={} if method == "POST" else None, headers=AUTH)
-            assert (r.status_code, says in r.json()["error"]) == (status, True), (path, r.status_code, r.text)
+            assert (r.status_code, says in r.json()["error"]["message"]) == (status, True), \
+                (path, r.status_code, r.text)
         assert engine.seen == []  # nothing reached the engine
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.post("/v1/chat/completions", json={"messages": []}, headers=AUTH).status_code == 200
@@ -265,7 +268,8 @@ def test_an_adapter_asked_of_the_upstream_engine_is_refused_not_answered_by_its_
                            ("/v1/chat/completions", {"model": "bible-lora", "messages": []})):
             r = c.post(path, json=body)
             assert r.status_code == 404, (r.status_code, r.text)
-            assert "LoRA run" in r.json()["error"] and "ember export" in r.json()["error"], r.json()
+            message = r.json()["error"]["message"]
+            assert "LoRA run" in message and "ember export" in message, r.json()
         assert engine.seen == []
         for model in ("base", "gpt-4o", None):  # the upstream engine's own model, under any name
             assert c.post("/v1/completions", json={"model": model, "prompt": "In"}).status_code == 200
