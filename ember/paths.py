@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from ember.durable import sha256_file
-from ember.errors import EmberError
+from ember.errors import BadInput, Refused
 
 # A job's name (local or remote) names its default run folder and its staging folder: one path
 # segment, never '.', '..' or anything with a separator, short enough to show.
@@ -23,11 +23,11 @@ def ember_home() -> Path:
 
 
 def check_name(name: str, what: str = "job name") -> str:
-    """`name` when it follows NAME_GRAMMAR; otherwise an EmberError that shows the grammar."""
+    """`name` when it follows NAME_GRAMMAR; otherwise a BadInput that shows the grammar."""
     if not _NAME.fullmatch(name):
         shown = name if len(name) <= 80 else f"{name[:60]}... ({len(name)} characters)"
-        raise EmberError(f"{what} {shown!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a "
-                         f"letter or digit ({NAME_GRAMMAR}); it names the job's run folder")
+        raise BadInput(f"{what} {shown!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                       f"letter or digit ({NAME_GRAMMAR}); it names the job's run folder")
     return name
 
 
@@ -42,8 +42,8 @@ def default_run_folder(name: str) -> Path:
     root = (ember_home() / "runs").resolve()
     folder = (root / check_name(name)).resolve()
     if folder.parent != root:
-        raise PermissionError(f"run folder {root / name} resolves to {folder}, outside {root}; remove "
-                              f"the link or give the job an --out")
+        raise Refused(f"run folder {root / name} resolves to {folder}, outside {root}; remove "
+                      f"the link or give the job an --out")
     return folder
 
 

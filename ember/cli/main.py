@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember import __version__
-from ember.errors import EXIT_ERROR, EmberError
+from ember.errors import EXIT_ERROR, EXIT_USAGE, BadInput, EmberError
 
 MARKDOWN_HEADER = """# Recipe settings
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except EmberError as e:
         console.print("[bold red]error:[/bold red] ", end="", highlight=False)
         console.print(str(e), markup=False, highlight=False)
-        return EXIT_ERROR
+        return exit_code(e)
     except OSError as e:  # e.g. a full disk while appending metrics: say what and where
         console.print("[bold red]error:[/bold red] ", end="", highlight=False)
         console.print(f"{e}" + (RESUME_HINT if args.command == "run" else ""), markup=False, highlight=False)
@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130
+
+
+def exit_code(e: EmberError) -> int:
+    """The one mapping from an error's meaning (ember.errors) to the exit status: bad input is bad
+    usage (2, as argparse's own); every other error is 1. Errors a command reaches over HTTP come
+    back as EmberError (1): a 400 may be a bad recipe as well as a malformed field."""
+    return EXIT_USAGE if isinstance(e, BadInput) else EXIT_ERROR
 
 
 RESUME_HINT = "; committed checkpoints are intact: fix the cause and run the same command to resume"

@@ -109,7 +109,7 @@ def job_name(text: str) -> str:
 
 
 def request(method: str, path: str, body: dict | None = None, timeout: float = 30.0) -> Any:
-    """Call the running service; its 4xx answers become EmberErrors with its message."""
+    """Call the running service; its error answers (ember.web.errors) become EmberErrors with its message."""
     import httpx
 
     from ember.web.server import client_target
@@ -121,9 +121,9 @@ def request(method: str, path: str, body: dict | None = None, timeout: float = 3
         raise EmberError(f"the service at {url} does not answer ({e}); is `ember serve` running?") from None
     if r.status_code >= 400:
         try:
-            message = r.json().get("error", r.text)
-        except ValueError:
-            message = r.text
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):  # not the service's shape: a proxy's page, say
+            message = r.text[:2000]
         raise EmberError(f"{message} (HTTP {r.status_code})")
     return r
 

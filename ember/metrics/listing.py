@@ -7,7 +7,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.errors import EmberError
+from ember.errors import EmberError, NotFound
 from ember.ledger.store import attempts
 from ember.metrics.report import list_runs, pid_alive
 
@@ -63,7 +63,7 @@ def run_folder(con: sqlite3.Connection, run_id: str) -> Path:
     and no prefixes, so nothing outside the ledger's runs can be reached through it."""
     row = con.execute("SELECT path FROM runs WHERE id = ?", (run_id,)).fetchone()
     if row is None:
-        raise LookupError(f"no run {run_id!r} in the ledger; `ember runs` lists them")
+        raise NotFound(f"no run {run_id!r} in the ledger; `ember runs` lists them")
     return Path(row["path"])
 
 

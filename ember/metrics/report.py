@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.ckpt.store import committed_in
-from ember.errors import EmberError
+from ember.errors import EmberError, NotFound
 from ember.jsonl import read_jsonl
 from ember.ledger import store as ledger_store
 from ember.ledger.store import AttemptRow
@@ -155,9 +155,9 @@ def load_run_record(run_path: Path) -> dict[str, Any]:
     """run.json of a run folder, or a clear error saying why there is none."""
     record_path = run_path / "run.json"
     if not run_path.is_dir():
-        raise EmberError(f"{run_path}: no such run folder (give a run folder or a run id from `ember runs`)")
+        raise NotFound(f"{run_path}: no such run folder (give a run folder or a run id from `ember runs`)")
     if not record_path.is_file():
-        raise EmberError(f"{run_path}: not an ember run folder (no run.json)")
+        raise NotFound(f"{run_path}: not an ember run folder (no run.json)")
     try:
         return json.loads(record_path.read_text())
     except json.JSONDecodeError as e:
@@ -172,7 +172,7 @@ def resolve_run(ref: str, con: sqlite3.Connection | None) -> Path:
         row = ledger_store.find_run(con, ref)
         if row is not None:
             return Path(row["path"])
-    raise EmberError(f"{ref}: neither a run folder nor a run id in the ledger; `ember runs` lists them")
+    raise NotFound(f"{ref}: neither a run folder nor a run id in the ledger; `ember runs` lists them")
 
 
 def pid_alive(pid: int | None, host: str | None) -> bool:

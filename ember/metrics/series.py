@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.errors import BadInput
 from ember.jsonl import loads
 
 CURVE_FIELDS = ("loss", "lr", "grad_norm", "step_seconds", "eval_loss")
@@ -142,9 +143,9 @@ def curves(run: Path, run_id: str | None, fields: tuple[str, ...] = CURVE_FIELDS
     """The run's steps in [start, end] (all by default), each field downsampled to `buckets`."""
     unknown = set(fields) - set(CURVE_FIELDS)
     if unknown:
-        raise ValueError(f"unknown curve(s) {sorted(unknown)}; known: {', '.join(CURVE_FIELDS)}")
+        raise BadInput(f"unknown curve(s) {sorted(unknown)}; known: {', '.join(CURVE_FIELDS)}")
     if not 1 <= buckets <= 100_000:
-        raise ValueError(f"buckets {buckets}: between 1 and 100000")
+        raise BadInput(f"buckets {buckets}: between 1 and 100000")
     cols = columns(run / "metrics.jsonl")
     lost, _ = read_records(run / "metrics.lost.jsonl")
     lo = 0 if start is None else bisect.bisect_left(cols.steps, start)

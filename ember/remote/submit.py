@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ember.errors import EmberError
+from ember.errors import Conflict, EmberError, Refused
 from ember.events import Events
 from ember.ledger import audit
 from ember.ledger import remote as rows
@@ -60,7 +60,7 @@ class Decided:
     registry: Registry
 
 
-class Refused(EmberError):
+class GateRefused(Refused):
     """The gate refused the job: every reason, one a line."""
 
     def __init__(self, decided: Decided):
@@ -130,7 +130,7 @@ class Submitted:
 
 
 def submit(req: RemoteRequest, events: Events) -> Submitted:
-    """Plan, gate, audit; then stage, write the batch script and sbatch it. Raises Refused."""
+    """Plan, gate, audit; then stage, write the batch script and sbatch it. Raises GateRefused."""
     name = check_name(req.name, "--name") if req.name else \
         name_from(req.recipe_file.stem, f"{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
     out = req.out.resolve() if req.out else default_run_folder(name)
@@ -138,14 +138,14 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
         raise EmberError(f"--out {out}: exists and is not empty; results of a remote job come back to a new folder")
     decided = decide(req, "submit", events)
     if not decided.decision.allowed:
-        raise Refused(decided)
+        raise GateRefused(decided)
     target = decided.target
     job_dir = f"{target.stage_dir.rstrip('/')}/{name}"
     limits = asdict(req.limits) | {"nodes": req.nodes}
     con = ledger_store.connect(req.ledger)
     try:
         if rows.find(con, name):
-            raise EmberError(f"a remote job named '{name}' is in the ledger already; choose another --name")
+            raise Conflict(f"a remote job named '{name}' is in the ledger already; choose another --name")
         job = rows.insert(con, {"name": name, "target": target.name, "audit_id": decided.audit.id,
                                 "audit_hash": decided.audit.hash, "host": target.host,
                                 "ssh_options": target.ssh_options, "python": target.interpreter(),
@@ -175,7 +175,7 @@ def _stage_and_sbatch(req: RemoteRequest, decided: Decided, name: str, job_dir: 
     spec = JobSpec(name, job_dir, target.interpreter(), req.nodes, target.devices_per_node, budget, minutes,
                    target.signal_seconds, target.partition, target.account, target.gres, list(target.sbatch_args))
     if shell.run(["test", "-e", job_dir], check=False).returncode == 0:
-        raise EmberError(f"{shell.where()}:{job_dir} exists: another job's folder; choose another --name")
+        raise Conflict(f"{shell.where()}:{job_dir} exists: another job's folder; choose another --name")
     with tempfile.TemporaryDirectory(prefix="ember-stage-") as tmp:
         bundle = Path(tmp) / "data-bundle"
         bundle.mkdir()

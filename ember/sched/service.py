@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ember import control
 from ember.durable import fsync_dir, write_durable
-from ember.errors import EXIT_INTERRUPTED, EmberError
+from ember.errors import EXIT_INTERRUPTED, BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
 from ember.events import Events
 from ember.infer.runs import BASE, lora_run
 from ember.ledger import jobs as rows
@@ -107,9 +107,9 @@ class Service:
             check_name(name)
         recipe_path = self.allowed(recipe, "recipe")
         if not recipe_path.is_file():
-            raise EmberError(f"recipe {recipe_path}: no such file")
+            raise BadInput(f"recipe {recipe_path}: no such file")
         if not -1000 <= priority <= 1000:
-            raise EmberError(f"priority {priority}: must be between -1000 and 1000")
+            raise BadInput(f"priority {priority}: must be between -1000 and 1000")
         request = self.plan(recipe_path, overrides)
         capacity = max(self.capacity(d) for d in self.machine.devices)
         if request["memory"] > capacity:
@@ -120,11 +120,11 @@ class Service:
         with self.lock:
             name = name or name_from(recipe_path.stem, str(rows.next_id(self.con)))
             if rows.name_taken(self.con, name):
-                raise EmberError(f"job name {name!r} is taken; choose another --name")
+                raise Conflict(f"job name {name!r} is taken; choose another --name")
             folder = self.allowed(out, "run folder") if out else default_run_folder(name)
             busy = [j for j in rows.all_jobs(self.con) if j.out == str(folder) and j.state not in FINAL]
             if busy:
-                raise EmberError(f"run folder {folder} belongs to job {busy[0].name} ({busy[0].state}); "
+                raise Conflict(f"run folder {folder} belongs to job {busy[0].name} ({busy[0].state}); "
                                  f"cancel it or choose another --out")
             job = rows.insert(self.con, name, str(recipe_path), str(folder), overrides, priority,
                               request, "queued")
@@ -154,17 +154,20 @@ class Service:
 
     def allowed(self, path: str, what: str) -> Path:
         """`path` resolved, if it lies under a folder the owner allowed ([service] allowed)."""
-        p = Path(path).expanduser().resolve()
+        try:
+            p = Path(path).expanduser().resolve()
+        except (ValueError, RuntimeError) as e:  # a NUL byte; a loop of links
+            raise BadInput(f"{what} {path[:200]!r}: not a usable path ({e})") from None
         roots = [Path(a).expanduser().resolve() for a in self.rules.service.allowed]
         if not any(p.is_relative_to(r) for r in roots):
-            raise PermissionError(f"{what} {p} is outside the folders the owner allowed "
-                                  f"({', '.join(map(str, roots))}; [service] allowed in owner.toml)")
+            raise Refused(f"{what} {p} is outside the folders the owner allowed "
+                          f"({', '.join(map(str, roots))}; [service] allowed in owner.toml)")
         return p
 
     def find(self, ref: str) -> JobRow:
         job = rows.find(self.con, str(ref))
         if job is None:
-            raise LookupError(f"no job {ref!r}; `ember queue` lists them")
+            raise NotFound(f"no job {ref!r}; `ember queue` lists them")
         return job
 
     def pause(self, ref: str, hard: bool) -> JobRow:
@@ -173,7 +176,7 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is {job.state}: nothing to pause")
+                raise Conflict(f"job {job.name} is {job.state}: nothing to pause")
             if job.state == "queued" or hard:
                 if job.state in LIVE:
                     self._preempt(job, "paused by hand (hard)", hold="user")
@@ -190,7 +193,7 @@ class Service:
             job = self.find(ref)
             if job.state in FINAL:
                 again = f"; `ember requeue {job.name}` queues it again" if job.state != "completed" else ""
-                raise ValueError(f"job {job.name} is {job.state}: nothing to resume{again}")
+                raise Conflict(f"job {job.name} is {job.state}: nothing to resume{again}")
             if job.hold in ("user", "interrupted") or job.pause == "user":
                 move(self.con, job, job.state, "resumed by hand", hold=None if job.hold != "cancel" else "cancel",
                      pause=None)
@@ -202,7 +205,7 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state in FINAL:
-                raise ValueError(f"job {job.name} is already {job.state}")
+                raise Conflict(f"job {job.name} is already {job.state}")
             if job.state == "queued":
                 move(self.con, job, "cancelled", "cancelled by hand")
             elif job.state == "preempting":
@@ -229,22 +232,22 @@ class Service:
         with self.lock:
             job = self.find(ref)
             if job.state not in ("failed", "cancelled"):
-                raise EmberError(f"job {job.name} is {job.state}: only a failed or cancelled job is requeued"
+                raise Conflict(f"job {job.name} is {job.state}: only a failed or cancelled job is requeued"
                                  + ("" if job.state == "completed" else f"; `ember resume {job.name}` lifts "
                                     f"a pause or hold"))
             # Checked again: the owner may have narrowed [service] allowed since it was submitted.
             folder, recipe = Path(job.out), self.allowed(job.recipe, "recipe")
             run = latest_run_at(self.con, folder)
             if run is not None and not folder.is_dir():
-                raise EmberError(f"job {job.name}: its run folder {folder} is gone (the ledger's run {run} "
+                raise NotFound(f"job {job.name}: its run folder {folder} is gone (the ledger's run {run} "
                                  f"trained there), so there is nothing to resume; submit the recipe again "
                                  f"for a new run: `ember submit {recipe} --name NEW_NAME`")
             if not recipe.is_file():
-                raise EmberError(f"job {job.name}: its recipe {recipe} is gone; put it back (the run resumes "
+                raise NotFound(f"job {job.name}: its recipe {recipe} is gone; put it back (the run resumes "
                                  f"only with the recipe it trained with) and requeue again")
             busy = [j for j in rows.all_jobs(self.con) if j.out == job.out and j.state not in FINAL]
             if busy:
-                raise EmberError(f"job {job.name}: its run folder {folder} belongs to job {busy[0].name} "
+                raise Conflict(f"job {job.name}: its run folder {folder} belongs to job {busy[0].name} "
                                  f"({busy[0].state}) now; cancel that job first")
             job = move(self.con, job, "queued", "requeued by hand", hold=None, pause=None, cause=None) or job
         self.events.info(f"job {job.name}: requeued by hand ({job.state})")
@@ -258,15 +261,15 @@ class Service:
         wanted = tuple(states or FINAL)
         for state in wanted:
             if state not in FINAL:
-                raise EmberError(f"state {state!r}: only finished jobs (completed, failed, cancelled) are "
+                raise BadInput(f"state {state!r}: only finished jobs (completed, failed, cancelled) are "
                                  f"purged; a queued, running or paused job is cancelled first (`ember cancel JOB`)")
         if older_than is not None and older_than < 0:
-            raise EmberError(f"older than {older_than:g} s: must be 0 or more")
+            raise BadInput(f"older than {older_than:g} s: must be 0 or more")
         with self.lock:
             jobs = list({j.id: j for j in map(self.find, refs)}.values()) if refs else rows.all_jobs(self.con, FINAL)
             for job in jobs:
                 if job.state not in FINAL:
-                    raise EmberError(f"job {job.name} is {job.state}: only finished jobs (completed, failed, "
+                    raise Conflict(f"job {job.name} is {job.state}: only finished jobs (completed, failed, "
                                      f"cancelled) are purged; nothing was removed. `ember cancel {job.name}` "
                                      f"ends it first")
             cutoff = math.inf if older_than is None else time.time() - older_than
@@ -295,8 +298,8 @@ class Service:
                 if not live:
                     return {"freed_after_seconds": time.time() - t0, "until": self.yield_until}
             time.sleep(0.02)
-        raise TimeoutError(f"jobs still on the devices after {timeout:.0f} s: "
-                           f"{', '.join(j.name for j in live)}")
+        raise Unavailable(f"jobs still on the devices after {timeout:.0f} s: {', '.join(j.name for j in live)}; "
+                          f"the yield holds: ask again to wait more")
 
     def release_yield(self) -> None:
         with self.lock:

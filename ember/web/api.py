@@ -31,7 +31,10 @@ dashboard's session, and a change also its CSRF value (ember.web.security). A pa
 without either is redirected to /login. Only the owner opens reading and /v1 on loopback, with
 owner.toml's `[service] open_on_loopback = true`; bound to loopback, only loopback host names are
 answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
-refused with 400 before routing. Bad requests get a 4xx with {"error": message} and change nothing.
+refused with 400 before routing. Bad requests get a 4xx and change nothing; every error answer,
+here, from the dashboard's routes and from /v1, has the one shape of ember.web.errors, which maps
+the library's errors to statuses. /openapi.json (ember.web.openapi) documents the bodies, the
+token and the errors.
 `ember ui` makes the app without a service: the dashboard alone, no /api/jobs and no /v1.
 """
 
@@ -42,20 +45,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from ember import __version__
-from ember.errors import EmberError
+from ember.errors import BadInput
+from ember.paths import NAME_GRAMMAR
 from ember.sched.service import Service
-from ember.web import security
+from ember.web import errors, security
 from ember.web.dashboard import add_dashboard
-from ember.web.views import BadRequest, Views
+from ember.web.errors import error_response, responses
+from ember.web.openapi import document
+from ember.web.views import Views
 
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 # The OpenAI routes the proxy forwards; nothing else of the engine's (docs, tokenize, slots,
@@ -63,10 +71,8 @@ MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 V1_ROUTES = {("GET", "models"), ("POST", "completions"), ("POST", "chat/completions"), ("POST", "embeddings")}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate", "host", "content-length", "authorization"}
-
-
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+NEEDS_TOKEN = "this request needs the service's token: Authorization: Bearer <contents of $EMBER_HOME/serve/token>"
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="ember"'}
 
 
 class BodyTooLarge(Exception):
@@ -104,7 +110,7 @@ class BodyLimit:
         except* BodyTooLarge:  # raised in the route's read; middlewares' task groups wrap it
             if started:
                 raise
-            response = error(413, f"request body over {self.limit} bytes ([service] max_body_bytes)")
+            response = error_response(413, f"request body over {self.limit} bytes ([service] max_body_bytes)")
             response.headers.update(security.HEADERS)
             await response(scope, receive, send)
 
@@ -138,6 +144,8 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
 
     app = FastAPI(title="ember serve" if service is not None else "ember ui", version=__version__,
                   docs_url=None, redoc_url=None, lifespan=lifespan)
+    errors.install(app)
+    document(app, open_reads)
     limit = service.rules.service.max_body_bytes if service is not None else max_body_bytes
 
     @app.middleware("http")
@@ -151,9 +159,10 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
     async def checked(request: Request, call_next: Any) -> Response:
         path = request.url.path
         if why := unsafe_path(request):
-            return error(400, why)
+            return error_response(400, why)
         if loopback and not security.loopback_host(request):
-            return error(421, "bound to loopback, this service answers only to localhost, 127.0.0.1 or [::1]")
+            return error_response(421, "bound to loopback, this service answers only to localhost, 127.0.0.1 "
+                                       "or [::1]")
         # Changing anything needs the token (or the dashboard's session and its CSRF value);
         # reading and inference need the token or the session, unless the owner opened them on
         # loopback. Signing in checks the token itself.
@@ -161,22 +170,17 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
             pass
         elif request.method in MUTATING and not path.startswith("/v1/"):
             if not security.may_change(request, token):
-                return error(401, "this request needs the service's token: Authorization: Bearer "
-                                  "<contents of $EMBER_HOME/serve/token> (the dashboard: sign in with the "
-                                  "link `ember ui` prints)")
+                return error_response(401, f"{NEEDS_TOKEN} (the dashboard: sign in with the link `ember ui` "
+                                           f"prints)", headers=CHALLENGE)
         elif not open_reads and not security.may_read(request, token):
             if request.method == "GET" and security.wants_page(request):
                 return RedirectResponse("/login", status_code=303)
-            return error(401, "this request needs the service's token: Authorization: Bearer "
-                              "<contents of $EMBER_HOME/serve/token> (OpenAI clients: it is the API key; "
-                              "the dashboard: sign in with the link `ember ui` prints)")
+            return error_response(401, f"{NEEDS_TOKEN} (OpenAI clients: it is the API key; the dashboard: "
+                                       f"sign in with the link `ember ui` prints)", headers=CHALLENGE)
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > limit):
-            return error(413, f"request body over {limit} bytes ([service] max_body_bytes)")
-        try:
-            return await call_next(request)
-        except BadRequest as e:
-            return error(e.status, str(e))
+            return error_response(413, f"request body over {limit} bytes ([service] max_body_bytes)")
+        return await call_next(request)
 
     add_dashboard(app, Views(service.ledger_path if service is not None else ledger, service), token)
     if service is not None:
@@ -184,166 +188,163 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
     return app
 
 
+class SubmitBody(BaseModel):
+    """POST /api/jobs: a recipe to queue (what `ember submit` sends)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    recipe: str = Field(min_length=1, description="the recipe's path, under a folder of [service] allowed")
+    name: str | None = Field(None, description=f"the job's name, {NAME_GRAMMAR} (default RECIPE-ID)")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first and may preempt lower")
+    out: str | None = Field(None, description="the run folder, under [service] allowed (default "
+                                              "$EMBER_HOME/runs/NAME)")
+    overrides: list[str] = Field(default_factory=list, description="'section.key=value' strings, as --set")
+
+
+class PauseBody(BaseModel):
+    """POST /api/jobs/{ref}/pause (no body: a soft pause)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    hard: bool = Field(False, description="checkpoint and exit, freeing the device, instead of pausing at the "
+                                          "next step; stays queued until resumed")
+
+
+class YieldBody(BaseModel):
+    """POST /api/yield (no body: until released)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    seconds: float | None = Field(None, gt=0, le=7 * 86400, description="hold all training this long; null: until "
+                                                                        "released")
+    release: bool = Field(False, description="end a yield now (`seconds` is then not read)")
+
+
+class PurgeBody(BaseModel):
+    """POST /api/jobs/purge (no body: every finished job)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    jobs: list[str | int] = Field(default_factory=list, description="these finished jobs (names or ids); "
+                                                                   "empty: every finished job")
+    states: list[Literal["completed", "failed", "cancelled"]] | None = Field(
+        None, description="only jobs that ended so (default: all three)")
+    older_than_seconds: float | None = Field(None, ge=0, description="only jobs that ended this long ago or more")
+    dry_run: bool = Field(False, description="say what would be removed, remove nothing")
+
+
+def body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
+    """The requestBody of a route that reads `model` itself (any content type, as curl sends it)."""
+    return {"requestBody": {"required": required, "content": {"application/json": {
+        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
 def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, client: httpx.AsyncClient) -> None:
-    """The queue's verbs and the inference endpoint."""
+    """The queue's verbs and the inference endpoint. The service's errors say their meaning
+    (ember.errors): ember.web.errors answers them."""
 
-    async def body(request: Request) -> dict:
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        """The body as `model`; an empty body is {}. Any content type is read as JSON."""
         raw = await request.body()  # BodyLimit stopped it at `limit`
-        if not raw:
-            return {}
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise BadRequest(400, "the body must be a JSON object")
-        return data
-
-    async def call(fn: Any, *args: Any) -> Any:
-        """A service verb in a worker thread, its errors as 4xx."""
-        try:
-            return await run_in_threadpool(fn, *args)
-        except LookupError as e:
-            raise BadRequest(404, str(e.args[0])) from None
-        except PermissionError as e:
-            raise BadRequest(403, str(e)) from None
-        except ValueError as e:
-            raise BadRequest(409, str(e)) from None
-        except EmberError as e:
-            raise BadRequest(400, str(e)) from None
-        except TimeoutError as e:
-            raise BadRequest(504, str(e)) from None
-
-    def field(data: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
-        value = data.get(key, default)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is int):
-            raise BadRequest(400, f"'{key}': expected {getattr(kind, '__name__', kind)}, got {value!r}")
-        return value
+            return model.model_validate_json(raw if raw.strip() else b"{}")
+        except ValidationError as e:  # answered 400 with FastAPI's own validation errors
+            raise RequestValidationError(e.errors()) from None
 
     @app.get("/api/jobs")
     async def jobs() -> Any:
-        return [asdict(v) for v in await call(service.queue)]
+        return [asdict(v) for v in await run_in_threadpool(service.queue)]
 
-    @app.post("/api/jobs", status_code=201)
+    @app.post("/api/jobs", status_code=201, openapi_extra=body_of(SubmitBody, True), responses=responses(403, 409))
     async def submit(request: Request) -> Any:
-        data = await body(request)
-        unknown = set(data) - {"recipe", "name", "priority", "out", "overrides"}
-        if unknown:
-            raise BadRequest(400, f"unknown field(s) {sorted(unknown)}")
-        recipe = field(data, "recipe", str)
-        if not recipe:
-            raise BadRequest(400, "'recipe': a recipe path is required")
-        overrides = field(data, "overrides", list, [])
-        if not all(isinstance(x, str) for x in overrides):
-            raise BadRequest(400, "'overrides': a list of 'section.key=value' strings")
-        name, priority, out = field(data, "name", str), field(data, "priority", int, 0), field(data, "out", str)
-        for key, path in (("recipe", recipe), ("out", out)):
+        data = await read(request, SubmitBody)
+        for key, path in (("recipe", data.recipe), ("out", data.out)):
             if path is not None and not Path(path).expanduser().is_absolute():
-                raise BadRequest(400, f"'{key}': {path!r} is relative, and the service cannot know the folder "
-                                      f"it is relative to; send an absolute path (`ember submit` resolves "
-                                      f"it against the folder you run it in)")
-        job = await call(service.submit, recipe, name, priority, out, overrides)
+                raise BadInput(f"'{key}': {path!r} is relative, and the service cannot know the folder it is "
+                               f"relative to; send an absolute path (`ember submit` resolves it against the "
+                               f"folder you run it in)")
+        job = await run_in_threadpool(service.submit, data.recipe, data.name, data.priority, data.out, data.overrides)
         return JSONResponse(asdict(service.view(job)), status_code=201)
 
     @app.get("/api/jobs/{ref}")
     async def one(ref: str) -> Any:
-        job = await call(service.find, ref)
+        job = await run_in_threadpool(service.find, ref)
         return asdict(service.view(job))
 
-    @app.post("/api/jobs/{ref}/pause")
+    @app.post("/api/jobs/{ref}/pause", openapi_extra=body_of(PauseBody, False), responses=responses(409))
     async def pause(ref: str, request: Request) -> Any:
-        hard = field(await body(request), "hard", bool, False)
-        return asdict(service.view(await call(service.pause, ref, hard)))
+        hard = (await read(request, PauseBody)).hard
+        return asdict(service.view(await run_in_threadpool(service.pause, ref, hard)))
 
-    @app.post("/api/jobs/{ref}/resume")
+    @app.post("/api/jobs/{ref}/resume", responses=responses(409))
     async def resume(ref: str) -> Any:
-        return asdict(service.view(await call(service.resume, ref)))
+        return asdict(service.view(await run_in_threadpool(service.resume, ref)))
 
-    @app.post("/api/jobs/{ref}/cancel")
+    @app.post("/api/jobs/{ref}/cancel", responses=responses(409))
     async def cancel(ref: str) -> Any:
-        return asdict(service.view(await call(service.cancel, ref)))
+        return asdict(service.view(await run_in_threadpool(service.cancel, ref)))
 
-    @app.post("/api/jobs/{ref}/requeue")
+    @app.post("/api/jobs/{ref}/requeue", responses=responses(409))
     async def requeue(ref: str) -> Any:
-        return asdict(service.view(await call(service.requeue, ref)))
+        return asdict(service.view(await run_in_threadpool(service.requeue, ref)))
 
-    @app.post("/api/jobs/purge")
+    @app.post("/api/jobs/purge", openapi_extra=body_of(PurgeBody, False), responses=responses(409))
     async def purge(request: Request) -> Any:
-        data = await body(request)
-        unknown = set(data) - {"jobs", "states", "older_than_seconds", "dry_run"}
-        if unknown:
-            raise BadRequest(400, f"unknown field(s) {sorted(unknown)}")
-        refs, states = field(data, "jobs", list, []), field(data, "states", list)
-        if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in refs):
-            raise BadRequest(400, "'jobs': a list of job names or ids")
-        if states is not None and not all(isinstance(x, str) for x in states):
-            raise BadRequest(400, "'states': a list of 'completed', 'failed', 'cancelled'")
-        older = field(data, "older_than_seconds", (int, float))
-        dry_run = field(data, "dry_run", bool, False)
-        removed = await call(service.purge, [str(r) for r in refs], states, older, dry_run)
-        return {"removed": [asdict(v) for v in removed], "dry_run": dry_run}
+        data = await read(request, PurgeBody)
+        removed = await run_in_threadpool(service.purge, [str(r) for r in data.jobs], data.states,
+                                          data.older_than_seconds, data.dry_run)
+        return {"removed": [asdict(v) for v in removed], "dry_run": data.dry_run}
 
     @app.get("/api/jobs/{ref}/logs")
     async def logs(ref: str, offset: int = 0) -> Any:
-        data, end = await call(service.logs, ref, offset)
+        data, end = await run_in_threadpool(service.logs, ref, offset)
         return Response(data, media_type="text/plain", headers={"X-Ember-Offset": str(end)})
 
-    @app.post("/api/yield")
+    @app.post("/api/yield", openapi_extra=body_of(YieldBody, False), responses=responses(503))
     async def yield_(request: Request) -> Any:
-        data = await body(request)
-        if field(data, "release", bool, False):
-            await call(service.release_yield)
+        data = await read(request, YieldBody)
+        if data.release:
+            await run_in_threadpool(service.release_yield)
             return {"released": True}
-        seconds = field(data, "seconds", (int, float))
-        if seconds is not None and not 0 < seconds <= 7 * 86400:
-            raise BadRequest(400, "'seconds': between 0 and a week (604800), or null for until released")
-        return await call(service.yield_devices, seconds)
+        return await run_in_threadpool(service.yield_devices, data.seconds)
 
     @app.get("/api/explain")
     async def explain() -> Any:
-        return await call(service.explain)
+        return await run_in_threadpool(service.explain)
 
     @app.get("/api/owner")
     async def owner_rules() -> Any:
-        return await call(service.owner_status)
+        return await run_in_threadpool(service.owner_status)
 
     @app.get("/api/stats")
     async def stats() -> Any:
         return {"inference": service.gate.stats(), "engine": engine_url}
 
-    @app.get("/health")
+    @app.get("/health", responses=responses(503))
     async def health() -> Any:
         if engine_url is None:
-            return error(503, "inference is off ([inference] enabled = false)")
+            return error_response(503, "inference is off ([inference] enabled = false)")
         for path in ("/health", "/v1/models"):
             try:
                 r = await client.get(engine_url + path, timeout=5.0)
             except httpx.HTTPError as e:
-                return error(503, f"the inference engine at {engine_url} does not answer: {e}")
+                return error_response(503, f"the inference engine at {engine_url} does not answer: {e}")
             if r.status_code == 200:
                 return {"status": "ok", "engine": engine_url}
             if r.status_code != 404:
-                return error(503, f"the inference engine is loading ({r.status_code})")
-        return error(503, "the inference engine is not ready")
+                return error_response(503, f"the inference engine is loading ({r.status_code})")
+        return error_response(503, "the inference engine is not ready")
 
     # The OpenAI-compatible API is forwarded as it is: its own documents describe it.
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"], include_in_schema=False)
     async def v1(path: str, request: Request) -> Response:
         if (request.method, path) not in V1_ROUTES:
-            return error(404, f"{request.method} /v1/{path[:200]}: not an inference route; the service "
-                              f"forwards {', '.join(f'{m} /v1/{p}' for m, p in sorted(V1_ROUTES))}")
+            return error_response(404, f"{request.method} /v1/{path[:200]}: not an inference route; the "
+                                       f"service forwards {', '.join(f'{m} /v1/{p}' for m, p in sorted(V1_ROUTES))}")
         if engine_url is None:
-            return error(503, "inference is off ([inference] enabled = false)")
+            return error_response(503, "inference is off ([inference] enabled = false)")
         raw = await request.body()  # BodyLimit stopped it at `limit`
         if request.method == "POST":  # ember is the front door: a malformed body stops here, not upstream
             try:
                 parsed = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                return error(400, f"the body is not valid JSON: {e}")
+            except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+                return error_response(400, f"the body is not valid JSON: {e}")
             if not isinstance(parsed, dict):
-                return error(400, "the body must be a JSON object")
+                return error_response(400, "the body must be a JSON object")
             if why := await run_in_threadpool(service.adapter_elsewhere, parsed.get("model")):
-                return error(404, why)
+                return error_response(404, why, "model")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         await run_in_threadpool(service.inference_begin)
         try:
@@ -352,7 +353,7 @@ def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, c
                                                               params=request.query_params), stream=True)
         except httpx.HTTPError as e:
             service.inference_end()
-            return error(502, f"the inference engine at {engine_url} failed: {e}")
+            return error_response(502, f"the inference engine at {engine_url} failed: {e}")
 
         async def done() -> None:
             await upstream.aclose()

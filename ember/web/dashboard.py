@@ -34,6 +34,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from ember.errors import NotFound
 from ember.metrics.capacity import CapacityReport
 from ember.metrics.compare import Comparison
 from ember.metrics.exposition import LedgerCollector
@@ -42,7 +43,8 @@ from ember.metrics.report import RunReport
 from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
 from ember.sched.jobs import FINAL, STATES
 from ember.web import security
-from ember.web.views import BadRequest, MachinePage, Views
+from ember.web.errors import LIBRARY, status_of
+from ember.web.views import MachinePage, Views
 
 HERE = Path(__file__).parent
 STATIC = {p.name: p for p in (HERE / "static").iterdir() if p.is_file()}  # the only files served
@@ -102,9 +104,11 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
             csrf=security.csrf_value(token) if signed_in else "", **data)
         return HTMLResponse(html, headers={"Cache-Control": "no-store"})
 
-    def error_page(request: Request, e: BadRequest) -> HTMLResponse:
-        r = page(request, "error.html", "Error", status=e.status, message=str(e))
-        r.status_code = e.status
+    def error_page(request: Request, e: Exception) -> HTMLResponse:
+        """A library error as a page, with the status the JSON API gives it (ember.web.errors)."""
+        status = status_of(e)
+        r = page(request, "error.html", "Error", status=status, message=str(e))
+        r.status_code = status
         return r
 
     # ---- pages ------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
                   desc: bool = True, page_: int = Query(1, alias="page", ge=1)) -> HTMLResponse:
         try:
             rows = views.runs(status or None, match or None, sort, desc)
-        except BadRequest as e:
+        except LIBRARY as e:
             return error_page(request, e)
         # Sorted and filtered over every run; shown a page at a time (a browser lays out 100 rows
         # in a blink, 1,000 in over a second on a small machine).
@@ -132,7 +136,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     def run_page(request: Request, run_id: str, compare: str | None = None) -> HTMLResponse:
         try:
             data = views.run_page(run_id, compare or None)
-        except BadRequest as e:
+        except LIBRARY as e:
             return error_page(request, e)
         return page(request, "run.html", "Runs", p=data, run_id=run_id, live=run_live(views.con(), run_id))
 
@@ -145,7 +149,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     def machine_page(request: Request, since: str | None = None) -> HTMLResponse:
         try:
             data = views.machine(since or None)
-        except BadRequest as e:
+        except LIBRARY as e:
             return error_page(request, e)
         return page(request, "machine.html", "Machine", m=data, since=since or "")
 
@@ -156,7 +160,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
         if run or job:
             try:
                 plan = views.plan(run or None, job or None, device_memory, target_micro_batch)
-            except BadRequest as e:
+            except LIBRARY as e:
                 error = str(e)
         runs = views.runs(None, None, "created", True)
         jobs = views.service.queue() if views.service is not None else []
@@ -188,7 +192,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     def static(name: str) -> Response:
         path = STATIC.get(name)
         if path is None:
-            return Response("not found", status_code=404, media_type="text/plain")
+            raise NotFound(f"no static file {name[:200]!r}")
         return Response(path.read_bytes(), media_type=MEDIA.get(path.suffix, "application/octet-stream"),
                         headers={"Cache-Control": "max-age=3600"})
 
@@ -211,7 +215,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     def api_diagnosis(run_id: str) -> Any:
         found = views.diagnosis(run_id)
         if found is None:
-            raise BadRequest(404, f"run {run_id} has no diagnosis: `ember doctor RUN_FOLDER` makes one")
+            raise NotFound(f"run {run_id} has no diagnosis: `ember doctor RUN_FOLDER` makes one")
         return reply(found)
 
     @app.get("/api/runs/{run_id}/curves", response_model=Curves)

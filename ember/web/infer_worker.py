@@ -20,8 +20,9 @@ that carry it (`Authorization: Bearer`; 401 otherwise): its port is on loopback,
 program could otherwise use the model past the service's own token.
 
 `"stream": true` answers text/event-stream: `data: {chunk}` events, then `data: [DONE]`. Errors
-are `{"error": {"message", "type", "code"}}` with a 4xx status when the request is at fault; a
-bad request changes nothing. A missing `model` means `base`.
+are `{"error": {"message", "type", "param", "code"}}` (ember.web.errors, the service's one shape)
+with a 4xx status when the request is at fault; a bad request changes nothing. A missing `model`
+means `base`.
 """
 
 from __future__ import annotations
@@ -46,12 +47,11 @@ from starlette.exceptions import HTTPException
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
 from ember.infer.engine import BASE, Engine, Generation, RequestError, Sampling
+from ember.web.errors import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
 
 MAX_BODY = 1 << 20  # bytes: a prompt beyond this is far past any context ember serves
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
-               413: "request_too_large", 503: "service_unavailable"}
 _END = object()
 
 
@@ -123,13 +123,6 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
         return await respond(engine, body, messages, sampling(body, None), chat_chunk)
 
     return app
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """An OpenAI-style error body."""
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
 
 
 async def read_json(request: Request) -> dict[str, Any]:

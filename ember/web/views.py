@@ -1,19 +1,18 @@
 """What each dashboard page shows, gathered by calling the library the commands call; the HTML
-routes render it and the JSON routes return it. No arithmetic here: only which functions, which
-arguments, and the errors a request can cause as HTTP statuses (ember.web.api.BadRequest)."""
+routes render it and the JSON routes return it. No arithmetic here: only which functions and which
+arguments. Errors are the library's, by meaning (ember.errors); ember.web.errors answers them."""
 
 from __future__ import annotations
 
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ember.doctor.examine import saved_diagnosis
-from ember.errors import EmberError
+from ember.errors import BadInput, NotFound, Unavailable
 from ember.ledger import jobs as job_rows
 from ember.ledger import store as ledger_store
 from ember.metrics.capacity import CapacityReport, capacity_report
@@ -36,14 +35,6 @@ def _stat(path: Path) -> tuple[int, int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-class BadRequest(Exception):
-    """A request the user got wrong: answered with `status` and {"error": message}."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -90,22 +81,11 @@ class Views:
             con = self.local.con = ledger_store.connect(self.ledger)
         return con
 
-    def call(self, fn: Callable, *args: Any) -> Any:
-        """A library call, its user errors as 4xx."""
-        try:
-            return fn(*args)
-        except KeyError:
-            raise  # a defect, not a request for something that is not there
-        except LookupError as e:
-            raise BadRequest(404, str(e.args[0])) from None
-        except (EmberError, ValueError) as e:
-            raise BadRequest(400, str(e)) from None
-
     def folder(self, run_id: str) -> Path:
-        return self.call(run_folder, self.con(), run_id)
+        return run_folder(self.con(), run_id)
 
     def runs(self, status: str | None, match: str | None, sort: str, descending: bool) -> list[RunEntry]:
-        return self.call(run_table, self.con(), status, match, sort, descending)
+        return run_table(self.con(), status, match, sort, descending)
 
     def report(self, run_id: str) -> RunReport:
         """`ember report` of the run; a finished run's is kept while its files and ledger rows stay
@@ -120,7 +100,7 @@ class Views:
             kept = self.reports.get(run_id)
         if kept is not None and kept[0] == key:
             return kept[1]
-        report = self.call(build_report, folder, con)
+        report = build_report(folder, con)
         if report.run.status != "running":  # a live run's figures move with the clock
             with self.lock:
                 self.reports.pop(run_id, None)
@@ -130,7 +110,7 @@ class Views:
         return report
 
     def record(self, run_id: str) -> dict[str, Any]:
-        return self.call(load_run_record, self.folder(run_id))
+        return load_run_record(self.folder(run_id))
 
     def diagnosis(self, run_id: str) -> dict[str, Any] | None:
         return saved_diagnosis(self.folder(run_id))
@@ -138,10 +118,10 @@ class Views:
     def curves(self, run_id: str, fields: str | None, start: float | None, end: float | None,
                buckets: int) -> Curves:
         names = tuple(f for f in (fields or ",".join(CURVE_FIELDS)).split(",") if f)
-        return self.call(curves, self.folder(run_id), run_id, names, start, end, buckets)
+        return curves(self.folder(run_id), run_id, names, start, end, buckets)
 
     def compare(self, a: str, b: str, tolerance: float) -> Comparison:
-        return self.call(compare_folders, self.folder(a), self.folder(b), tolerance)
+        return compare_folders(self.folder(a), self.folder(b), tolerance)
 
     def run_page(self, run_id: str, compare_with: str | None) -> RunPage:
         page = RunPage(self.report(run_id), self.record(run_id), self.diagnosis(run_id))
@@ -151,13 +131,13 @@ class Views:
         return page
 
     def machine(self, since: str | None) -> MachinePage:
-        m = self.service.machine if self.service is not None else self.call(detect, None)
-        return MachinePage(list(m.devices), m.cores, m.ram_total, self.call(capacity_report, self.con(), since),
+        m = self.service.machine if self.service is not None else detect(None)
+        return MachinePage(list(m.devices), m.cores, m.ram_total, capacity_report(self.con(), since),
                            self.service is not None)
 
     def queue(self) -> QueuePage:
         if self.service is None:
-            raise BadRequest(503, "no service runs here: the queue is `ember serve`'s (this is `ember ui`)")
+            raise Unavailable("no service runs here: the queue is `ember serve`'s (this is `ember ui`)")
         return QueuePage(self.service.queue(), self.service.yield_until is not None,
                          self.service.rules_status.notes())
 
@@ -165,7 +145,7 @@ class Views:
              target_micro_batch: int | None) -> dict[str, Any]:
         """The plan (`ember plan --json`) of a run's recorded recipe or of a queued job's recipe."""
         if (run_id is None) == (job is None):
-            raise BadRequest(400, "name one recipe to plan: ?run=RUN_ID or ?job=JOB")
+            raise BadInput("name one recipe to plan: ?run=RUN_ID or ?job=JOB")
         if run_id is not None:
             text = to_toml(self.record(run_id)["recipe"])
             overrides: list[str] = []
@@ -173,12 +153,12 @@ class Views:
         else:
             row = job_rows.find(self.con(), job)
             if row is None:
-                raise BadRequest(404, f"no job {job!r}; `ember queue` lists them")
+                raise NotFound(f"no job {job!r}; `ember queue` lists them")
             overrides = row.overrides
             try:  # by content: a recipe edited since the job was queued is planned again
                 text = Path(row.recipe).read_text()
             except (OSError, UnicodeDecodeError) as e:
-                raise BadRequest(404, f"job {job}: its recipe {row.recipe} cannot be read: {e}") from None
+                raise NotFound(f"job {job}: its recipe {row.recipe} cannot be read: {e}") from None
             key = ("job", row.recipe, text, tuple(overrides), device_memory, target_micro_batch)
         # Planning is a child process of ~175 MB for seconds: one at a time, once per recipe and question.
         with self.plan_lock:
@@ -187,6 +167,5 @@ class Views:
                     path = Path(tmp) / "recipe.toml" if run_id is not None else Path(row.recipe)
                     if run_id is not None:
                         path.write_text(text)
-                    self.plans[key] = self.call(plan_json, path, overrides, self.ledger, device_memory,
-                                                target_micro_batch)
+                    self.plans[key] = plan_json(path, overrides, self.ledger, device_memory, target_micro_batch)
         return self.plans[key]

@@ -297,7 +297,7 @@ def test_an_edited_owner_toml_holds_at_once_waits_for_a_restart_or_if_invalid_ch
         assert got["restart"] == [{"key": "service.max_body_bytes", "file": 2048, "in_force": 1 << 20}]
         # A body over 2048 bytes is read: the limit the service started with stays until a restart.
         big = s.api("POST", "/api/jobs", {"recipe": str(tmp_path / "none.toml"), "overrides": ["x" * 4000]})
-        assert big.status_code == 400 and "no such file" in big.json()["error"], big.text
+        assert big.status_code == 400 and "no such file" in big.json()["error"]["message"], big.text
         q = s.cli("queue")
         assert q.returncode == 0 and "service.max_body_bytes = 2048 (in force: 1048576)" in q.stderr, q.stderr
         assert "restart it" in q.stderr and "changed, but read only at start" in s.output(), s.output()[-2000:]
@@ -445,9 +445,9 @@ def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
             assert lines[-1] == "data: [DONE]" and len(lines) >= 3
             bad = httpx.post(s.url + "/v1/completions", content=b"{oops", timeout=30,
                              headers={"content-type": "application/json", **s.auth})
-            assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]  # never forwarded
+            assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]  # never forwarded
             anonymous = httpx.post(s.url + "/v1/completions", timeout=30, json={"prompt": "In", "max_tokens": 1})
-            assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]  # never forwarded
+            assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]["message"]  # never forwarded
             assert s.api("GET", "/api/stats").json()["inference"]["requests"] == 2
             # said at start-up, and like every line of the service's log, after the local time
             assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d every request needs the token", s.output(), re.M), \

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from ember.errors import BadInput
 from ember.metrics.series import curves, downsample, follow, read_records
 from ember.metrics.stats import histogram
 
@@ -62,7 +63,7 @@ def test_curves_read_the_range_asked_and_say_where_reading_ended(tmp_path):
     assert loss.steps == list(range(11, 21)) and loss.values == [10.0 / s for s in range(11, 21)]
     assert (c.points, c.first_step, c.last_step) == (10, 11, 20)
     assert c.offset == (tmp_path / "metrics.jsonl").stat().st_size and c.lost_steps == [7]
-    with pytest.raises(ValueError, match="unknown curve"):
+    with pytest.raises(BadInput, match="unknown curve"):
         curves(tmp_path, "r1", ("loss", "secret"))
 
 

@@ -49,7 +49,7 @@ def test_mutations_need_the_token(service):
     c = client(service)
     for path in ("/api/jobs", "/api/jobs/1/pause", "/api/jobs/1/cancel", "/api/yield"):
         r = c.post(path, json={})
-        assert r.status_code == 401 and "token" in r.json()["error"]
+        assert r.status_code == 401 and "token" in r.json()["error"]["message"]
         r = c.post(path, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
     assert c.get("/api/jobs", headers=AUTH).status_code == 200
@@ -66,7 +66,8 @@ def test_on_loopback_every_request_needs_the_token_unless_the_owner_opens_readin
                          ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/runs"),
                          ("GET", "/openapi.json")):
         r = c.request(method, path, json={} if method == "POST" else None)
-        assert r.status_code == 401 and "token" in r.json()["error"], (method, path, r.status_code, r.text[:200])
+        assert r.status_code == 401 and "token" in r.json()["error"]["message"], (method, path, r.status_code,
+                                                                                 r.text[:200])
     page = c.get("/queue", headers={"accept": "text/html,application/xhtml+xml"}, follow_redirects=False)
     assert (page.status_code, page.headers["location"]) == (303, "/login")
     assert c.get("/login").status_code == 200 and c.get("/static/ember.css").status_code == 200
@@ -116,7 +117,7 @@ def test_bad_requests_get_a_4xx_and_change_nothing(service, tmp_path, monkeypatc
     ]
     for r, status, words in cases:
         assert r.status_code == status, (r.status_code, r.text)
-        assert words in r.json()["error"], r.json()
+        assert words in r.json()["error"]["message"], r.json()
     assert rows.all_jobs(service.con) == [] and service.yield_until is None
 
 
@@ -125,7 +126,7 @@ def test_a_finished_job_cannot_be_paused_or_cancelled(service, tmp_path):
     c = client(service)
     assert c.post(f"/api/jobs/{job.id}/cancel", headers=AUTH).json()["state"] == "cancelled"
     r = c.post("/api/jobs/done/pause", json={}, headers=AUTH)
-    assert r.status_code == 409 and "cancelled" in r.json()["error"]
+    assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"]
     assert [t["to_state"] for t in rows.transitions(service.con, job.id)] == ["queued", "cancelled"]
 
 
@@ -138,7 +139,7 @@ def test_a_job_that_can_never_fit_is_refused_at_submit_with_the_plans_verdict(tm
     recipe = write_recipe(tmp_path / "r")
     r = client(service).post("/api/jobs", json={"recipe": str(recipe)}, headers=AUTH)
     assert r.status_code == 400, r.text
-    message = r.json()["error"]
+    message = r.json()["error"]["message"]
     assert "can never fit here" in message and "largest device offers 0.00 GiB" in message
     assert "`ember plan` says: local" in message
     assert rows.all_jobs(service.con) == []
@@ -153,7 +154,7 @@ def test_a_job_name_outside_the_grammar_is_refused_before_anything(service, tmp_
     recipe.write_text("")
     r = client(service).post("/api/jobs", json={"recipe": str(recipe), "name": name}, headers=AUTH)
     assert r.status_code == 400, r.text
-    assert "[A-Za-z0-9][A-Za-z0-9._-]{0,63}" in r.json()["error"]
+    assert "[A-Za-z0-9][A-Za-z0-9._-]{0,63}" in r.json()["error"]["message"]
     assert rows.all_jobs(service.con) == [] and not (tmp_path / "x").exists()
 
 
@@ -166,11 +167,12 @@ def test_the_cli_refuses_a_bad_name_as_a_usage_error(tmp_path):
 
 
 def test_a_default_run_folder_that_is_a_link_out_of_the_runs_folder_is_refused(tmp_path, monkeypatch):
+    from ember.errors import Refused
     from ember.paths import default_run_folder, name_from
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / "runs").mkdir(parents=True)
     (tmp_path / "home" / "runs" / "j").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(PermissionError, match="outside"):
+    with pytest.raises(Refused, match="outside"):  # answered 403 (ember.web.errors)
         default_run_folder("j")
     assert default_run_folder("k") == (tmp_path / "home" / "runs" / "k").resolve()
     assert name_from("../my recipe (v2)", "7") == "my-recipe-v2-7"
@@ -246,7 +248,8 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
         ]
         for method, path, status, says in refused:
             r = c.request(method, path, json={} if method == "POST" else None, headers=AUTH)
-            assert (r.status_code, says in r.json()["error"]) == (status, True), (path, r.status_code, r.text)
+            assert (r.status_code, says in r.json()["error"]["message"]) == (status, True), \
+                (path, r.status_code, r.text)
         assert engine.seen == []  # nothing reached the engine
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.post("/v1/chat/completions", json={"messages": []}, headers=AUTH).status_code == 200
@@ -271,7 +274,8 @@ def test_an_adapter_asked_of_the_upstream_engine_is_refused_not_answered_by_its_
                            ("/v1/chat/completions", {"model": "bible-lora", "messages": []})):
             r = c.post(path, json=body)
             assert r.status_code == 404, (r.status_code, r.text)
-            assert "LoRA run" in r.json()["error"] and "ember export" in r.json()["error"], r.json()
+            message = r.json()["error"]["message"]
+            assert "LoRA run" in message and "ember export" in message, r.json()
         assert engine.seen == []
         for model in ("base", "gpt-4o", None):  # the upstream engine's own model, under any name
             assert c.post("/v1/completions", json={"model": model, "prompt": "In"}).status_code == 200
@@ -400,13 +404,13 @@ def test_purge_removes_finished_jobs_rows_never_their_runs_and_never_an_active_j
     assert r.status_code == 200 and r.json()["dry_run"] is True
     assert {j["name"] for j in r.json()["removed"]} == {"done", "broke", "stopped"}
     assert names() == {"done", "broke", "stopped", "waiting", "training"}  # a dry run removes nothing
-    for refused, says in (({"jobs": ["done", "waiting"]}, "job waiting is queued"),
-                          ({"jobs": [training.id]}, "job training is running"),
-                          ({"states": ["running"]}, "only finished jobs"),
-                          ({"older_than_seconds": -1}, "0 or more"),
-                          ({"jobs": ["nope"]}, "no job 'nope'")):
+    for refused, status, says in (({"jobs": ["done", "waiting"]}, 409, "job waiting is queued"),
+                                  ({"jobs": [training.id]}, 409, "job training is running"),
+                                  ({"states": ["running"]}, 400, "states"),
+                                  ({"older_than_seconds": -1}, 400, "older_than_seconds"),
+                                  ({"jobs": ["nope"]}, 404, "no job 'nope'")):
         r = c.post("/api/jobs/purge", json=refused, headers=AUTH)
-        assert r.status_code in (400, 404) and says in r.json()["error"], (refused, r.text)
+        assert r.status_code == status and says in r.json()["error"]["message"], (refused, r.text)
         assert names() == {"done", "broke", "stopped", "waiting", "training"}
 
     r = c.post("/api/jobs/purge", json={"states": ["failed"]}, headers=AUTH).json()
@@ -449,12 +453,12 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     service.cancel("never")
     done = finished(service, "done", "completed", allowed / "runs" / "done", str(recipe))
     c = client(service)
-    for ref, says in (("gone", "its run folder " + str(allowed / "runs" / "gone") + " is gone"),
-                      ("done", "job done is completed: only a failed or cancelled job is requeued"),
-                      ("nope", "no job 'nope'")):
+    for ref, status, says in (("gone", 404, "its run folder " + str(allowed / "runs" / "gone") + " is gone"),
+                              ("done", 409, "job done is completed: only a failed or cancelled job is requeued"),
+                              ("nope", 404, "no job 'nope'")):
         r = c.post(f"/api/jobs/{ref}/requeue", headers=AUTH)
-        assert r.status_code in (400, 404) and says in r.json()["error"], (ref, r.text)
-    assert "ember submit" in c.post("/api/jobs/gone/requeue", headers=AUTH).json()["error"]
+        assert r.status_code == status and says in r.json()["error"]["message"], (ref, r.text)
+    assert "ember submit" in c.post("/api/jobs/gone/requeue", headers=AUTH).json()["error"]["message"]
     assert (rows.get(service.con, gone.id).state, rows.get(service.con, done.id).state) == ("failed", "completed")
 
     r = c.post("/api/jobs/broke/requeue", headers=AUTH)
@@ -464,14 +468,15 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     assert job["out"] == str(allowed / "runs" / "broke")
     assert rows.transitions(service.con, broke.id)[-1]["why"] == "requeued by hand"
     r = c.post("/api/jobs/broke/requeue", headers=AUTH)  # now queued: not again
-    assert r.status_code == 400 and "job broke is queued" in r.json()["error"] and "ember resume" in r.json()["error"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 409 and "job broke is queued" in message and "ember resume" in message, r.text
     assert c.post("/api/jobs/never/requeue", headers=AUTH).json()["state"] == "queued"  # never trained: from the start
 
     rival = finished(service, "rival", "cancelled", allowed / "runs" / "broke", str(recipe))  # broke's folder, queued
     r = c.post("/api/jobs/rival/requeue", headers=AUTH)
-    assert r.status_code == 400 and "belongs to job broke (queued)" in r.json()["error"], r.text
+    assert r.status_code == 409 and "belongs to job broke (queued)" in r.json()["error"]["message"], r.text
     assert rows.get(service.con, rival.id).state == "cancelled"
     r = c.post("/api/jobs/done/resume", headers=AUTH)
-    assert r.status_code == 409 and "requeue" not in r.json()["error"]  # a completed job is not requeued
+    assert r.status_code == 409 and "requeue" not in r.json()["error"]["message"]  # a completed job is not requeued
     service.cancel("broke")
-    assert "`ember requeue broke`" in c.post("/api/jobs/broke/resume", headers=AUTH).json()["error"]
+    assert "`ember requeue broke`" in c.post("/api/jobs/broke/resume", headers=AUTH).json()["error"]["message"]

@@ -319,7 +319,7 @@ def test_queue_page_holds_resumes_pauses_and_cancels_a_job(chromium, tmp_path):
             assert page.inner_text(f"#jobs tr[data-job='{finished['broken']}'] td.note") == why
         for j in finished.values():
             r = s.api("POST", f"/api/jobs/{j}/resume")
-            assert r.status_code == 409 and "nothing to resume" in r.json()["error"]
+            assert r.status_code == 409 and "nothing to resume" in r.json()["error"]["message"]
         # Its name links to its run's page; cancelled, requeue resumes the same run.
         run = s.jobs()["browser"]["run"]
         assert run and page.get_attribute(f"{row} td.run a", "href") == f"/runs/{run}"

@@ -70,7 +70,7 @@ def test_curves_are_downsampled_on_the_server_keeping_the_spike(client, ledger_d
     assert zoomed["curves"][0]["steps"] == list(range(1200, 1261))  # the range, every step
     assert zoomed["curves"][0]["values"] == [loss_at(s, 1234) for s in range(1200, 1261)]
     assert client.get(f"/api/runs/{ids['spiky']}/curves", params={"fields": "secrets"}).status_code == 400
-    assert client.get(f"/api/runs/{ids['spiky']}/curves", params={"buckets": 0}).status_code == 422
+    assert client.get(f"/api/runs/{ids['spiky']}/curves", params={"buckets": 0}).status_code == 400  # not 422
 
 
 def test_compare_machine_and_plan_are_the_librarys(client, ledger_dir):
@@ -222,7 +222,7 @@ def test_nothing_outside_the_ledgers_runs_is_served(client, ledger_dir):
                  "/static/../views.py", "/api/runs/%00/curves", f"/api/compare?a={ids['tiny']}&b=/etc"]:
         r = client.get(path)
         # An encoded separator or dot segment is refused before routing (400); the rest is not found.
-        expected = (400,) if "%2f" in path.lower() or "%2e" in path.lower() else (404, 422)
+        expected = (400,) if "%2f" in path.lower() or "%2e" in path.lower() else (404,)
         assert r.status_code in expected, (path, r.status_code, r.text[:200])
         assert "root:" not in r.text and "import" not in r.text
     assert client.get("/static/run.js").status_code == 200
@@ -312,7 +312,11 @@ def test_ember_ui_without_a_service_serves_the_dashboard_alone(ledger_dir):
 # A fuzz pass over the service's JSON API from its own /openapi.json (schemathesis, driving
 # hypothesis): whatever the request, the answer is never a 5xx. With the token, so every route is
 # reached past the guard. /health and /v1 are left out: they answer 503 by design while inference
-# is off. (Driven by hand, not by schemathesis' pytest plugin, which does not run under pytest 9.)
+# is off. /api/yield too: with its body documented the fuzz releases a yield, which admits the
+# ledger's queued jobs, and then yields again, which waits (up to 10 minutes) for them to leave
+# the devices: the scheduler thread that would see them exit does not run here. Its bodies are
+# checked in tests/web/test_errors.py and tests/sched/test_api.py. (Driven by hand, not by
+# schemathesis' pytest plugin, which does not run under pytest 9.)
 EXAMPLES = 20  # per operation
 
 
@@ -331,7 +335,7 @@ def test_no_request_gets_a_server_error(service, ledger_dir):
     app = create_app(service, TOKEN, True, None)
     schema = schemathesis.openapi.from_dict(app.openapi())  # the document /openapi.json serves
     schema.app = app
-    operations = [r.ok() for r in schema.exclude(path_regex=r"^/(health|v1)").get_all_operations()]
+    operations = [r.ok() for r in schema.exclude(path_regex=r"^/(health|v1|api/yield)").get_all_operations()]
     assert len(operations) >= 15
     seen: dict[str, set[int]] = {}
     for op in operations:

@@ -17,7 +17,7 @@
       body: JSON.stringify(body || {}),
     });
     const data = await r.json();
-    if (!r.ok) throw new Error(data.error || r.statusText);
+    if (!r.ok) throw new Error((data.error && data.error.message) || r.statusText);
     return data;
   }
 

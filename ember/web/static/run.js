@@ -15,7 +15,7 @@
     let url = `/api/runs/${encodeURIComponent(id)}/curves?fields=${fields}&buckets=${buckets()}`;
     if (range) url += `&start=${Math.floor(range[0])}&end=${Math.ceil(range[1])}`;
     const r = await fetch(url, { credentials: "same-origin" });
-    if (!r.ok) throw new Error((await r.json()).error || r.statusText);
+    if (!r.ok) throw new Error(((await r.json()).error || {}).message || r.statusText);
     return r.json();
   }
 
