@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
+import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from ember import __version__
+from ember.cli.quiet import quiet_libraries
 from ember.errors import EXIT_ERROR, EXIT_USAGE, BadInput, EmberError
+
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell shows for `git log | head` or `yes | head`
 
 MARKDOWN_HEADER = """# Recipe settings
 
@@ -131,6 +136,29 @@ def add_ledger_args(parser: argparse.ArgumentParser, allow_off: bool = False) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `ember` command; its exit code."""
+    quiet_libraries()
+    try:
+        code = command(argv)
+        sys.stdout.flush()  # a reader gone (`ember ... | head`) shows here at the latest, not at exit
+        return code
+    except BrokenPipeError:
+        if not stdout_gone():
+            raise
+        # stdout's reader went away: stop quietly, as a tool killed by SIGPIPE does; stdout now
+        # points at /dev/null, so the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+
+
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def command(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 on bad usage
     console = Console(stderr=True, soft_wrap=True)
     try:
@@ -164,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(str(e), markup=False, highlight=False)
         return exit_code(e)
     except OSError as e:  # e.g. a full disk while appending metrics: say what and where
+        if isinstance(e, BrokenPipeError) and stdout_gone():
+            raise  # the reader of stdout went away (`| head`): main() ends quietly
         console.print("[bold red]error:[/bold red] ", end="", highlight=False)
         console.print(f"{e}" + (RESUME_HINT if args.command == "run" else ""), markup=False, highlight=False)
         return EXIT_ERROR

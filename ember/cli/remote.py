@@ -35,6 +35,12 @@ def add_parsers(sub: Any) -> None:
     reg.add_argument("--expires", default="", metavar="YYYY-MM-DD", help="the permission's last day")
     reg.add_argument("--registry", type=Path, default=Path("datasets.toml"),
                      help="the registry file to write (default ./datasets.toml)")
+    reg.add_argument("--override", action="store_true",
+                     help="register it although it shares files with a dataset of another classification "
+                     "(written to the audit log; the gate still treats a shared file as its most restrictive "
+                     "dataset's)")
+    reg.add_argument("--ledger", type=Path, help="with --override: the ledger whose audit log records it "
+                     "(default $EMBER_HOME/ledger.db)")
     for name, text in (("list", "the registered datasets"), ("verify", "hash each dataset's files against "
                                                                "its registered fingerprint")):
         p = dsub.add_parser(name, help=text)
@@ -55,8 +61,8 @@ def add_parsers(sub: Any) -> None:
     aud.add_argument("--json", action="store_true")
     aud.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
 
-    remote = sub.add_parser("remote", help="remote jobs: status, logs, cancel")
-    rsub = remote.add_subparsers(dest="remote_command", required=True)
+    remote = sub.add_parser("remote", help="remote jobs: status, logs, cancel, continue")
+    rsub = remote.add_subparsers(dest="remote_command", required=True, metavar="{status,logs,cancel,continue}")
     st = rsub.add_parser("status", help="a remote job's state (results brought back), or every job's")
     st.add_argument("job", nargs="?", help="its Slurm job id or name (default: list every job)")
     st.add_argument("--wait", action="store_true", help="wait until it has ended")
@@ -71,33 +77,45 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--target", help="the target, when a Slurm job id is known on several")
         p.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
         p.add_argument("--json", action="store_true") if p is not lg else None
-    alloc = rsub.add_parser("_allocation", help=argparse.SUPPRESS)  # what the batch script execs
-    alloc.add_argument("folder", type=Path)
+    co = rsub.add_parser("continue", help="resume a stopped, cancelled or failed job from its last checkpoint, "
+                         "through the gate again with new limits")
+    co.add_argument("job", help="its Slurm job id or name")
+    add_limits(co)
+    co.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="the --set the job was submitted with (the recipe must resolve as it did then)")
+    co.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
+    rsub.add_parser("_allocation").add_argument("folder", type=Path)  # what the batch script execs: no help, unlisted
 
 
 def add_remote_args(p: argparse.ArgumentParser, required: bool) -> None:
     """--target and the limits: for `ember policy check`, and for `ember submit` (optional there:
     without --target it queues with the local service)."""
     p.add_argument("--target", required=required, help="a target of targets.toml: run there, through the gate")
-    p.add_argument("--max-wall-hours", type=float, help="limit: wall-clock hours the job may hold (required)")
-    p.add_argument("--max-device-hours", type=float, help="limit: device-hours it may use (required)")
-    p.add_argument("--max-cost", type=float, help="limit: what it may cost, in the target's currency (required)")
-    p.add_argument("--max-nodes", type=int, help="limit: nodes it may take (required)")
+    add_limits(p)
     p.add_argument("--nodes", type=int, default=1, help="nodes to run on (default 1)")
-    p.add_argument("--registry", type=Path, help="read this datasets.toml alone")
-    p.add_argument("--targets", type=Path, help="read this targets.toml alone")
     if required:
         p.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
     else:
         p.add_argument("--ledger", type=Path, help="with --target: the ledger (default $EMBER_HOME/ledger.db)")
 
 
+def add_limits(p: argparse.ArgumentParser) -> None:
+    """The four limits a remote job states, and the registry and targets the gate reads."""
+    p.add_argument("--max-wall-hours", type=float, help="limit: wall-clock hours the job may hold (required)")
+    p.add_argument("--max-device-hours", type=float, help="limit: device-hours it may use (required)")
+    p.add_argument("--max-cost", type=float, help="limit: what it may cost, in the target's currency (required)")
+    p.add_argument("--max-nodes", type=int, help="limit: nodes it may take (required)")
+    p.add_argument("--registry", type=Path, help="read this datasets.toml alone")
+    p.add_argument("--targets", type=Path, help="read this targets.toml alone")
+
+
 def remote_request(args: argparse.Namespace, out: Path | None = None, name: str | None = None) -> Any:
     from ember.policy.gate import Limits
     from ember.remote.submit import RemoteRequest
     limits = Limits(args.max_wall_hours, args.max_device_hours, args.max_cost, args.max_nodes)
-    return RemoteRequest(args.recipe, args.target, limits, args.nodes, args.overrides, out, name, args.registry,
-                         args.targets, args.ledger)
+    return RemoteRequest(getattr(args, "recipe", Path()), getattr(args, "target", ""), limits,
+                         getattr(args, "nodes", 1), args.overrides, out, name, args.registry, args.targets,
+                         args.ledger)
 
 
 def cmd(args: argparse.Namespace) -> int:
@@ -105,7 +123,7 @@ def cmd(args: argparse.Namespace) -> int:
         return {"register": cmd_register, "list": cmd_list, "verify": cmd_verify}[args.data_command](args)
     if args.command == "policy":
         return cmd_check(args) if args.policy_command == "check" else cmd_audit(args)
-    return {"status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel,
+    return {"status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel, "continue": cmd_continue,
             "_allocation": cmd_allocation}[args.remote_command](args)
 
 
@@ -116,7 +134,7 @@ def _print(text: str) -> None:
 def cmd_register(args: argparse.Namespace) -> int:
     from ember.policy.registry import register
     ds = register(args.registry, args.name, args.paths, args.owner, args.licence, args.classification,
-                  args.allowed_targets, args.expires)
+                  args.allowed_targets, args.expires, override=args.override, ledger=args.ledger)
     where = ", ".join(ds.allowed_targets) or "none (local only)"
     _print(f"registered '{args.name}' in {args.registry}: {len(ds.paths)} path(s), {ds.fingerprint}, "
            f"{ds.classification}; may go to: {where}")
@@ -168,6 +186,9 @@ def print_decision(decided: Any) -> None:
         _print(f"prediction: {p['device_hours']:.4g} device-hours, cost {p['cost']:.4g}, wall {p['wall_hours']:.4g} h "
                f"({p['how']})")
     for u in d.datasets:
+        if not u.staged:
+            _print(f"dataset {u.name} ({u.classification}): holds files the job reads (not staged)")
+            continue
         _print(f"dataset {u.name} ({u.classification}): {u.fingerprint[:23]}..."
                + ("" if u.observed == u.fingerprint else " CHANGED"))
     verdict = "allowed" if d.allowed else "refused"
@@ -187,7 +208,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         for r in chain:
             table.add_row(str(r.id), dt.datetime.fromtimestamp(r.time).strftime("%Y-%m-%d %H:%M:%S"), r.who,
                           r.action, r.target, r.decision, ", ".join(x["code"] for x in r.reasons) or "-",
-                          f"{r.recipe} ({r.recipe_digest[:12]})")
+                          r.recipe + (f" ({r.recipe_digest[:12]})" if r.recipe_digest else ""))
         Console(soft_wrap=True).print(table)
     if args.verify and args.json:
         return EXIT_ERROR if problems else EXIT_OK
@@ -207,6 +228,16 @@ def cmd_submit_remote(args: argparse.Namespace) -> int:
     j = done.job
     print(f"remote job {j.name}: Slurm job {j.slurm_id} on '{j.target}' ({j.state}); results come back to {j.out}; "
           f"`ember remote status {j.slurm_id}`")
+    return EXIT_OK
+
+
+def cmd_continue(args: argparse.Namespace) -> int:
+    from ember.cli.render import stderr_events
+    from ember.remote.submit import continue_job
+    done = continue_job(args.job, remote_request(args), stderr_events())
+    j = done.job
+    print(f"remote job {j.name}: continued as Slurm job {j.slurm_id} on '{j.target}' ({j.state}), from its last "
+          f"checkpoint; results come back to {j.out}; `ember remote status {j.name}`")
     return EXIT_OK
 
 

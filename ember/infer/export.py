@@ -28,7 +28,7 @@ from ember.models import model_folder
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.train.model import load_model, load_tokenizer
-from ember.train.rundir import RUN_FILE, RunDir
+from ember.train.rundir import RUN_FILE, RunDir, remote_job
 
 FORMATS = ("hf", "peft", "gguf")
 DTYPES = {"f16": torch.float16, "f32": torch.float32}
@@ -109,8 +109,13 @@ def read_run(run: Path) -> TrainedRun:
     record = RunDir.read(run).record
     recipe = record.get("recipe", {})
     if record.get("completed_step") is None or not (run / "final").is_dir():
+        origin = remote_job(run)
+        how = "run the same `ember run` command again to resume it" if origin is None else (
+            f"it is remote job {origin['job']} on '{origin['target']}': while it runs, `ember remote status "
+            f"{origin['job']} --wait` brings it back when it ends; stopped or cancelled, `ember remote continue "
+            f"{origin['job']}` with new limits resumes it")
         raise EmberError(f"{run}: the run has not completed (no final weights in {run / 'final'}); "
-                         f"finish it first: run the same `ember run` command again to resume it")
+                         f"finish it first: {how}")
     kind = recipe.get("method", {}).get("kind", "full")
     return TrainedRun(run, record, kind, recipe.get("model", {}).get("path", "builtin:tiny"))
 

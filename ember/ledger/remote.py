@@ -89,6 +89,7 @@ def all_jobs(con: sqlite3.Connection) -> list[RemoteJobRow]:
 def set_state(con: sqlite3.Connection, job_id: int, src: str, dst: str, why: str, fields: dict[str, Any]) -> bool:
     """Compare-and-set: move from `src` to `dst` (and set `fields`) only if still in `src`."""
     now = time.time()
+    fields = {k: json.dumps(v) if k in ("limits", "prediction", "ssh_options") else v for k, v in fields.items()}
     sets = ", ".join(f"{k} = ?" for k in fields)
     with transaction(con):
         cur = con.execute(f"UPDATE remote_jobs SET state = ?, updated = ?{', ' + sets if sets else ''} "
@@ -105,14 +106,16 @@ def transitions(con: sqlite3.Connection, job_id: int) -> list[tuple[float, str |
 
 def month_spend(con: sqlite3.Connection, target: str, since: float, final: tuple[str, ...]) -> float:
     """What jobs submitted to `target` since `since` commit: a job in a `final` state its cost as
-    brought back, any other its cost limit (it may still spend that much)."""
+    brought back, any other its cost limit (it may still spend that much) and, continued, what it
+    had spent before."""
     total = 0.0
     for r in con.execute("SELECT state, cost, limits FROM remote_jobs WHERE target = ? AND submitted >= ?",
                          (target, since)):
         if r["state"] in final:
             total += r["cost"] or 0.0
         else:
-            total += json.loads(r["limits"]).get("max_cost") or 0.0
+            limits = json.loads(r["limits"])
+            total += (limits.get("max_cost") or 0.0) + limits.get("spent_before", 0.0)
     return total
 
 

@@ -6,14 +6,20 @@ clock or the ledger: the caller hashes the data (`Request.observed`), reads the 
 (`LedgerView`) and passes the time (`Request.now`), so a decision is a function of its inputs
 and the tests are tables.
 
+A data file counts as every dataset that holds it (ember.policy.registry.holdings: by path after
+realpath, or by content): each one's allowed_targets and expiry apply, and its classification is
+the most restrictive of theirs. It is staged from the dataset that lists it most closely.
+
     code                 violated when
     unknown-target       the target is not in targets.toml
-    unregistered-file    a data file the recipe reads is in no registered dataset
-    dataset-target       a dataset's allowed_targets does not name the target
-    classification       the target does not allow the dataset's classification
-    fingerprint          the dataset's files changed since it was registered (or were not hashed)
-    expired              the dataset's permission ended
+    unregistered-file    a data file the recipe reads is listed by no registered dataset
+    dataset-target       the allowed_targets of a dataset holding a file the job reads do not name the target
+    classification       the target does not allow a file's classification (its most restrictive dataset's)
+    fingerprint          a staged dataset's files changed since it was registered (or were not hashed)
+    expired              the permission of a dataset holding a file the job reads ended
+    recipe-changed       a continued job's recipe no longer resolves to the one it was submitted with
     missing-limit        max wall hours, device-hours, cost or nodes not stated
+    invalid-limit        a limit (or --nodes) that is not a positive finite number
     nodes                the job asks for more nodes than its own limit
     above-cap            a limit above the target's cap for one job
     prediction-unknown   the plan cannot predict the job's device-hours or cost
@@ -25,10 +31,11 @@ and the tests are tables.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ember.policy.registry import Registry, covering
+from ember.policy.registry import Registry, holdings, most_restrictive
 from ember.policy.targets import Target, Targets
 
 
@@ -53,13 +60,16 @@ class Prediction:
 @dataclass(frozen=True)
 class Request:
     recipe_digest: str
-    files: tuple[str, ...]                # absolute paths of every data file the recipe reads
+    files: tuple[str, ...]                # every data path the recipe reads, resolved (realpath)
     observed: Mapping[str, str]           # dataset name -> its fingerprint as hashed just now
     target: str
     limits: Limits
     nodes: int
     prediction: Prediction
     now: float                            # seconds since the epoch, UTC
+    contents: Mapping[str, frozenset[str]] = field(default_factory=dict)    # data path -> its files' SHA-256
+    registered: Mapping[str, frozenset[str]] = field(default_factory=dict)  # dataset -> its files' SHA-256
+    continues: str = ""                   # a continued job: the recipe digest it was submitted with
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,9 @@ class Violation:
 class DatasetUse:
     name: str
     fingerprint: str        # as registered
-    observed: str | None    # as hashed for this decision
+    observed: str | None    # as hashed for this decision (staged datasets)
     classification: str
+    staged: bool = True     # False: it only holds files the job reads through another dataset
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,10 @@ def check(request: Request, registry: Registry, targets: Targets, ledger_view: L
         known = ", ".join(sorted(targets)) or "none defined (targets.toml)"
         out.append(Violation("unknown-target", f"target '{request.target}' is not in targets.toml; known: {known}"))
     uses = _datasets(request, registry, target, out)
+    if request.continues and request.continues != request.recipe_digest:
+        out.append(Violation("recipe-changed", f"the recipe resolves to {request.recipe_digest[:12]}..., the job "
+                             f"was submitted with {request.continues[:12]}...: a job continues the recipe it "
+                             f"ran; restore it (and give the same --set), or submit a new job"))
     _limits(request, target, out)
     if target is not None:  # a prediction is for a target: with none, unknown-target says it all
         _prediction(request, target, out)
@@ -122,31 +137,56 @@ def check(request: Request, registry: Registry, targets: Targets, ledger_view: L
 
 def _datasets(request: Request, registry: Registry, target: Target | None,
               out: list[Violation]) -> list[DatasetUse]:
-    used, outside = covering(list(request.files), registry)
-    for f in outside:
-        out.append(Violation("unregistered-file", f"{f} is in no registered dataset: it may be used locally, "
-                             f"never remotely; `ember data register` it"))
+    held = holdings(list(request.files), registry, request.contents, request.registered)
+    for f, h in held.items():
+        if h.source is None:
+            out.append(Violation("unregistered-file", f"{f} is listed in no registered dataset: it may be used "
+                                 f"locally, never remotely; `ember data register` it"))
+    staged = {h.source for h in held.values() if h.source is not None}
     uses = []
-    for name in sorted(used):
+    for name in sorted({n for h in held.values() for n in h.holders}):
         ds = registry[name]
-        observed = request.observed.get(name)
-        uses.append(DatasetUse(name, ds.fingerprint, observed, ds.classification))
+        observed = request.observed.get(name) if name in staged else None
+        uses.append(DatasetUse(name, ds.fingerprint, observed, ds.classification, name in staged))
+        via = "" if name in staged else " (it holds " + ", ".join(
+            f for f, h in held.items() if name in h.holders) + ", which this job reads)"
         if request.target not in ds.allowed_targets:
             allowed = ", ".join(ds.allowed_targets) or "none (local only)"
-            out.append(Violation("dataset-target", f"dataset '{name}' may not go to '{request.target}'; its "
+            out.append(Violation("dataset-target", f"dataset '{name}'{via} may not go to '{request.target}'; its "
                                  f"allowed_targets: {allowed}"))
-        if target is not None and ds.classification not in target.allowed_classifications:
-            allowed = ", ".join(target.allowed_classifications) or "none"
-            out.append(Violation("classification", f"dataset '{name}' is {ds.classification}; '{target.name}' "
-                                 f"allows {allowed}"))
-        if observed != ds.fingerprint:
+        if name in staged and observed != ds.fingerprint:
             what = "was not hashed" if observed is None else "changed since it was registered"
             out.append(Violation("fingerprint", f"dataset '{name}' {what} ({ds.source}); check it, then "
                                  f"`ember data register` it again"))
         end = ds.expiry()
         if end is not None and request.now >= end:
-            out.append(Violation("expired", f"dataset '{name}': its permission ended with {ds.expires}"))
+            out.append(Violation("expired", f"dataset '{name}'{via}: its permission ended with {ds.expires}"))
+    if target is not None:
+        _classification(held, registry, target, out)
     return uses
+
+
+def _classification(held: dict, registry: Registry, target: Target, out: list[Violation]) -> None:
+    """Each file is as restricted as the most restrictive dataset holding it: one violation per
+    deciding dataset whose classification the target does not allow."""
+    decided: dict[str, list[str]] = {}
+    for f, h in held.items():
+        if h.holders:
+            worst = most_restrictive([registry[n].classification for n in h.holders])
+            decider = next(n for n in h.holders if registry[n].classification == worst)
+            decided.setdefault(decider, []).append(f)
+    allowed = ", ".join(target.allowed_classifications) or "none"
+    for name, files in sorted(decided.items()):
+        ds = registry[name]
+        if ds.classification in target.allowed_classifications:
+            continue
+        message = f"dataset '{name}' is {ds.classification}; '{target.name}' allows {allowed}"
+        for f in files:
+            also = [f"'{n}' ({registry[n].classification})" for n in held[f].holders if n != name]
+            if also:
+                message += (f"; {f} is also in {', '.join(also)}, and a file counts as the most restrictive "
+                            f"dataset that holds it")
+        out.append(Violation("classification", message))
 
 
 def _limits(request: Request, target: Target | None, out: list[Violation]) -> None:
@@ -155,13 +195,18 @@ def _limits(request: Request, target: Target | None, out: list[Violation]) -> No
     if missing:
         out.append(Violation("missing-limit", f"{', '.join(missing)} not stated: a remote job states every "
                              f"limit (--max-wall-hours, --max-device-hours, --max-cost, --max-nodes)"))
-    if lim.max_nodes is not None and request.nodes > lim.max_nodes:
+    given = [(name, getattr(lim, name)) for name, _, _ in LIMIT_CAPS if getattr(lim, name) is not None]
+    for name, value in given + [("nodes", request.nodes)]:
+        if not valid(value):
+            out.append(Violation("invalid-limit", f"{name} = {value:g}: a limit (and --nodes) is a positive "
+                                 f"finite number"))
+    if valid(lim.max_nodes) and request.nodes > lim.max_nodes:
         out.append(Violation("nodes", f"--nodes {request.nodes} is above the job's max_nodes {lim.max_nodes}"))
     if target is None:
         return
     for name, cap_name, unit in LIMIT_CAPS:
         value, cap = getattr(lim, name), getattr(target, cap_name)
-        if value is not None and value > cap:
+        if valid(value) and value > cap:  # an invalid one: invalid-limit says it
             out.append(Violation("above-cap", f"{name} {value:g}{' ' + unit if unit else ''} is above "
                                  f"'{target.name}''s cap {cap_name} = {cap:g}"))
     if lim.max_nodes is None and request.nodes > target.max_nodes:
@@ -182,11 +227,18 @@ def _prediction(request: Request, target: Target, out: list[Violation]) -> None:
         if value is None:
             continue
         bound, what = getattr(lim, limit_name), limit_name
+        if bound is not None and not valid(bound):
+            continue  # invalid-limit says it
         if bound is None:
             bound, what = getattr(target, cap_name), f"'{target.name}''s cap {cap_name}"
         if bound is not None and value > bound:
             out.append(Violation("predicted-over", f"the plan predicts {field_name.replace('_', ' ')} "
                                  f"{value:.4g}, above {what} {bound:g}"))
+
+
+def valid(value: float | None) -> bool:
+    """Whether a stated limit is usable: a positive finite number."""
+    return value is not None and math.isfinite(value) and value > 0
 
 
 def wall_budget_seconds(limits: Limits, devices: int, price: float) -> float:

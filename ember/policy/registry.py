@@ -15,21 +15,34 @@ Two files are read: the project's (`./datasets.toml`) and the machine's
 `--registry FILE` reads that file alone. The fingerprint is a SHA-256 over every file's place in
 the dataset and its content hash (`fingerprint()`), the same whether computed here or over the
 staged copy on a cluster; a file that changed is refused until the dataset is registered again.
+
+A file may be in several datasets: listed in one, inside a folder listed in another, or a copy of
+another's file. It counts as every dataset that holds it, by path (after realpath) or by content
+(its SHA-256 among a dataset's files'): the gate applies each one's permission, and the most
+restrictive classification (`holdings`). Registering a dataset that overlaps one of another
+classification is refused, naming both, unless `--override` asks for it; the override is a row of
+the audit log (`register`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import getpass
 import hashlib
 import json
 import os
 import re
+import socket
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember.durable import sha256_file
 from ember.errors import EmberError
-from ember.paths import ember_home
+from ember.ledger import audit
+from ember.ledger import store as ledger_store
+from ember.paths import cached_sha256, ember_home
 from ember.recipe import build_section, did_you_mean, read_toml, setting
 
 CLASSIFICATIONS = ("public", "internal", "restricted", "personal")
@@ -156,32 +169,116 @@ def fingerprint(hashes: list[tuple[str, str]]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def fingerprint_files(paths: list[str]) -> str:
-    """The fingerprint of the files as they are now (every byte read: no cache, this is the gate)."""
+def fingerprint_files(paths: list[str], digest: Callable[[Path], str] = sha256_file) -> str:
+    """The fingerprint of the files as they are now (every byte read: no cache, this is the gate;
+    `digest` may remember what it read in this decision)."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise EmberError(f"{missing[0]}: no such file or folder")
-    return fingerprint([(place, sha256_file(f)) for place, f in members(paths)])
+    return fingerprint([(place, digest(f)) for place, f in members(paths)])
+
+
+@dataclass(frozen=True)
+class Holding:
+    source: str | None          # the dataset that lists it most closely by path: it is staged from there
+    holders: tuple[str, ...]    # every dataset that holds it, by path or by content (the source too)
+
+
+def nested(a: str, b: str) -> bool:
+    """Whether path `a` is `b` or inside it."""
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def holdings(files: list[str], registry: Registry, contents: Mapping[str, frozenset[str]] | None = None,
+             registered: Mapping[str, frozenset[str]] | None = None) -> dict[str, Holding]:
+    """Which datasets hold each data path a job reads (pure; the caller resolves the paths and
+    hashes): by path, the path listed, inside a folder listed, or a folder holding a listed path;
+    by content, one of its files' SHA-256 (`contents[path]`) among a dataset's (`registered[name]`)."""
+    contents, registered = contents or {}, registered or {}
+    out = {}
+    for f in files:
+        listing: list[tuple[int, str]] = []
+        held = set()
+        for name, ds in sorted(registry.items()):
+            for p in ds.paths:
+                if nested(f, p):
+                    listing.append((-len(p.rstrip("/")), name))
+                elif nested(p, f):
+                    held.add(name)
+            if contents.get(f, frozenset()) & registered.get(name, frozenset()):
+                held.add(name)
+        source = min(listing)[1] if listing else None
+        out[f] = Holding(source, tuple(sorted(held | {n for _, n in listing})))
+    return out
 
 
 def covering(files: list[str], registry: Registry) -> tuple[dict[str, list[str]], list[str]]:
-    """Which registered dataset holds each file (a file listed, or inside a folder listed):
+    """The dataset each file is staged from (by path: the one listing it most closely):
     ({dataset: [files]}, [files in none])."""
     used: dict[str, list[str]] = {}
     outside = []
-    for f in files:
-        owner = next((name for name, ds in sorted(registry.items())
-                      if any(f == p or f.startswith(p.rstrip("/") + "/") for p in ds.paths)), None)
-        if owner is None:
+    for f, h in holdings(files, registry).items():
+        if h.source is None:
             outside.append(f)
         else:
-            used.setdefault(owner, []).append(f)
+            used.setdefault(h.source, []).append(f)
     return used, outside
 
 
+EMPTY = hashlib.sha256(b"").hexdigest()
+
+
+def contents_of(paths: list[str], digest: Callable[[Path], str] = cached_sha256) -> frozenset[str]:
+    """The SHA-256 of every file under `paths` that exists, for content identity (a missing file
+    is the fingerprint's business; an empty file, in many datasets, is nobody's copy)."""
+    return frozenset(digest(f) for _, f in members([p for p in paths if Path(p).exists()])) - {EMPTY}
+
+
+def most_restrictive(classifications: list[str]) -> str:
+    return max(classifications, key=CLASSIFICATIONS.index)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    other: Dataset
+    file: str       # one file both hold
+    how: str        # "by path" | "by content"
+
+    def message(self, name: str, classification: str) -> str:
+        o = self.other
+        worst = most_restrictive([classification, o.classification])
+        return (f"'{name}' ({classification}) overlaps dataset '{o.name}' ({o.classification}, {o.source}): "
+                f"{self.file} is in both ({self.how}); a file counts as the most restrictive dataset that "
+                f"holds it, here {worst}")
+
+
+def overlaps(name: str, paths: list[str], digests: dict[str, str], classification: str,
+             others: Registry) -> list[Overlap]:
+    """The datasets of another classification that share a file with the new one: by path
+    (after realpath) or by content (`digests`: the new dataset's files' SHA-256)."""
+    out = []
+    mine = [os.path.realpath(p) for p in paths]
+    for other_name, other in sorted(others.items()):
+        if other_name == name or other.classification == classification:
+            continue
+        theirs = [os.path.realpath(p) for p in other.paths]
+        pair = next(((a, b) for a in mine for b in theirs if nested(a, b) or nested(b, a)), None)
+        if pair is not None:
+            out.append(Overlap(other, max(pair, key=len), "by path"))
+            continue
+        shared = contents_of(other.paths)
+        same = next((f for f, d in sorted(digests.items()) if d in shared and d != EMPTY), None)
+        if same is not None:
+            out.append(Overlap(other, same, "by content"))
+    return out
+
+
 def register(file: Path, name: str, paths: list[Path], owner: str, licence: str, classification: str,
-             allowed_targets: list[str], expires: str) -> Dataset:
-    """Add or replace `name` in registry file `file`, fingerprinting its files now."""
+             allowed_targets: list[str], expires: str, *, override: bool = False,
+             ledger: Path | None = None) -> Dataset:
+    """Add or replace `name` in registry file `file`, fingerprinting its files now. An overlap
+    with a dataset of another classification is refused, or with `override` appended to the
+    audit log in `ledger` (default $EMBER_HOME/ledger.db) and registered."""
     if not NAME.match(name):
         raise EmberError(f"dataset name {name!r}: letters, digits, '_', '.' and '-'")
     if classification not in CLASSIFICATIONS:
@@ -194,16 +291,60 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
         except ValueError:
             raise EmberError(f"--expires {expires!r}: write a date, YYYY-MM-DD") from None
     absolute = [str(p.resolve()) for p in paths]
-    ds = Dataset(absolute, fingerprint_files(absolute), owner, licence, classification, list(allowed_targets),
-                 expires)
+    digests: dict[str, str] = {}
+
+    def digest(f: Path) -> str:
+        digests[str(f)] = sha256_file(f)
+        return digests[str(f)]
+
+    ds = Dataset(absolute, fingerprint_files(absolute, digest), owner, licence, classification,
+                 list(allowed_targets), expires)
     entries = _read(file)
+    found = overlaps(name, absolute, digests, classification, _others(file, entries))
+    if found and not override:
+        raise EmberError("\n".join(o.message(name, classification) for o in found)
+                         + "\nnothing was registered: register it with the same classification, leave the shared "
+                         "files out, or pass --override to register it anyway (audited; the gate still treats "
+                         "each shared file as the most restrictive dataset that holds it)")
+    ds.name, ds.source = name, str(file)
+    if found:
+        _audit_override(ds, found, ledger)
     entries[name] = ds
     text = "".join(_toml(n, d) for n, d in sorted(entries.items()))
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, file)
-    ds.name, ds.source = name, str(file)
     return ds
+
+
+def _others(file: Path, entries: Registry) -> Registry:
+    """The datasets a new registration in `file` may overlap: that file's and the default
+    registries' (a name in several: the first seen)."""
+    out = dict(entries)
+    for path in registry_files():
+        if path.resolve() != file.resolve():
+            for n, ds in _read(path).items():
+                out.setdefault(n, ds)
+    return out
+
+
+def _audit_override(ds: Dataset, found: list[Overlap], ledger: Path | None) -> None:
+    """The override, as a row of the gate's audit log: who registered which overlap."""
+    con = ledger_store.connect(ledger)
+    try:
+        audit.append(con, {
+            "time": time.time(), "who": f"{getpass.getuser()}@{socket.gethostname()}", "action": "register",
+            "recipe": ds.source, "recipe_digest": "", "target": "",
+            "datasets": [_entry(ds)] + [_entry(o.other) for o in found], "limits": {}, "prediction": {},
+            "decision": "override",
+            "reasons": [{"code": "overlap", "message": o.message(ds.name, ds.classification)} for o in found]})
+    finally:
+        con.close()
+
+
+def _entry(ds: Dataset) -> dict:
+    return {"name": ds.name, "fingerprint": ds.fingerprint, "classification": ds.classification,
+            "paths": list(ds.paths), "source": ds.source}
 
 
 def _toml(name: str, ds: Dataset) -> str:

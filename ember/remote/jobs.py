@@ -11,10 +11,14 @@ Slurm says (ember.remote.slurm) and by the outcome the job wrote itself (ember.r
                                                         without a checkpoint, ...
                                           | cancelled   ember remote cancel (scancel)
     staging ──copying, the arrival check or sbatch failed──> failed
+    stopped | cancelled | failed ──ember remote continue, allowed by the gate again──> staging
+                                   (ember.remote.submit: new limits, a new sbatch in the job's folder;
+                                   its run resumes from its newest checkpoint)
 
-completed, stopped, failed and cancelled are final. Every status poll that finds the job has run
-brings its run folder (less checkpoints: the newest one once it ended) and its ledger rows back,
-so `ember report` and `ember compare` read a remote run like a local one.
+completed, stopped, failed and cancelled have ended (FINAL: Slurm runs nothing of the job); only
+completed is for ever, the others end until `ember remote continue`. Every status poll that finds
+the job has run brings its run folder (less checkpoints: the newest one once it ended) and its
+ledger rows back, so `ember report` and `ember compare` read a remote run like a local one.
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ from ember.remote.slurm import SlurmJob
 
 STATES = ("staging", "pending", "running", "requeued", "completed", "stopped", "failed", "cancelled")
 FINAL = ("completed", "stopped", "failed", "cancelled")
+CONTINUABLE = ("stopped", "cancelled", "failed")
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "staging": ("pending", "failed"),
     "pending": ("running", "requeued", *FINAL),   # a poll may miss a short state
     "running": ("requeued", *FINAL),
     "requeued": ("running", *FINAL),
-    "completed": (), "stopped": (), "failed": (), "cancelled": (),
+    "completed": (), "stopped": ("staging",), "failed": ("staging",), "cancelled": ("staging",),
 }
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD")
 BACKUP = "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(d := sqlite3.connect(sys.argv[2])); d.close()"

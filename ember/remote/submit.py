@@ -2,12 +2,19 @@
 the target, the gate's decision, the audit row, and only for an allowed submission the staging,
 the batch script and `sbatch`.
 
-    decide     load the recipe, the registry and the targets; hash the datasets the recipe reads;
-               predict device-hours, cost and wall time (ember plan, for the target's device and
-               price); the month's committed spend from the ledger; check(); append the audit row
+    decide     load the recipe, the registry and the targets; resolve the data paths (realpath) and
+               hash them, the datasets they are staged from (every byte) and every registered
+               dataset's files (the hash cache: content identity); predict device-hours, cost and
+               wall time (ember plan, for the target's device and price); the month's committed
+               spend from the ledger; check(); append the audit row
     submit     decide; refused: stop here (nothing is staged, sbatch is never called)
                allowed: a remote job row (staging), the datasets copied and verified on arrival,
-               recipe, job.json and job.sh written, `sbatch --parsable`, the job pending
+               recipe, job.json and job.sh written, `sbatch --parsable`, the job pending; a
+               failure on the way removes the job's folder on the cluster, and the job is failed
+    continue   (ember remote continue) a stopped, cancelled or failed job: decide again for the
+               recipe it was submitted with and new limits; allowed: job.json and job.sh rewritten
+               in its folder (the staged data and recipe stay), `sbatch` again; its run resumes
+               from its newest checkpoint
 """
 
 from __future__ import annotations
@@ -15,13 +22,16 @@ from __future__ import annotations
 import datetime as dt
 import getpass
 import math
+import os
 import secrets
+import shlex
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ember.durable import sha256_file
 from ember.errors import Conflict, EmberError, Refused
 from ember.events import Events
 from ember.ledger import audit
@@ -29,12 +39,14 @@ from ember.ledger import remote as rows
 from ember.ledger import store as ledger_store
 from ember.paths import check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
-from ember.policy.registry import Registry, covering, fingerprint_files, load_registry
+from ember.policy.registry import Registry, contents_of, fingerprint_files, holdings, load_registry
 from ember.policy.targets import Target, load_targets
 from ember.recipe import LORA_ONLY, Recipe, load_recipe, to_toml
 from ember.remote import jobs, slurm, stage
-from ember.remote.script import DATA_SUMS, SCRIPT_FILE, SPEC_FILE, JobSpec, batch_script, time_minutes
+from ember.remote.script import (ALLOCATIONS_FILE, DATA_SUMS, OUTCOME_FILE, SCRIPT_FILE, SPEC_FILE, JobSpec,
+                                 batch_script, time_minutes)
 from ember.remote.shell import Shell
+from ember.train.rundir import mark_remote, remote_job
 
 
 @dataclass
@@ -49,6 +61,8 @@ class RemoteRequest:
     registry: Path | None = None       # a datasets.toml to read alone
     targets: Path | None = None        # a targets.toml to read alone
     ledger: Path | None = None
+    done_steps: int = 0                # a continued job: the steps its run has made (the prediction is the rest)
+    continues: str = ""                # a continued job: the recipe digest it was submitted with
 
 
 @dataclass
@@ -75,12 +89,21 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
     recipe = load_recipe(req.recipe_file, req.overrides, events.warn)
     registry, targets = load_registry(req.registry), load_targets(req.targets)
     target = targets.get(req.target)
-    files = tuple(recipe.data.files + recipe.eval.files)
-    used, _ = covering(list(files), registry)
+    files = resolved(recipe.data.files + recipe.eval.files)
+    read: dict[Path, str] = {}  # every byte of a file the job may take is read once in this decision
+
+    def digest(path: Path) -> str:
+        if path not in read:
+            read[path] = sha256_file(path)
+        return read[path]
+
+    contents = {f: contents_of([f], digest) for f in files}
+    registered = {name: contents_of(ds.paths) for name, ds in registry.items()}
+    staged = {h.source for h in holdings(list(files), registry).values() if h.source is not None}
     observed = {}
-    for name in used:
+    for name in sorted(staged):
         try:
-            observed[name] = fingerprint_files(registry[name].paths)
+            observed[name] = fingerprint_files(registry[name].paths, digest)
         except EmberError as e:  # a registered file gone: the gate says the dataset was not hashed
             events.warn(f"dataset '{name}': {e}")
     prediction = predict(req, target, events) if target is not None else Prediction(None, None, None, "no target")
@@ -90,7 +113,7 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
         month, since = month_of(now)
         view = LedgerView(month, rows.month_spend(con, req.target, since, jobs.FINAL))
         decision = check(Request(recipe.digest(), files, observed, req.target, req.limits, req.nodes,
-                                 prediction, now), registry, targets, view)
+                                 prediction, now, contents, registered, req.continues), registry, targets, view)
         row = audit.append(con, {
             "time": now, "who": f"{getpass.getuser()}@{socket.gethostname()}", "action": action,
             "recipe": str(req.recipe_file.resolve()), "recipe_digest": recipe.digest(), "target": req.target,
@@ -118,9 +141,18 @@ def predict(req: RemoteRequest, target: Target, events: Events) -> Prediction:
     if not math.isfinite(seconds):
         return Prediction(None, None, None, plan.time.how)
     device_hours = seconds / 3600
+    how = f"ember plan: {plan.time.how}; {plan.time.steps} steps"
+    if req.done_steps:  # a continued job: what is left of it
+        left = max(plan.time.steps - req.done_steps, 0)
+        device_hours *= left / plan.time.steps
+        how += f", of which {left} are left"
     devices = req.nodes * target.devices_per_node
-    return Prediction(device_hours, device_hours * target.price, device_hours / devices,
-                      f"ember plan: {plan.time.how}; {plan.time.steps} steps")
+    return Prediction(device_hours, device_hours * target.price, device_hours / devices, how)
+
+
+def resolved(paths: list[str]) -> tuple[str, ...]:
+    """Data paths as the gate compares them: after realpath (a link is the file it points to)."""
+    return tuple(os.path.realpath(p) for p in paths)
 
 
 @dataclass
@@ -135,7 +167,17 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
         name_from(req.recipe_file.stem, f"{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
     out = req.out.resolve() if req.out else default_run_folder(name)
     if out.exists() and any(out.iterdir()):
-        raise EmberError(f"--out {out}: exists and is not empty; results of a remote job come back to a new folder")
+        raise EmberError(f"--out {out}: exists and is not empty; results of a remote job come back to a new "
+                         f"folder" + _continue_hint(out))
+    con = ledger_store.connect(req.ledger)
+    try:
+        known = rows.find(con, name)
+        if known:
+            raise EmberError(f"a remote job named '{name}' is in the ledger already ({known[0].state}); choose "
+                             f"another --name" + (f", or `ember remote continue {name}` with new limits to "
+                                                  f"resume it" if known[0].state in jobs.CONTINUABLE else ""))
+    finally:
+        con.close()
     decided = decide(req, "submit", events)
     if not decided.decision.allowed:
         raise GateRefused(decided)
@@ -161,14 +203,23 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
     finally:
         con.close()
     out.mkdir(parents=True, exist_ok=True)
+    mark_remote(out, name, target.name)
     events.info(f"submitted {name} to '{target.name}' as Slurm job {slurm_id}; results come back to {out}")
     return Submitted(job, decided)
+
+
+def _continue_hint(out: Path) -> str:
+    origin = remote_job(out)
+    if origin is None:
+        return ""
+    return (f"; it holds remote job {origin['job']}'s results: `ember remote continue {origin['job']}` with new "
+            f"limits resumes it")
 
 
 def _stage_and_sbatch(req: RemoteRequest, decided: Decided, name: str, job_dir: str, events: Events) -> str:
     target, recipe = decided.target, decided.recipe
     shell = Shell(target.host, target.ssh_options)
-    datasets = [decided.registry[u.name] for u in decided.decision.datasets]
+    datasets = [decided.registry[u.name] for u in decided.decision.datasets if u.staged]
     devices = req.nodes * target.devices_per_node
     budget = wall_budget_seconds(req.limits, devices, target.price)
     minutes = time_minutes(budget, target.signal_seconds, target.allocation_minutes)
@@ -176,6 +227,18 @@ def _stage_and_sbatch(req: RemoteRequest, decided: Decided, name: str, job_dir: 
                    target.signal_seconds, target.partition, target.account, target.gres, list(target.sbatch_args))
     if shell.run(["test", "-e", job_dir], check=False).returncode == 0:
         raise Conflict(f"{shell.where()}:{job_dir} exists: another job's folder; choose another --name")
+    try:
+        return _stage(shell, decided, datasets, spec, devices, events)
+    except BaseException as e:  # nothing runs from the folder: leave no staged data behind
+        gone = shell.run(["rm", "-rf", job_dir], check=False)
+        if gone.returncode != 0 and isinstance(e, EmberError):
+            raise EmberError(f"{e}\nthe staged folder {shell.where()}:{job_dir} could not be removed "
+                             f"({gone.stderr.decode(errors='replace').strip()}); remove it") from None
+        raise
+
+
+def _stage(shell: Shell, decided: Decided, datasets: list, spec: JobSpec, devices: int, events: Events) -> str:
+    target, recipe, job_dir = decided.target, decided.recipe, spec.dir
     with tempfile.TemporaryDirectory(prefix="ember-stage-") as tmp:
         bundle = Path(tmp) / "data-bundle"
         bundle.mkdir()
@@ -197,9 +260,81 @@ def _stage_and_sbatch(req: RemoteRequest, decided: Decided, name: str, job_dir: 
 def staged_recipe(recipe: Recipe, datasets: list, job_dir: str, target: Target, devices: int) -> str:
     """The recipe the job runs: its data files at their staged copies, the target's price."""
     d = recipe.to_dict()
-    d["data"]["files"] = [f"{job_dir}/{stage.staged_path(f, datasets)}" for f in recipe.data.files]
-    d["eval"]["files"] = [f"{job_dir}/{stage.staged_path(f, datasets)}" for f in recipe.eval.files]
+    d["data"]["files"] = [f"{job_dir}/{stage.staged_path(f, datasets)}" for f in resolved(recipe.data.files)]
+    d["eval"]["files"] = [f"{job_dir}/{stage.staged_path(f, datasets)}" for f in resolved(recipe.eval.files)]
     d["cost"].update({"device_hour_price": target.price, "devices": devices, "currency": target.currency})
     if recipe.method.kind == "full":  # LoRA's keys, written out, would make the run warn that they do nothing
         d["method"] = {k: v for k, v in d["method"].items() if k not in LORA_ONLY}
     return to_toml(d)
+
+
+def continue_job(ref: str, req: RemoteRequest, events: Events) -> Submitted:
+    """`ember remote continue`: a stopped, cancelled or failed job through the gate again, for the
+    recipe it was submitted with and `req`'s new limits; allowed, sbatch'd again in its folder,
+    where its run resumes from its newest checkpoint. Raises Refused."""
+    con = ledger_store.connect(req.ledger)
+    try:
+        job = jobs.find_job(con, ref, None)
+        steps = jobs.status(con, job, None).steps
+        let_go = audit.get(con, job.audit_id)
+    finally:
+        con.close()
+    if job.state not in jobs.CONTINUABLE:
+        raise EmberError(f"remote job {job.name} is {job.state}: " + (
+            "it has completed; there is nothing to continue" if job.state == "completed" else
+            f"it has not ended; `ember remote status {job.name} --wait` follows it"))
+    if job.slurm_id is None:
+        raise EmberError(f"remote job {job.name} never reached Slurm ({job.detail}): nothing ran; submit it again")
+    if let_go is None or let_go.hash != job.audit_hash:
+        raise EmberError(f"remote job {job.name}: the audit row that let it go ({job.audit_id}) is missing or "
+                         f"changed; `ember policy audit --verify` says more")
+    nodes = int(job.limits["nodes"])
+    req = replace(req, recipe_file=Path(job.recipe), target=job.target, nodes=nodes, done_steps=steps,
+                  continues=let_go.recipe_digest)
+    decided = decide(req, "continue", events)
+    if not decided.decision.allowed:
+        raise GateRefused(decided)
+    target = decided.target
+    if target.host != job.host:
+        raise EmberError(f"target '{target.name}' now reaches {target.host or 'this machine'}, and job {job.name}'s "
+                         f"folder is on {job.host or 'this machine'}: it continues only there")
+    devices = nodes * target.devices_per_node
+    budget = wall_budget_seconds(req.limits, devices, target.price)
+    spec = JobSpec(job.name, job.remote_dir, job.python, nodes, target.devices_per_node, budget,
+                   time_minutes(budget, target.signal_seconds, target.allocation_minutes), target.signal_seconds,
+                   target.partition, target.account, target.gres, list(target.sbatch_args))
+    limits = asdict(req.limits) | {"nodes": nodes, "spent_before": job.cost or 0.0}
+    earlier = job.slurm_id
+    con = ledger_store.connect(req.ledger)
+    try:
+        # Claimed first (compare-and-set): a second `continue` of the same job stops here. No Slurm
+        # id while staging: a status poll meanwhile does not read the earlier job's end as this one's.
+        job = jobs.move(con, job, "staging", f"ember remote continue: audit row {decided.audit.id}", slurm_id=None,
+                        audit_id=decided.audit.id, audit_hash=decided.audit.hash, limits=limits,
+                        prediction=decided.audit.prediction, ssh_options=target.ssh_options, detail="continuing")
+        try:
+            slurm_id = _resubmit(Shell(target.host, target.ssh_options), spec, f"before-{time.time():.0f}")
+        except EmberError as e:  # it ran before: failed again, it may be continued again
+            jobs.move(con, job, "failed", f"continue: sbatch failed: {e}", slurm_id=earlier, detail=str(e))
+            raise
+        job = jobs.move(con, job, "pending", f"sbatch: Slurm job {slurm_id} (continued from step {steps})",
+                        slurm_id=slurm_id, detail=f"continued from step {steps}")
+    finally:
+        con.close()
+    events.info(f"continued {job.name} on '{target.name}' as Slurm job {slurm_id}: it resumes from its newest "
+                f"checkpoint; results come back to {job.out}")
+    return Submitted(job, decided)
+
+
+def _resubmit(shell: Shell, spec: JobSpec, earlier: str) -> str:
+    """Write the job's new spec and script in its folder, set its allocations' clock back to zero
+    (the earlier ones kept aside: the new limits are for what follows) and sbatch it."""
+    folder = shlex.quote(spec.dir)
+    shell.run(["sh", "-c", f"cd {folder} && rm -f {OUTCOME_FILE} && if [ -e {ALLOCATIONS_FILE} ]; then "
+                           f"mv {ALLOCATIONS_FILE} allocations-{earlier}.json; fi"])
+    with tempfile.TemporaryDirectory(prefix="ember-continue-") as tmp:
+        control = Path(tmp)
+        (control / SPEC_FILE).write_text(spec.to_json())
+        (control / SCRIPT_FILE).write_text(batch_script(spec))
+        shell.put(control, spec.dir)
+    return slurm.sbatch(shell, f"{spec.dir}/{SCRIPT_FILE}")

@@ -7,6 +7,8 @@
     OUT/checkpoints/      see ember.ckpt.store
     OUT/final/            the trained weights (safetensors)
     OUT/.lock             held (flock) by the one process that uses the folder (ember.lock)
+    OUT/remote.json       a remote job's results brought back here: {"job": NAME, "target": T}
+                          (written by ember.remote.submit; its run is continued there, not here)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ember.recipe import get_dotted as _get
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+REMOTE_FILE = "remote.json"
 
 
 def new_run_id(path: Path) -> str:
@@ -55,6 +58,19 @@ def folder_identity(path: Path) -> dict[str, int]:
     """What tells this folder from a copy of it: its device and inode (a rename keeps them)."""
     st = path.stat()
     return {"device": st.st_dev, "inode": st.st_ino}
+
+
+def mark_remote(path: Path, job: str, target: str) -> None:
+    """Record in run folder `path` that remote job `job` on `target` brings its results back here."""
+    write_durable(path / REMOTE_FILE, json.dumps({"job": job, "target": target}))
+
+
+def remote_job(path: Path) -> dict[str, str] | None:
+    """The remote job whose results come back to run folder `path` ({"job", "target"}), or None."""
+    try:
+        return json.loads((path / REMOTE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class RunDir:

@@ -260,3 +260,13 @@ def test_export_reports_through_events(lora_run, tmp_path):
     export_run(lora_run, "hf", tmp_path / "hf", "f32", events)
     assert any(e.kind == "stage" and "merging" in e.message for e in seen)
     assert seen[-1].kind == "info" and seen[-1].data["path"] == str(tmp_path / "hf")
+
+
+def test_library_warnings_stay_off_the_console(lora_run, tmp_path):
+    """Merging a LoRA run makes transformers warn of a deprecation (FutureWarning): ember's console
+    says only ember's own lines."""
+    done = run_ember("export", lora_run, "--format", "hf", "--out", tmp_path / "hf")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"merging the LoRA adapter of {lora_run} into its base",
+                                        "writing a Hugging Face folder (float32)",
+                                        f"exported {lora_run} as hf (f32) to {tmp_path / 'hf'}"]

@@ -52,7 +52,7 @@ def test_both_outcomes_are_audited_with_what_was_decided_on(tmp_path):
     assert first.recipe_digest == allowed.recipe.digest() and first.recipe == str(recipe.resolve())
     assert first.target == "hpc" and "@" in first.who
     assert first.datasets == [{"name": "genesis", "fingerprint": register_fp(reg), "observed": register_fp(reg),
-                               "classification": "public"}]
+                               "classification": "public", "staged": True}]
     assert first.limits == {"max_wall_hours": 1, "max_device_hours": 1, "max_cost": 1, "max_nodes": 1, "nodes": 1}
     assert first.prediction["device_hours"] > 0 and first.reasons == []
     assert [r["code"] for r in second.reasons] == ["missing-limit"]

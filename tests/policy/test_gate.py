@@ -84,6 +84,19 @@ SINGLE = [
     ("no prediction", change(REQUEST, prediction=Prediction(None, None, None, "unknown architecture")),
      REGISTRY, TARGETS, VIEW, "prediction-unknown"),
     ("monthly budget exceeded", REQUEST, REGISTRY, TARGETS, LedgerView("2026-12", 80.5), "monthly-budget"),
+    ("a zero cost limit", change(REQUEST, limits=change(LIMITS, max_cost=0)), REGISTRY, TARGETS, VIEW,
+     "invalid-limit"),
+    ("a negative wall-time limit", change(REQUEST, limits=change(LIMITS, max_wall_hours=-1)), REGISTRY, TARGETS, VIEW,
+     "invalid-limit"),
+    ("a limit that is not a number", change(REQUEST, limits=change(LIMITS, max_device_hours=float("nan"))), REGISTRY,
+     TARGETS, VIEW, "invalid-limit"),
+    ("an infinite limit", change(REQUEST, limits=change(LIMITS, max_device_hours=float("inf"))), REGISTRY,
+     TARGETS, VIEW, "invalid-limit"),
+    ("a zero node limit", change(REQUEST, limits=change(LIMITS, max_nodes=0)), REGISTRY, TARGETS, VIEW,
+     "invalid-limit"),
+    ("zero nodes", change(REQUEST, nodes=0), REGISTRY, TARGETS, VIEW, "invalid-limit"),
+    ("a continued job whose recipe changed", change(REQUEST, continues="other-digest"), REGISTRY, TARGETS, VIEW,
+     "recipe-changed"),
 ]
 
 
@@ -134,3 +147,58 @@ def test_the_wall_budget_is_the_tightest_limit():
 def test_the_month_is_the_utc_calendar_month():
     name, start = month_of(NOW)
     assert name == "2026-12" and start == dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc).timestamp()
+
+
+# A file registered twice: in a personal folder, and alone (or as a copy) in a public dataset
+# allowed to 'hpc'. It counts as personal wherever it is read from.
+CHATS = dataset("chats", paths=["/data/chats"], classification="personal", allowed_targets=[])
+ALICE = dataset("alice-public", paths=["/data/chats/alice.jsonl"], allowed_targets=["hpc"])
+ALICE_REQUEST = change(REQUEST, files=("/data/chats/alice.jsonl",), observed={"alice-public": FP})
+
+
+def test_a_file_inside_a_personal_folder_registered_again_as_public_counts_as_personal():
+    d = decide(ALICE_REQUEST, {"chats": CHATS, "alice-public": ALICE})
+    for v in d.reasons:  # the figure for the note: the gate's decision
+        print(f"{v.code}: {v.message}")
+    assert not d.allowed
+    assert sorted(d.codes) == ["classification", "dataset-target"]
+    assert ("dataset 'chats' is personal; 'hpc' allows public, internal; /data/chats/alice.jsonl is also in "
+            "'alice-public' (public)") in d.reasons[d.codes.index("classification")].message
+    assert "dataset 'chats' (it holds /data/chats/alice.jsonl, which this job reads) may not go to 'hpc'" in \
+        d.reasons[d.codes.index("dataset-target")].message
+    # Staged from the dataset that lists it most closely; the personal one only constrains.
+    assert [(u.name, u.staged, u.classification) for u in d.datasets] == [
+        ("alice-public", True, "public"), ("chats", False, "personal")]
+
+
+def test_the_same_path_in_a_personal_and_a_public_dataset_counts_as_personal():
+    same = {"chats": dataset("chats", paths=["/data/chats/alice.jsonl"], classification="personal",
+                             allowed_targets=["hpc"]), "alice-public": ALICE}
+    d = decide(ALICE_REQUEST, same)
+    assert d.codes == ["classification"]
+    # A target that allows personal data takes it, from one of them: the other is a holder too.
+    allowing = {"hpc": target(allowed_classifications=["public", "personal"])}
+    d = decide(change(ALICE_REQUEST, observed={"alice-public": FP, "chats": FP}), same, allowing)
+    assert d.allowed and sorted((u.name, u.staged) for u in d.datasets) == [("alice-public", True), ("chats", False)]
+
+
+def test_a_copy_of_a_personal_file_counts_as_personal_by_its_content():
+    copy = dataset("copy", paths=["/public/alice-copy.jsonl"])
+    request = change(REQUEST, files=("/public/alice-copy.jsonl",), observed={"copy": FP},
+                     contents={"/public/alice-copy.jsonl": frozenset({"c0ffee"})},
+                     registered={"chats": frozenset({"c0ffee", "beef"}), "copy": frozenset({"c0ffee"})})
+    d = decide(request, {"chats": CHATS, "copy": copy})
+    assert sorted(d.codes) == ["classification", "dataset-target"]
+    assert not decide(request, {"chats": CHATS, "copy": copy}).allowed
+    other_content = change(request, contents={"/public/alice-copy.jsonl": frozenset({"d00d"})})
+    assert decide(other_content, {"chats": CHATS, "copy": copy}).allowed
+
+
+def test_a_folder_read_whole_holds_the_datasets_registered_inside_it():
+    """The recipe reads /data/chats (registered public as a whole): a personal file registered
+    inside it is sent with it, so it is held too."""
+    folder = dataset("all-chats", paths=["/data/chats"], allowed_targets=["hpc"])
+    alice = dataset("alice", paths=["/data/chats/alice.jsonl"], classification="personal", allowed_targets=[])
+    d = decide(change(REQUEST, files=("/data/chats",), observed={"all-chats": FP}),
+               {"all-chats": folder, "alice": alice})
+    assert sorted(d.codes) == ["classification", "dataset-target"]

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from ember.errors import EmberError
-from ember.policy.registry import covering, fingerprint, fingerprint_files, load_registry, members, register, verify
+from ember.ledger import audit, store
+from ember.policy.registry import (Holding, covering, fingerprint, fingerprint_files, holdings, load_registry, members,
+                                   register, verify)
 from ember.policy.targets import load_targets
 
 TARGET = """
@@ -126,3 +128,52 @@ def test_targets_read_back_and_every_cap_is_required(tmp_path):
     f.write_text(TARGET.replace("max_nodes = 2", "max_nodes = 0"))
     with pytest.raises(EmberError, match="max_nodes = 0: must be >= 1"):
         load_targets(f)
+
+
+def test_registering_an_overlap_of_another_classification_is_refused_with_both_names(tmp_path, monkeypatch):
+    """A file of a registered personal folder registered again alone as public, a copy of it
+    registered as public, and the same file in both: refused, naming both datasets; nothing is
+    written. The same classification is no conflict."""
+    monkeypatch.chdir(tmp_path)  # the default registries (./datasets.toml, $EMBER_HOME's) are not this one
+    folder, one = corpus(tmp_path)
+    reg = tmp_path / "registry.toml"
+    register(reg, "chats", [folder], "alice", "private", "personal", [], "")
+    before = reg.read_text()
+    with pytest.raises(EmberError) as e:
+        register(reg, "part-public", [folder / "part-0.jsonl"], "alice", "CC0-1.0", "public", ["lab"], "")
+    print(e.value)  # the figure for the note: the refusal
+    assert (f"'part-public' (public) overlaps dataset 'chats' (personal, {reg}): {folder / 'part-0.jsonl'} is in "
+            f"both (by path); a file counts as the most restrictive dataset that holds it, here personal") in str(e.value)
+    assert "pass --override" in str(e.value) and reg.read_text() == before
+    copy = tmp_path / "elsewhere" / "copy.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes((folder / "part-1.jsonl").read_bytes())
+    with pytest.raises(EmberError, match=r"overlaps dataset 'chats' \(personal.*copy.jsonl is in both \(by content\)"):
+        register(reg, "copy", [copy.parent], "bob", "CC0-1.0", "public", ["lab"], "")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(folder / "part-0.jsonl")  # path identity is after realpath
+    with pytest.raises(EmberError, match="by path"):
+        register(reg, "linked", [link], "bob", "CC0-1.0", "internal", ["lab"], "")
+    register(reg, "part-personal", [folder / "part-0.jsonl"], "alice", "private", "personal", [], "")
+    assert set(load_registry(reg)) == {"chats", "part-personal"}
+
+
+def test_an_overridden_overlap_is_registered_audited_and_still_counts_as_the_most_restrictive(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder, _ = corpus(tmp_path)
+    reg, ledger = tmp_path / "registry.toml", tmp_path / "ledger.db"
+    register(reg, "chats", [folder], "alice", "private", "personal", [], "")
+    register(reg, "part-public", [folder / "part-0.jsonl"], "alice", "CC0-1.0", "public", ["lab"], "",
+             override=True, ledger=ledger)
+    registry = load_registry(reg)
+    assert set(registry) == {"chats", "part-public"}
+    con = store.connect(ledger)
+    chain, problems = audit.check_log(con)
+    con.close()
+    assert problems == [] and len(chain) == 1
+    row = chain[0]
+    assert (row.action, row.decision, [d["name"] for d in row.datasets]) == ("register", "override",
+                                                                            ["part-public", "chats"])
+    assert row.reasons[0]["code"] == "overlap" and "'chats' (personal" in row.reasons[0]["message"]
+    held = holdings([str(folder / "part-0.jsonl")], registry)
+    assert held[str(folder / "part-0.jsonl")] == Holding("part-public", ("chats", "part-public"))

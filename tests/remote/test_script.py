@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.remote.jobs import FINAL, TRANSITIONS, state_from
+from ember.remote.jobs import CONTINUABLE, FINAL, TRANSITIONS, state_from
 from ember.remote.script import JobSpec, batch_script, node_command, time_minutes
 from ember.remote.slurm import SlurmJob, parse_sacct, parse_sbatch, parse_scontrol, parse_squeue
 from tests.helpers import callers_of
@@ -80,8 +80,12 @@ def test_the_state_a_slurm_view_puts_a_job_in(seen, outcome, current, state):
     assert got == current or got in TRANSITIONS[current]  # every reading is a declared transition
 
 
-def test_final_states_have_no_way_out():
-    assert all(TRANSITIONS[s] == () for s in FINAL)
+def test_ended_states_leave_only_through_continue():
+    """completed is for ever; stopped, cancelled and failed go back to staging only (ember remote
+    continue, through the gate again), never on what Slurm says."""
+    assert TRANSITIONS["completed"] == ()
+    assert set(CONTINUABLE) | {"completed"} == set(FINAL)
+    assert all(TRANSITIONS[s] == ("staging",) for s in CONTINUABLE)
 
 
 def test_only_the_state_machine_module_changes_a_remote_jobs_state():

@@ -167,7 +167,11 @@ def test_requeued_then_time_limited_job_resumes_and_ends_bit_identical(site):
     assert compare.returncode == 0 and "identical" in compare.stdout
 
 
-def test_remote_cancel_checkpoints_and_brings_the_run_back(site):
+def test_remote_cancel_checkpoints_and_brings_the_run_back_and_continue_resumes_it(site):
+    """Cancelled at step 2 or later: checkpointed, brought back. Submitting it again is refused with
+    the way on; `ember remote continue` goes through the gate again (refused without limits,
+    audited either way) and resumes it from its checkpoint to the same result as the
+    uninterrupted run; then it exports."""
     done = site.submit("cancel", "local", delay=0.5)
     assert done.returncode == 0, done.stderr
     job = site.job("cancel")
@@ -184,6 +188,48 @@ def test_remote_cancel_checkpoints_and_brings_the_run_back(site):
     outcomes = [r[0] for r in con.execute("SELECT a.outcome FROM attempts a JOIN runs r ON r.id = a.run_id "
                                           "WHERE r.path = ?", (str(out.resolve()),))]
     assert outcomes == ["interrupted"]
+
+    done = site.submit("cancel", "local")
+    assert done.returncode == 1 and "`ember remote continue cancel` with new limits resume" in done.stderr
+    done = site.ember("export", str(out), "--format", "hf")
+    assert done.returncode == 1 and "`ember remote continue cancel` with new limits resumes it" in done.stderr
+    calls = len(site.sbatch_calls())
+    done = site.ember("remote", "continue", "cancel", *site.files())
+    assert done.returncode == 1 and "missing-limit" in done.stderr
+    assert len(site.sbatch_calls()) == calls and site.job("cancel").state == "cancelled"
+    done = site.ember("remote", "continue", "cancel", *LIMITS, *site.files())
+    assert done.returncode == 0, done.stderr
+    job = site.job("cancel")
+    assert job.state == "pending" and job.limits["spent_before"] > 0 and len(site.sbatch_calls()) == calls + 1
+    status = site.ember("remote", "status", "cancel", "--wait", "--timeout", "240", "--json", *site.files()[4:])
+    (st,) = json.loads(status.stdout)
+    assert st["job"]["state"] == "completed", st
+    assert_same_result(out, site.baseline)
+    outcomes = [r[0] for r in con.execute("SELECT a.outcome FROM attempts a JOIN runs r ON r.id = a.run_id "
+                                          "WHERE r.path = ? ORDER BY a.attempt", (str(out.resolve()),))]
+    assert outcomes == ["interrupted", "completed"]
+    rows = json.loads(site.ember("policy", "audit", "--verify", "--json", "--ledger",
+                                 str(site.root / "ledger.db")).stdout)["rows"]
+    assert [(r["action"], r["decision"]) for r in rows[-2:]] == [("continue", "refused"), ("continue", "allowed")]
+    assert job.audit_id == rows[-1]["id"]
+    done = site.ember("export", str(out), "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    assert (out / "export" / "hf" / "model.safetensors").is_file()
+
+
+def test_a_failed_sbatch_leaves_no_staged_data(site):
+    """sbatch refuses the job (a partition the cluster does not have): its staged folder is removed,
+    the job is failed with sbatch's words, and there is nothing to continue."""
+    text = TARGETS.format(name="nopart", stage=site.root / "stage", allocation=0, signal=15) + 'partition = "nosuch"\n'
+    (site.root / "targets.toml").write_text((site.root / "targets.toml").read_text() + text)
+    register(site.root / "datasets.toml", "genesis", [site.data], "alice", "CC0-1.0", "public",
+             ["local", "short", "nopart"], "")
+    done = site.submit("no-partition", "nopart")
+    assert done.returncode == 1 and "sbatch" in done.stderr and "partition" in done.stderr, done.stderr
+    assert not (site.root / "stage" / "no-partition").exists()
+    assert site.job("no-partition").state == "failed"
+    done = site.ember("remote", "continue", "no-partition", *LIMITS, *site.files())
+    assert done.returncode == 1 and "never reached Slurm" in done.stderr
 
 
 def test_a_job_stops_itself_at_its_own_limit(site):
