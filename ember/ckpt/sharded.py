@@ -78,6 +78,15 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     return RunState.from_dict(extra["run_state"]), key == f"rank{world.rank}"
 
 
+def read_model(folder: Path, model: torch.nn.Module) -> None:
+    """Load a DCP checkpoint's trainable weights alone into a whole model in one process (no
+    process group: `ember export`)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    sd = {"model": get_model_state_dict(model, options=TRAINABLE)}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
+    set_model_state_dict(model, sd["model"], options=TRAINABLE)
+
+
 def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer: torch.optim.Optimizer,
               scheduler: Any, scaler: Any) -> RunState:
     """Load a one-process checkpoint into a distributed model: every rank reads the full
