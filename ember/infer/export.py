@@ -110,7 +110,7 @@ def export_run(run: Path, fmt: str, out: Path | None = None, dtype: str = "f32",
         else:
             from ember.infer.gguf_export import write_gguf
             source = gguf_tokenizer_source(trained, events)  # refuse before loading and merging the model
-            write_gguf(merged_model(trained, events), source, model_source(trained, events), tmp, dtype, events)
+            write_gguf(merged_model(trained, events), source, model_source(trained), tmp, dtype, events)
         set_modes(tmp, umask())
         make_durable(tmp)
         os.rename(tmp, out)  # the commit point: --out appears whole, or not at all
@@ -307,7 +307,7 @@ def gguf_tokenizer_source(trained: TrainedRun, events: Events | None = None) -> 
     return trained.final if trained.checkpoint is None else model_folder(trained.spec, events)[0]
 
 
-def model_source(trained: TrainedRun, events: Events) -> Path | None:
+def model_source(trained: TrainedRun) -> Path | None:
     """What the base model came from, for the GGUF's general.* metadata (name, licence): the
     source GGUF file, or the Hugging Face model folder (its model card); None if gone."""
     source = trained.record.get("model", {})

@@ -104,3 +104,27 @@ def test_best_without_evaluations_says_so(tmp_path):
     run = train(tmp_path, 10)
     with pytest.raises(EmberError, match="--checkpoint best: none of .* has a held-out loss"):
         export_run(run, "hf", checkpoint="best")
+
+
+def test_a_checkpoint_several_ranks_wrote_loads_its_weights_in_one_process(tmp_path):
+    """DCP checkpoints (distributed runs) export too: their trainable weights, without a process group."""
+    import warnings
+
+    from transformers import LlamaForCausalLM
+
+    from ember.ckpt.sharded import is_sharded, read_model, write_sharded
+    from ember.ckpt.state import RunState
+    from ember.models import tiny_config
+    from ember.world import World
+    torch.manual_seed(0)
+    saved = LlamaForCausalLM(tiny_config())
+    optimizer = torch.optim.AdamW(saved.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
+        write_sharded(tmp_path, saved, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                      torch.amp.GradScaler(enabled=False), RunState(), World())
+    assert is_sharded(tmp_path)
+    torch.manual_seed(1)
+    loaded = LlamaForCausalLM(tiny_config())
+    read_model(tmp_path, loaded)
+    assert_equal_weights(saved.state_dict(), loaded.state_dict())
