@@ -164,18 +164,19 @@ def _record_summary(job) -> RunReport:
 
 
 def completed_step(out: Path, recipe: Recipe) -> int | None:
-    """The step a run folder completed at, if it completed this very recipe's max_steps."""
+    """The step a run folder completed at, if it completed this very recipe (its max_steps, or
+    stopped early by its [eval] patience)."""
     if not (out / "run.json").is_file() or not (out / "final").is_dir():
         return None
     try:
         run = RunDir.read(out)
     except EmberError:
         return None
-    done = run.record.get("completed_step")
+    done = run.completed_at(recipe.train.max_steps)
     same = run.record.get("recipe_digest") == recipe.digest() or not run.material_changes(recipe)
     # Changed data is not "completed": the run goes on to refuse it, saying what changed.
     same_data = run.record.get("data_files") == data_file_hashes(recipe.data.files)
-    return done if done is not None and done >= recipe.train.max_steps and same and same_data else None
+    return done if done is not None and same and same_data else None
 
 
 def check_memory(recipe: Recipe) -> None:

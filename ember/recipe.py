@@ -102,6 +102,10 @@ class EvalConfig:
     prompts: list[str] = setting(list, "Prompts to complete greedily at each evaluation; the "
                                  "generations are kept in OUT/eval/generations.jsonl.", factory=True)
     max_new_tokens: int = setting(32, "Tokens generated per prompt.", min=1, max=4096)
+    patience: int = setting(0, "Early stopping: end the run when this many evaluations in a row "
+                            "do not lower the best held-out loss; it then completes at that step "
+                            "(the reason in run.json and `ember report`), and `ember export "
+                            "--checkpoint best` exports the best one. 0 = train to max_steps.", min=0)
 
 
 @dataclass
@@ -156,6 +160,9 @@ class CheckpointConfig:
                                         "of this machine, else 24.", min=0)
     keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
                              "a newer one is committed.", min=1)
+    keep_best: bool = setting(True, "With evaluation on: checkpoint at every evaluation that lowers the "
+                              "best held-out loss, and keep that checkpoint beyond keep_last until a "
+                              "lower one replaces it (`ember export --checkpoint best`).")
     loss_budget_seconds: float = setting(0.0, "When a checkpoint cannot be written (full disk, I/O "
                                          "error), keep training while the last committed one is at "
                                          "most this many seconds old; 0 = stop at once.", min=0)
@@ -298,7 +305,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 # Keys that change how a run is operated, not what it computes: they may differ on resume.
 OPERATIONAL_KEYS = frozenset({
     "data.workers", "data.tokenize_workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
-    "checkpoint.async", "checkpoint.persist_nice", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
+    "checkpoint.keep_best", "checkpoint.async", "checkpoint.persist_nice", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
     "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops", "checkpoint.interruption_hours",
     "plan.local_max_hours", "plan.memory_margin", "plan.assumed_mfu",
@@ -306,7 +313,9 @@ OPERATIONAL_KEYS = frozenset({
     # a run may resume under another strategy or world size (within the tolerance in README).
     "distributed.strategy", "distributed.tp_size", "distributed.timeout_seconds", "distributed.hang_factor",
     "distributed.hang_min_seconds",
-    # Evaluation reads the model; it never changes what training computes.
+    # Evaluation reads the model; it never changes what training computes. (eval.patience is not
+    # here: it decides where the run ends. Under it, a changed every_steps or max_batches changes
+    # which evaluations the counter counts from then on: allowed, like any operational change.)
     "eval.every_steps", "eval.at_end", "eval.max_batches", "eval.prompts", "eval.max_new_tokens",
     # Where else the figures go: never what is computed.
     "log.tensorboard", "log.mlflow_tracking_uri", "log.mlflow_experiment",
@@ -466,6 +475,12 @@ def check_recipe(recipe: Recipe, source: str) -> None:
     if recipe.eval.prompts and not (recipe.eval.holdout or recipe.eval.files):
         raise EmberError(f"{source}: [eval] prompts are generated at each evaluation, and there is none: "
                          f"set [eval] holdout or [eval] files")
+    if recipe.eval.patience and not (recipe.eval.holdout or recipe.eval.files):
+        raise EmberError(f"{source}: [eval] patience = {recipe.eval.patience} stops the run when the held-out "
+                         f"loss stops improving, and there is no held-out set: set [eval] holdout or [eval] files")
+    if recipe.eval.patience and not recipe.eval.every_steps:
+        raise EmberError(f"{source}: [eval] patience = {recipe.eval.patience} needs evaluations during the run, "
+                         f"and [eval] every_steps = 0 evaluates only at the end: set [eval] every_steps")
     if recipe.method.kind == "lora" and not recipe.method.target_modules:
         raise EmberError(f"{source}: [method] target_modules is empty: name the modules LoRA "
                          f"adapts, or use ['all-linear']")

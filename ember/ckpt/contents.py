@@ -120,9 +120,8 @@ def read_optimizer(folder: Path) -> dict[str, Any]:
     return torch.load(folder / OPTIMIZER_FILE_V1, weights_only=True)
 
 
-def read_files(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               scheduler: Any, scaler: Any) -> RunState:
-    """Load a verified checkpoint into the live objects; return its RunState."""
+def read_weights(folder: Path, model: nn.Module) -> None:
+    """Load a verified checkpoint's trainable weights into `model` (built as the run built it)."""
     weights = load_file(folder / MODEL_FILE)
     expected = set(trainable_state(model))
     if set(weights) != expected:
@@ -133,6 +132,12 @@ def read_files(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         params = dict(model.named_parameters())
         for name, tensor in weights.items():
             params[name].copy_(tensor)
+
+
+def read_files(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: Any, scaler: Any) -> RunState:
+    """Load a verified checkpoint into the live objects; return its RunState."""
+    read_weights(folder, model)
     optimizer.load_state_dict(read_optimizer(folder))
     extra_state = torch.load(folder / STATE_FILE, weights_only=True)
     scheduler.load_state_dict(extra_state["scheduler"])

@@ -17,6 +17,7 @@ set_state_dict, which shards them.
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,17 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     scheduler.load_state_dict(extra["scheduler"])
     scaler.load_state_dict(extra["scaler"])
     return RunState.from_dict(extra["run_state"]), key == f"rank{world.rank}"
+
+
+def read_model(folder: Path, model: torch.nn.Module) -> None:
+    """Load a DCP checkpoint's trainable weights alone into a whole model in one process (no
+    process group: `ember export`)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    sd = {"model": get_model_state_dict(model, options=TRAINABLE)}
+    with warnings.catch_warnings():  # DCP says it loads in one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
+    set_model_state_dict(model, sd["model"], options=TRAINABLE)
 
 
 def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer: torch.optim.Optimizer,

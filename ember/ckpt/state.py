@@ -35,6 +35,9 @@ class RunState:
     bad_steps: list[dict[str, Any]] = field(default_factory=list)  # step, why, loss, batches
     lr_scale: float = 1.0           # product of rollback learning-rate factors
     bad_streak: int = 0             # consecutive bad steps so far
+    best_eval_loss: float | None = None  # lowest held-out loss so far (None: no finite one yet)
+    best_step: int = 0              # the step it was evaluated at ([checkpoint] keep_best keeps it)
+    evals_since_best: int = 0       # evaluations since then that did not lower it ([eval] patience)
 
     def capture_rng(self, device: torch.device) -> None:
         """Record every RNG this process draws from, as of now."""

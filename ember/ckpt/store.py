@@ -17,10 +17,13 @@ writes one file per rank) commits under the same protocol. A `write(folder)` tha
 files durable and checksums them as it writes (ember.ckpt.contents) returns their manifest
 entries; any other file in the folder is fsynced and checksummed here, read back.
 
-Retirement renames (the durable part, on the commit's path: a kill after it never brings the
-old step back) and leaves the deletion to a thread of its own, so the commit returns as soon as
-the new checkpoint is durable; `settle()` waits for the deletion. A kill during it leaves a
-`.del-*` folder, swept at the next start.
+Retention keeps the newest `keep_last` committed checkpoints, and the one whose step the newest
+commit's manifest names in `meta["best_step"]` (the best held-out loss so far: ember.train.saving),
+however old; that name is durable with the commit, so a resume, or a kill at any point, keeps
+the same one. Retirement renames (the durable part, on the commit's path: a kill after it never
+brings the old step back) and leaves the deletion to a thread of its own, so the commit returns
+as soon as the new checkpoint is durable; `settle()` waits for the deletion. A kill during it
+leaves a `.del-*` folder, swept at the next start.
 
 Formats: ember-checkpoint/2 checksums with CRC32C (integrity: torn, truncated, zeroed or
 flipped data); ember-checkpoint/1 (SHA-256, optimizer.pt) still verifies and loads.
@@ -155,7 +158,7 @@ class CheckpointStore:
         except Exception as e:  # torch.save and safetensors report a full disk as their own types
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._failed(step, e) from e
-        self._retire_old()
+        self._retire_old(meta.get("best_step"))
         return Checkpoint(step, final, json.loads((final / MANIFEST).read_text()))
 
     def save_collective(self, step: int, write: Callable[[Path], None], own: Callable[[Path], list[Path]],
@@ -183,7 +186,7 @@ class CheckpointStore:
             except Exception as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise self._failed(step, e) from e
-            self._retire_old()
+            self._retire_old(meta.get("best_step"))
         world.barrier()  # no rank goes on (or exits) before the commit
         return None if final is None else Checkpoint(step, final, json.loads((final / MANIFEST).read_text()))
 
@@ -218,12 +221,15 @@ class CheckpointStore:
         return EmberError(f"checkpoint at step {step} could not be written to {self.root}: "
                           f"{reason}; {kept}; {hint} and run the same command again to resume")
 
-    def _retire_old(self) -> None:
-        """Rename the checkpoints beyond keep_last away (durably), and delete them behind the
-        commit: the caller goes on while a thread deletes (a 1.6 GB folder takes ~0.3 s)."""
+    def _retire_old(self, best: int | None) -> None:
+        """Rename the checkpoints beyond keep_last, but for step `best`, away (durably), and delete
+        them behind the commit: the caller goes on while a thread deletes (a 1.6 GB folder takes
+        ~0.3 s)."""
         self.settle()
         doomed = []
-        for _, path in self.committed()[:-self.keep_last]:
+        for step, path in self.committed()[:-self.keep_last]:
+            if step == best:
+                continue
             doomed.append(path.with_name(f".del-{path.name}"))
             os.rename(path, doomed[-1])  # atomic: a kill mid-delete never leaves a half step-N
             fsync_dir(self.root)

@@ -66,6 +66,8 @@ def print_report(report: RunReport) -> None:
     r = report.run
     out.print(f"{r.id}  {r.status}  step {r.steps}/{r.max_steps}  attempts {_fmt(r.attempts, 'd')}  ({r.path})",
               highlight=False, markup=False)
+    if r.stopped_early:
+        out.print(r.stopped_early, highlight=False, markup=False)
     out.print(summary_line(report), highlight=False, markup=False)
     if d := report.data:
         out.print(d.text(), highlight=False, markup=False)

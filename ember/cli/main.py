@@ -96,17 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
     add_ledger_args(capacity)
 
-    export = sub.add_parser("export", help="a completed run's weights for serving engines (hf, peft, gguf)",
-                            description="Write a completed run's weights as a merged Hugging Face folder "
+    export = sub.add_parser("export", help="a run's weights for serving engines (hf, peft, gguf)",
+                            description="Write a completed run's final weights, or one of its checkpoints' "
+                            "(--checkpoint), as a merged Hugging Face folder "
                             "(hf: transformers, vLLM), a peft LoRA adapter (peft: LoRA runs only) or one "
                             "GGUF file (gguf: llama.cpp, Ollama; Llama family only). Written under a "
                             "temporary name and renamed into place; an existing --out is refused.")
-    export.add_argument("run", type=Path, help="a completed run folder (the --out of `ember run`)")
+    export.add_argument("run", type=Path, help="a run folder (the --out of `ember run`)")
     export.add_argument("--format", required=True, metavar="{hf,peft,gguf}", help="hf, peft or gguf")
     export.add_argument("--out", type=Path, default=None,
                         help="where to write (default RUN/export/FORMAT; gguf: RUN/export/model-DTYPE.gguf)")
     export.add_argument("--dtype", default="f32", metavar="{f16,f32}",
                         help="weight precision: f32 (default, the trained weights exactly) or f16")
+    export.add_argument("--checkpoint", metavar="STEP|best|last", default=None,
+                        help="export a committed checkpoint instead of the final weights: its step, "
+                        "'last' (the newest) or 'best' (the lowest held-out loss); the run need not "
+                        "have completed")
 
     from ember.cli.doctor import add_parser as add_doctor
     from ember.cli.owner import add_parsers as add_owner
@@ -250,7 +255,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
     from ember.infer.export import export_run
     hf_logging.disable_progress_bar()
-    done = export_run(args.run, args.format, args.out, args.dtype, stderr_events())
+    done = export_run(args.run, args.format, args.out, args.dtype, stderr_events(), args.checkpoint)
     Console(soft_wrap=True).print(f"{done.path} ({done.format}, {done.dtype}, {done.bytes / 1e6:.1f} MB)",
                                   markup=False, highlight=False)
     return 0
@@ -262,6 +267,8 @@ def print_completed(report, out: Console) -> None:
     run = Path(report.run.path)
     loss = f"; loss {report.loss.first:.4f} -> {report.loss.last:.4f}" if report.loss else ""
     out.print(f"completed {report.run.steps} steps{loss}", markup=False, highlight=False)
+    if report.run.stopped_early:
+        out.print(report.run.stopped_early, markup=False, highlight=False)
     out.print(summary_line(report), markup=False, highlight=False)
     checkpoints = ", ".join(p.name for _, p in committed_in(run / "checkpoints"))
     out.print(f"checkpoints: {checkpoints} in {run / 'checkpoints'}\nfinal weights: {run / 'final'}",

@@ -1,6 +1,11 @@
 """A Llama-family model as one GGUF file that llama.cpp loads: hyperparameters, tokenizer and
 tensors under llama.cpp's names (the `gguf` package's tensor-name map), in f16 or f32.
 
+The file says what model it is: the source GGUF's general.* keys (name, licence, organisation,
+size, languages, ...) are copied, but for those that describe the file rather than the model
+(architecture, file type, quantization, alignment); from a Hugging Face folder, the name and the
+licence come from its model card (README.md), when it has one, else the name is the folder's.
+
 Two layouts differ between the formats. Hugging Face's Llama rotates the two halves of each
 attention head (`rotate_half`), llama.cpp rotates adjacent pairs, as Meta's original weights did;
 the Q and K projections are therefore re-ordered row-wise, per head, back into pairs. And
@@ -26,16 +31,20 @@ PRE_TOKENIZERS = {
     (("Digits", True), ("ByteLevel", True)): "smollm",
 }
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp's token types
+# general.* keys about the file, not the model: this writer sets its own, or none
+FILE_KEYS = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 
 
-def write_gguf(model: torch.nn.Module, tokenizer_source: Path, path: Path, dtype: str,
-               events: Events) -> None:
+def write_gguf(model: torch.nn.Module, tokenizer_source: Path, model_source: Path | None, path: Path,
+               dtype: str, events: Events) -> None:
     """Write `model` (a float32 LlamaForCausalLM) with the tokenizer from `tokenizer_source` (a GGUF
-    file, whose tokenizer.ggml.* metadata is copied, or a Hugging Face tokenizer folder)."""
+    file, whose tokenizer.ggml.* metadata is copied, or a Hugging Face tokenizer folder) and the
+    general.* metadata of `model_source` (the GGUF file or model folder the run started from)."""
     import gguf
     config = model.config
     check_llama(config)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    write_general(writer, model_source)
     write_hparams(writer, config, dtype)
     if tokenizer_source.is_file():
         copy_gguf_tokenizer(writer, tokenizer_source)
@@ -73,9 +82,42 @@ def head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def write_general(writer: Any, source: Path | None) -> None:
+    """general.* metadata: the source GGUF's (but FILE_KEYS), or a model folder's name (its model
+    card's model_name, else the folder's name), licence and languages."""
+    import gguf
+    if source is not None and source.is_file():
+        for key, field in gguf.GGUFReader(source).fields.items():
+            if key.startswith("general.") and key not in FILE_KEYS:
+                vtype = field.types[0]
+                sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        return
+    card = model_card(source) if source is not None else {}
+    writer.add_type("model")
+    writer.add_name(card.get("model_name") or (source.name if source is not None else "ember export"))
+    if isinstance(card.get("license"), str):
+        writer.add_license(card["license"])
+    languages = card.get("language")
+    if languages:
+        writer.add_languages([languages] if isinstance(languages, str) else list(languages))
+
+
+def model_card(folder: Path) -> dict[str, Any]:
+    """The metadata of a model folder's README.md (its YAML header), or {} without one."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return {}
+    import yaml
+    from huggingface_hub.repocard import metadata_load
+    try:
+        return metadata_load(readme) or {}
+    except yaml.YAMLError:  # a header that does not parse: nothing to copy (the weights still export)
+        return {}
+
+
 def write_hparams(writer: Any, config: Any, dtype: str) -> None:
     import gguf
-    writer.add_name("ember export")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)

@@ -37,6 +37,7 @@ class RunInfo:
     max_steps: int
     attempts: int | None
     created: float | None
+    stopped_early: str | None = None  # why a completed run ended before max_steps ([eval] patience)
 
 
 @dataclass
@@ -212,7 +213,8 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
 
     report = RunReport(
         run=RunInfo(record.get("id"), str(run_path), status, good[-1]["step"] if good else 0,
-                    recipe["train"]["max_steps"], len(rows) or None, record.get("created")),
+                    recipe["train"]["max_steps"], len(rows) or None, record.get("created"),
+                    record.get("stopped_early")),
         loss=LossInfo(learned[0]["loss"], learned[-1]["loss"]) if learned else None,
         notes=notes, ranks=load_ranks(run_path), data=data_info(record),
         held_out=[{k: e[k] for k in ("step", "loss", "perplexity", "tokens")} for e in held_out_history(run_path)

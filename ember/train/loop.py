@@ -112,8 +112,9 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
     stopping = world.any(stop.requested)[0]  # a signal during start-up: no step, exit 75
+    early = out_of_patience(state, r.eval.patience)  # resumed from the checkpoint where it ran out
     try:
-        while state.step < r.train.max_steps and not stopping:
+        while state.step < r.train.max_steps and not stopping and not early:
             t0 = time.perf_counter()
             result = train_step(job, data)
             seconds = time.perf_counter() - t0
@@ -134,6 +135,8 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
             held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
+            improved = bool(held_out) and record_best(state, held_out["eval_loss"])
+            early = out_of_patience(state, r.eval.patience)  # early stopping: [eval] patience
             record = {"step": state.step, "loss": result.loss, "lr": result.lr,
                       "grad_norm": result.grad_norm, "tokens": result.tokens,
                       "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
@@ -154,7 +157,8 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
                 job.ledger.event(held.kind, held.start, held.end, step=state.step, detail={"reason": held.reason})
             due = ((ck.every_steps and state.step % ck.every_steps == 0)
                    or (interval and time.monotonic() - last_save_time >= interval)
-                   or state.step == r.train.max_steps or stop.requested)
+                   or state.step == r.train.max_steps or stop.requested or early
+                   or (improved and ck.keep_best))  # the best held-out loss so far: keep it
             stopping, due = world.any(stop.requested, due)  # the ranks agree: stop and save at one step
             if due:
                 watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
@@ -169,7 +173,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
         watchdog.stop()
         stop.restore()
         metrics.close()
-        scalars.close(state.step == r.train.max_steps)
+        scalars.close(state.step == r.train.max_steps or early)
         data.close()
         t0 = time.time()
         try:
@@ -202,8 +206,12 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
         return EXIT_OK
     final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights))
     job.ledger.event("final_save", t0, time.time(), step=state.step)
-    job.run.mark_completed(state.step)
-    job.ledger.finish("completed")
+    why = early_stop_reason(state, r.eval.patience) if state.step < r.train.max_steps else None
+    job.run.mark_completed(state.step, why)
+    job.ledger.finish("completed", why or "")
+    if why:
+        job.events.info(f"{why}; `ember export {job.run.path} --checkpoint best` exports step "
+                        f"{state.best_step}", step=state.step, best_step=state.best_step)
     job.events.info(f"final weights written to {final}", final=str(final), tokens=attempt_tokens,
                     seconds=attempt_seconds)
     return EXIT_OK
@@ -226,6 +234,29 @@ def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
     job.events.info(f"step {step}: held-out loss {result.loss:.4f} (perplexity {result.perplexity:.2f}, "
                     f"{result.tokens} tokens, {result.seconds:.2f} s)", step=step, eval_loss=result.loss)
     return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens}
+
+
+def record_best(state: RunState, loss: float) -> bool:
+    """Keep the lowest held-out loss and its step, and count the evaluations since it; True if
+    `loss` (of this step) is the new lowest. A non-finite loss never is."""
+    if math.isfinite(loss) and (state.best_eval_loss is None or loss < state.best_eval_loss):
+        state.best_eval_loss, state.best_step, state.evals_since_best = loss, state.step, 0
+        return True
+    state.evals_since_best += 1
+    return False
+
+
+def out_of_patience(state: RunState, patience: int) -> bool:
+    """Whether [eval] patience evaluations in a row have not lowered the best held-out loss."""
+    return patience > 0 and state.evals_since_best >= patience
+
+
+def early_stop_reason(state: RunState, patience: int) -> str:
+    """Why a run stopped before max_steps, as run.json and the report say it."""
+    best = "no finite held-out loss yet" if state.best_eval_loss is None else \
+        f"the best, {state.best_eval_loss:.4f}, was at step {state.best_step}"
+    return (f"stopped early at step {state.step}: the held-out loss did not improve for {patience} "
+            f"evaluations in a row ([eval] patience = {patience}); {best}")
 
 
 def open_scalars(job: Job, step: int) -> Scalars:

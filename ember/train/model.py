@@ -207,5 +207,6 @@ def save_final(bundle: ModelBundle, folder: Path, method: MethodConfig,
     bundle.tokenizer.save(folder)
     if method.kind == "lora" and method.export_merged:
         merged = bundle.model.merge_and_unload()
+        merged.config.use_cache = True  # for inference (training turned the KV cache off)
         merged.save_pretrained(folder / "merged", safe_serialization=True)
         bundle.tokenizer.save(folder / "merged")

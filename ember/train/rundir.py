@@ -115,10 +115,20 @@ class RunDir:
         """Recipe keys that differ from the run's and change what it computes."""
         return [k for k in diff_recipes(self.record["recipe"], recipe.to_dict()) if k not in OPERATIONAL_KEYS]
 
-    def mark_completed(self, step: int) -> None:
-        """Record, durably, that the run reached `step` = max_steps and wrote its final weights."""
+    def mark_completed(self, step: int, stopped_early: str | None = None) -> None:
+        """Record, durably, that the run completed at `step` and wrote its final weights: at
+        max_steps, or earlier for the reason `stopped_early` (early stopping: [eval] patience)."""
         self.record["completed_step"] = step
+        self.record["stopped_early"] = stopped_early
         self.save_record()
+
+    def completed_at(self, max_steps: int) -> int | None:
+        """The step the run completed at, if it completed: it reached `max_steps`, or it stopped
+        early (a run stopped early is complete; the same command does not train it further)."""
+        done = self.record.get("completed_step")
+        if done is None or not (self.path / "final").is_dir():
+            return None
+        return done if done >= max_steps or self.record.get("stopped_early") else None
 
     def _check_identity(self, events: Events) -> None:
         """A folder copied from another run (cp -a) keeps its run.json but not its inode: it becomes

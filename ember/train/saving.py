@@ -41,8 +41,8 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
     faults.point("ckpt.snapshot_taken")
     t1 = time.time()
     job.writer.submit(s.step, snap, meta={"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss,
-                                          "recipe_digest": s.recipe_digest,
-                                          "attempt": job.run.attempt}, blocked=t1 - t0)
+                                          "recipe_digest": s.recipe_digest, "attempt": job.run.attempt,
+                                          "best_step": best_step(job)}, blocked=t1 - t0)
     t2 = time.time()  # synchronous checkpoints were persisted inside submit()
     job.ledger.event("checkpoint", t0, t2, step=s.step, detail={"background": job.writer.background})
     return t2 - t0
@@ -59,7 +59,8 @@ def save_sharded(job: Job, metrics: MetricsLog, loss: float) -> float:
     metrics.sync()
     s.capture_rng(job.device)  # this rank's streams, saved under its own key
     meta = {"step": s.step, "tokens_seen": s.tokens_seen, "loss": loss, "recipe_digest": s.recipe_digest,
-            "attempt": job.run.attempt, "ranks": world.size, "strategy": job.recipe.distributed.strategy}
+            "attempt": job.run.attempt, "ranks": world.size, "strategy": job.recipe.distributed.strategy,
+            "best_step": best_step(job)}
     ck = job.store.save_collective(
         s.step, lambda folder: write_sharded(folder, job.model, job.optimizer, job.scheduler, job.scaler, s, world),
         lambda folder: own_files(folder, world), meta, world)
@@ -72,6 +73,13 @@ def save_sharded(job: Job, metrics: MetricsLog, loss: float) -> float:
                         f"{world.size} ranks, {t1 - t0:.2f} s)", step=ck.step, path=str(ck.path), bytes=size,
                         blocked_seconds=t1 - t0, durable_seconds=t1 - t0)
     return t1 - t0
+
+
+def best_step(job: Job) -> int | None:
+    """The step of the lowest held-out loss so far, which retention keeps ([checkpoint] keep_best);
+    None when there is none to keep. Recorded in the manifest: durable with the commit."""
+    s = job.state
+    return s.best_step if job.recipe.checkpoint.keep_best and s.best_eval_loss is not None else None
 
 
 def disk_shortfall(job: Job) -> str | None:

@@ -16,7 +16,8 @@ def test_runstate_fields_are_pinned():
     """Adding state that must survive a restart is a deliberate change: update this list."""
     assert [f.name for f in dataclasses.fields(RunState)] == [
         "step", "tokens_seen", "cursor", "train_seconds", "recipe_digest", "rng", "loss_window",
-        "skip_batches", "bad_steps", "lr_scale", "bad_streak"]
+        "skip_batches", "bad_steps", "lr_scale", "bad_streak", "best_eval_loss", "best_step",
+        "evals_since_best"]
     assert [f.name for f in dataclasses.fields(DataCursor)] == ["epoch", "offset"]
 
 

@@ -39,6 +39,25 @@ def test_retention_keeps_the_newest_and_deletes_only_after_commit(tmp_path):
     assert [s for s, _ in store.committed()] == [3, 4]
 
 
+def test_retention_keeps_the_best_checkpoint_the_newest_manifest_names(tmp_path):
+    """The best held-out loss was at step 2: retention keeps it beyond keep_last while the newest
+    commit names it, also in a store opened afresh (a resume), and lets it go once a newer
+    commit names another."""
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    for step in (1, 2, 3, 4, 5):
+        store.save(step, writer(bytes([step]) * 10), meta={"best_step": 2 if step >= 2 else 1})
+    store.settle()
+    assert [s for s, _ in store.committed()] == [2, 4, 5]
+    assert json.loads((store.committed()[-1][1] / MANIFEST).read_text())["meta"]["best_step"] == 2
+    resumed = CheckpointStore(tmp_path / "ck", keep_last=2)
+    resumed.save(6, writer(b"6" * 10), meta={"best_step": 2})
+    resumed.settle()
+    assert [s for s, _ in resumed.committed()] == [2, 5, 6]
+    resumed.save(7, writer(b"7" * 10), meta={"best_step": 7})
+    resumed.settle()
+    assert [s for s, _ in resumed.committed()] == [6, 7]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing_file", "no_manifest", "bad_manifest"])
 def test_damaged_newest_is_quarantined_and_the_previous_is_used(tmp_path, damage):
     store = CheckpointStore(tmp_path / "ck", keep_last=3)

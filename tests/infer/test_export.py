@@ -9,7 +9,9 @@ trained logits are far from the base's (an export that dropped the training woul
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
+    (folder / "README.md").write_text("---\nlicense: mit\nlanguage:\n- en\n---\n# A tiny Llama\n")  # a model card
     return folder
 
 
@@ -110,10 +113,13 @@ def test_hf_export_of_a_lora_run_is_the_merged_model(lora_run, tiny_llama, tmp_p
     assert max_diff(logits(base_model(tmp_path / "hf")), want) < tol
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")("In the beginning")["input_ids"] == \
         AutoTokenizer.from_pretrained(tiny_llama)("In the beginning")["input_ids"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_cache"] is True  # for inference
 
 
 def test_hf_export_of_a_full_run_is_its_trained_weights(full_run, tiny_llama, tmp_path):
     export_run(full_run, "hf", tmp_path / "hf16", "f16")
+    assert json.loads((full_run / "final" / "config.json").read_text())["use_cache"] is False  # as trained
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["use_cache"] is True
     want = trained_logits(full_run, tiny_llama)
     assert max_diff(want, logits(base_model(tiny_llama))) > TRAINED_AT_LEAST
     assert max_diff(logits(base_model(tmp_path / "hf16")), want) < F16_TOL
@@ -168,6 +174,9 @@ def test_gguf_of_a_full_run_and_its_tokenizer_tables_match_smollm2s_own(full_run
                 "tokenizer.ggml.model", "tokenizer.ggml.eos_token_id"):
         assert ours[key].contents() == theirs[key].contents(), key
     assert "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}  # tied: token_embd
+    # general.*: from the base folder's model card and its name
+    assert ours["general.license"].contents() == "mit" and ours["general.languages"].contents() == ["en"]
+    assert ours["general.name"].contents() == tiny_llama.name
 
 
 def test_gguf_of_a_run_from_a_gguf_copies_its_tokenizer(lora_run, tmp_path, smollm2_fields):
@@ -190,6 +199,29 @@ def test_gguf_of_a_run_from_a_gguf_copies_its_tokenizer(lora_run, tmp_path, smol
         assert ours[key].contents() == theirs[key].contents(), key
     assert llama(path).tokenize(b"Hello 12345", add_bos=False) == \
         Llama(str(source), vocab_only=True, verbose=False).tokenize(b"Hello 12345", add_bos=False)
+    # general.*: the source's, but for what describes the file (its type, quantization)
+    assert ours["general.name"].contents() == theirs["general.name"].contents() == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert ours["general.license"].contents() == "apache-2.0"
+    for key in ("general.organization", "general.basename", "general.size_label", "general.languages"):
+        assert ours[key].contents() == theirs[key].contents(), key
+    assert ours["general.file_type"].contents() == gguf.LlamaFileType.ALL_F32 != theirs["general.file_type"].contents()
+    assert "general.quantization_version" not in ours
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_exported_files_have_ordinary_modes_under_the_umask(lora_run, tmp_path, mask):
+    """safetensors writes 0600; an export gets what any file written under the umask gets."""
+    require_llama_cpp()
+    old = os.umask(mask)
+    try:
+        outs = [Path(export_run(lora_run, fmt, tmp_path / name).path)
+                for fmt, name in (("hf", "hf"), ("peft", "peft"), ("gguf", "m.gguf"))]
+    finally:
+        os.umask(old)
+    for out in outs:
+        for p in [out, *out.rglob("*")]:
+            want = (0o777 if p.is_dir() else 0o666) & ~mask
+            assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
 
 
 def test_q_and_k_rows_are_reordered_into_rotary_pairs():
