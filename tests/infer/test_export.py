@@ -301,4 +301,4 @@ def test_library_warnings_stay_off_the_console(lora_run, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [f"merging the LoRA adapter of {lora_run} into its base",
                                         "writing a Hugging Face folder (float32)",
-                                        f"exported {lora_run} as hf (f32) to {tmp_path / 'hf'}"]
+                                        f"exported {lora_run} (final weights) as hf (f32) to {tmp_path / 'hf'}"]
