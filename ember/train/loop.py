@@ -218,6 +218,9 @@ def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
         generated = evaluator.generate(step) if job.world.main else []
     if job.world.main:
         evaluator.save(result, generated)
+    for g in generated:  # what the model says, as it trains
+        job.events.info(f"step {step}: {g['prompt']!r} -> {g['completion']!r}", step=step, prompt=g["prompt"],
+                        completion=g["completion"])
     job.ledger.event("evaluation", t0, time.time(), step=step)
     if result.loss is None:  # a loss over no token is no figure: none is written
         job.events.info(f"step {step}: held-out loss: no tokens (its {result.rows} rows hold no learned token; "
