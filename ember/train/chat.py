@@ -68,7 +68,7 @@ def conversation(record: Any, where: str) -> Conversation:
             if role != "assistant":
                 raise EmberError(f"{where}: messages[{i}].weight on a {role} turn; a weight (0 or 1) says "
                                  f"whether an assistant turn is learned: remove it from this turn")
-            if m["weight"] not in (0, 1) or isinstance(m["weight"], str):
+            if m["weight"] not in (0, 1):
                 raise EmberError(f"{where}: messages[{i}].weight = {m['weight']!r}; use 1 (learned) or 0 "
                                  f"(context only)")
         if role == "assistant":
