@@ -90,12 +90,14 @@ def test_report_and_compare_show_the_held_out_loss(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     report = run_ember("report", a)
     assert report.returncode == 0 and "held-out loss" in report.stdout, report.stdout + report.stderr
-    said = {g["prompt"]: g["completion"] for g in json.loads((a / "eval" / "step-000000008.json").read_text())["generations"]}
+    newest = json.loads((a / "eval" / "step-000000008.json").read_text())
+    said = {g["prompt"]: g["completion"] for g in newest["generations"]}
     assert "generations at step 8:" in report.stdout
     assert all(f"{p!r} -> {c!r}" in report.stdout for p, c in said.items()), report.stdout
     cmp = run_ember("compare", a, b)
     assert "held-out loss" in cmp.stdout, cmp.stdout + cmp.stderr
-    assert "generations (A at step 8, B at step 8):" in cmp.stdout and all(f"A: {c!r}" in cmp.stdout for c in said.values())
+    assert "generations (A at step 8, B at step 8):" in cmp.stdout
+    assert all(f"A: {c!r}" in cmp.stdout for c in said.values()), cmp.stdout
     same = run_ember("compare", a, a)
     assert "held-out loss" in same.stdout and "within the noise" in same.stdout, same.stdout
 
@@ -286,10 +288,11 @@ def test_tool_calls_and_completion_records_train_in_one_chat_run(tmp_path):
     out = tmp_path / "out"
     done = run_ember("run", recipe, "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "data: chat records (detected; the completion records of plain.jsonl as one-turn conversations)" in done.stderr
+    assert ("data: chat records (detected; the completion records of plain.jsonl as one-turn conversations)"
+            in done.stderr)
     tok = ByteTokenizer()
-    as_chat = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
-               for r in completions]
+    as_chat = [{"messages": [{"role": "user", "content": r["prompt"]},
+                             {"role": "assistant", "content": r["completion"]}]} for r in completions]
     expected = sum(sum(encode(r, "chat", tok, "text", "assistant", "x").targets) for r in chats + as_chat)
     data = json.loads((out / "run.json").read_text())["data"]
     assert data["format"] == "chat" and data["learning"]["before"] == expected

@@ -123,8 +123,8 @@ def test_the_fast_batch_path_gives_the_ids_transformers_gives(smollm2):
     assert max(map(len, tok.encode_batch(texts))) > 8
 
 
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather", "parameters": CITY}}]
 TOOL_CHAT = {"tools": TOOLS, "messages": [
     {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
     {"role": "user", "content": "Weather in Paris?"},
@@ -173,7 +173,8 @@ def test_tool_calls_go_through_the_tokenizers_own_template_or_are_refused(smollm
     qwen.chat_template = QWEN_LIKE
     tok = HFTokenizer(qwen)
     enc = encode(TOOL_CHAT, "chat", tok, "text", "assistant", "x:1")
-    assert tok.decode(enc.ids).startswith('<|im_start|>system\nTools: {"type": "function", "function": {"name": "weather"')
+    assert tok.decode(enc.ids).startswith('<|im_start|>system\nTools: {"type": "function", "function": '
+                                          '{"name": "weather"')
     assert tok.decode([t for t, m in zip(enc.ids, enc.targets) if m]) == f"{CALL}<|im_end|>Sunny.<|im_end|>"
 
 
