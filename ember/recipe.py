@@ -60,11 +60,14 @@ class DataConfig:
     text_field: str = setting("text", "The JSONL field that holds a document's text.")
     format: Literal["auto", "text", "chat", "completion"] = setting(
         "auto", "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
-        "content}, ...]}, rendered through the tokenizer's chat template) or 'completion' "
-        "({\"prompt\", \"completion\"}); 'auto' detects it from each file's first record.")
+        "content}, ...]}, OpenAI's format with tools and tool calls, rendered through the tokenizer's "
+        "chat template) or 'completion' ({\"prompt\", \"completion\"}); 'auto' detects it from each "
+        "file's first record. Chat and completion files together make a chat run (a completion "
+        "record is a one-turn conversation); 'chat' reads completion records so too.")
     train_on: Literal["assistant", "all"] = setting(
         "assistant", "Which tokens of chat and completion records the loss learns: the assistant "
-        "turns (the completion), or all of them. Plain text learns every token.")
+        "turns (the completion), or all of them; an assistant turn of weight 0 is never learned. "
+        "Plain text learns every token.")
     packing: Literal["auto", "mixed", "documents", "padded"] = setting(
         "auto", "How records become sequences of seq_len: 'mixed' cuts the token stream into "
         "sequences whose documents attend to each other; 'documents' packs whole documents, "
@@ -99,8 +102,10 @@ class EvalConfig:
     every_steps: int = setting(50, "Evaluate every N optimizer steps (0 = only at the end).", min=0)
     at_end: bool = setting(True, "Evaluate once the last step is done.")
     max_batches: int = setting(0, "Micro-batches per evaluation (0 = the whole evaluation set).", min=0)
-    prompts: list[str] = setting(list, "Prompts to complete greedily at each evaluation; the "
-                                 "generations are kept in OUT/eval/generations.jsonl.", factory=True)
+    prompts: list[str] = setting(list, "Prompts to complete greedily at each evaluation, rendered as "
+                                 "the training records were (in a chat run, a user turn through the chat "
+                                 "template with its generation prompt); the completions are printed and "
+                                 "kept in OUT/eval/generations.jsonl.", factory=True)
     max_new_tokens: int = setting(32, "Tokens generated per prompt.", min=1, max=4096)
     patience: int = setting(0, "Early stopping: end the run when this many evaluations in a row "
                             "do not lower the best held-out loss; it then completes at that step "

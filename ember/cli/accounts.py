@@ -84,6 +84,10 @@ def print_report(report: RunReport) -> None:
         out.print("held-out loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in report.held_out)
                   + f" (perplexity {report.held_out[-1]['perplexity']:.2f} at step {report.held_out[-1]['step']}, "
                   f"{report.held_out[-1]['tokens']:,} tokens)", highlight=False, markup=False)
+    if report.generations:
+        out.print(f"generations at step {report.generations[0]['step']}:", highlight=False, markup=False)
+        for g in report.generations:
+            out.print(f"  {g['prompt']!r} -> {g['completion']!r}", highlight=False, markup=False)
     if st := report.step_time:
         out.print(f"step time: p50 {st.p50 * 1000:.2f} ms, p90 {st.p90 * 1000:.2f} ms, "
                   f"p99 {st.p99 * 1000:.2f} ms, max {st.max * 1000:.2f} ms over {st.count} steps")
@@ -141,6 +145,11 @@ def print_comparison(c: Comparison) -> None:
                   f"{c.max_abs_difference:.6g}", highlight=False)
     if c.held_out is not None:
         out.print(c.held_out.text(), highlight=False, markup=False)
+    if c.generations:
+        out.print(f"generations (A at step {c.generations[0]['step_a']}, B at step {c.generations[0]['step_b']}):",
+                  highlight=False, markup=False)
+        for g in c.generations:
+            out.print(f"  {g['prompt']!r}\n    A: {g['a']!r}\n    B: {g['b']!r}", highlight=False, markup=False)
     out.print(f"final weights: {'equal' if c.weights_equal else 'differ' if c.weights_equal is False else 'n/a'}; "
               f"data fingerprint {'equal' if c.data_fingerprint_equal else 'DIFFERS'}")
     for k, (x, y) in c.recipe_changes.items():

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 from ember.metrics.heldout import HeldOutComparison
 from ember.metrics.heldout import compare as compare_held_out
-from ember.metrics.heldout import history
+from ember.metrics.heldout import generations, history
 from ember.recipe import diff_recipes
 from ember.recipe import get_dotted as _get
 
@@ -32,6 +32,7 @@ class Comparison:
     data_fingerprint_equal: bool = True
     weights_equal: bool | None = None
     held_out: HeldOutComparison | None = None  # the newest evaluation of each, when both have one
+    generations: list[dict[str, Any]] = field(default_factory=list)  # per prompt both completed: prompt, a, b (newest)
 
 
 def compare_runs(a: dict[str, Any], b: dict[str, Any], losses_a: dict[int, float],
@@ -135,4 +136,8 @@ def compare_folders(a: Path, b: Path, tolerance: float) -> Comparison:
     ea, eb = history(a), history(b)
     if ea and eb:
         c.held_out = compare_held_out(ea[-1], eb[-1])
+    ga, gb = generations(a), {g["prompt"]: g for g in generations(b)}
+    c.generations = [{"prompt": g["prompt"], "step_a": g["step"], "a": g["completion"],
+                      "step_b": gb[g["prompt"]]["step"], "b": gb[g["prompt"]]["completion"]}
+                     for g in ga if g["prompt"] in gb]
     return c

@@ -16,9 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.jsonl import read_jsonl
+
 EVAL_DIR = "eval"
+GENERATIONS = "generations.jsonl"  # in EVAL_DIR: one line per prompt per evaluation
 RESAMPLES = 2000
 CONFIDENCE = 0.95
+
+
+def generations(run: Path, last_step: int | None = None) -> list[dict[str, Any]]:
+    """The newest evaluation's greedy completions (of [eval] prompts) kept by a run, at or
+    before `last_step` when given: step, prompt, rendered (what the model was given),
+    completion, tokens."""
+    kept = [g for g in read_jsonl(run / EVAL_DIR / GENERATIONS) if last_step is None or g["step"] <= last_step]
+    newest = max((g["step"] for g in kept), default=None)
+    return [g for g in kept if g["step"] == newest]
 
 
 def history(run: Path) -> list[dict[str, Any]]:

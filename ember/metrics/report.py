@@ -22,6 +22,7 @@ from ember.ledger.goodput import Event, Goodput, Span, Step, account
 from ember.metrics.cost import Prices, cost
 from ember.metrics.flops import mfu
 from ember.metrics.ranks import RanksSummary
+from ember.metrics.heldout import generations
 from ember.metrics.heldout import history as held_out_history
 from ember.metrics.ranks import load as load_ranks
 from ember.metrics.machine import read_machine
@@ -127,6 +128,7 @@ class RunReport:
     plots: list[str] = field(default_factory=list)
     ranks: RanksSummary | None = None  # a distributed run's ranks, as of its last attempt's end
     held_out: list[dict[str, Any]] = field(default_factory=list)  # step, loss, perplexity, tokens per evaluation
+    generations: list[dict[str, Any]] = field(default_factory=list)  # the newest evaluation's, of [eval] prompts
     step_histogram: Histogram | None = None  # the surviving steps' times, 40 bins
     data: DataInfo | None = None  # what the data holds to learn (runs since it was recorded)
 
@@ -218,7 +220,8 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
         loss=LossInfo(learned[0]["loss"], learned[-1]["loss"]) if learned else None,
         notes=notes, ranks=load_ranks(run_path), data=data_info(record),
         held_out=[{k: e[k] for k in ("step", "loss", "perplexity", "tokens")} for e in held_out_history(run_path)
-                  if not good or e["step"] <= good[-1]["step"]])
+                  if not good or e["step"] <= good[-1]["step"]],
+        generations=generations(run_path, good[-1]["step"] if good else None))
     devices = perf.get("devices", 1)
     if learned:
         seconds = sum(r["step_seconds"] for r in learned)

@@ -38,7 +38,7 @@ from ember.train.tokenize import build
 from ember.train.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
-STORE_VERSION = 2  # the token store's layout (a folder of splits); part of the cache key
+STORE_VERSION = 3  # the token store's layout and encoding (3: one end of turn per chat turn); in the cache key
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:

@@ -1,5 +1,6 @@
 """Held-out evaluation: the token-weighted loss and perplexity of the model on the eval split,
-and greedy completions of the recipe's prompts (kept in OUT/eval/step-N.json with the figures).
+and greedy completions of the recipe's prompts (kept in OUT/eval/step-N.json with the figures,
+and in OUT/eval/generations.jsonl).
 
 The eval split is made when the data is tokenized (ember.train.data: a seeded hash of each
 document's content, or separate files), so no held-out document is ever in the training
@@ -30,8 +31,10 @@ import torch.nn.functional as F
 from ember.ckpt.state import DataCursor
 from ember.device import autocast
 from ember.durable import write_durable
-from ember.metrics.heldout import EVAL_DIR
-from ember.train.data import PackedBatches, eval_tokens, resolve_packing
+from ember.jsonl import read_jsonl
+from ember.metrics.heldout import EVAL_DIR, GENERATIONS
+from ember.train.data import PackedBatches, eval_tokens, resolve_packing, store_info
+from ember.train.formats import prompt_tokens
 
 
 @dataclass
@@ -109,29 +112,41 @@ class Evaluator:
 
     def save(self, result: EvalResult, generated: list[dict[str, Any]]) -> None:
         """Keep the per-row figures (for `ember compare`) and the generations, durably: one small
-        file per evaluation, replaced whole when a resumed run evaluates that step again."""
+        file per evaluation, replaced whole when a resumed run evaluates that step again; the
+        generations also in OUT/eval/generations.jsonl, whose lines from this step on (written
+        by an attempt that died after them) are replaced, so a resumed run's file is the
+        uninterrupted one's."""
         self.folder.mkdir(exist_ok=True)
         figures = {"loss": result.loss, "perplexity": result.perplexity} if result.loss is not None else {}
         write_durable(self.folder / f"step-{result.step:09d}.json", json.dumps(
             {"step": result.step, **figures, "tokens": result.tokens,
              "rows": result.rows, "seconds": round(result.seconds, 6), "generations": generated,
              "row_loss": result.row_loss, "row_tokens": result.row_tokens}))
+        if generated:
+            path = self.folder / GENERATIONS
+            kept = [g for g in read_jsonl(path) if g["step"] < result.step]
+            write_durable(path, "".join(json.dumps(g) + "\n" for g in kept + generated))
 
     def generate(self, step: int) -> list[dict[str, Any]]:
-        """Greedy completions of [eval] prompts by the live model (no sampling: reproducible);
-        the unwrapped model, so one rank can generate alone (DDP replicas are whole)."""
+        """Greedy completions of [eval] prompts by the live model (no sampling: reproducible),
+        each prompt rendered as the training records were (a chat run's through the chat
+        template, with its generation prompt: ember.train.formats.prompt_tokens); the
+        unwrapped model, so one rank can generate alone (DDP replicas are whole)."""
         job, ev = self.job, self.job.recipe.eval
         if not ev.prompts:
             return []
         tok, model = job.bundle.tokenizer, job.bundle.model
+        fmt = store_info(job.tokens_path).get("format", "text")
         out = []
         for prompt in ev.prompts:
-            ids = torch.tensor([tok.encode_batch([prompt])[0]], device=job.device)
+            text, prompt_ids = prompt_tokens(prompt, fmt, tok)
+            ids = torch.tensor([prompt_ids], device=job.device)
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=ev.max_new_tokens, eos_token_id=tok.eos_id,
                                  pad_token_id=tok.eos_id, use_cache=True)
             new = gen[0, ids.shape[1]:].tolist()
-            out.append({"step": step, "prompt": prompt, "completion": tok.decode(new), "tokens": len(new)})
+            out.append({"step": step, "prompt": prompt, "rendered": text, "completion": tok.decode(new),
+                        "tokens": len(new)})
         return out
 
 

@@ -3,13 +3,21 @@
 Three formats, chosen by `[data] format` or detected from a file's first record (and said):
 
     text        {"text": ...} per JSONL line, or a whole .txt file: every token is learned
-    chat        {"messages": [{"role": ..., "content": ...}, ...]}: rendered through the
-                tokenizer's own chat template; the assistant turns are learned
+    chat        {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]} (OpenAI's
+                format, tool calls included: ember.train.chat): rendered through the
+                tokenizer's own chat template; the assistant turns (weight 1) are learned
     completion  {"prompt": ..., "completion": ...}: the completion is learned
 
-`[data] train_on = "all"` learns every token of chat and completion records too. Each encoded
-record ends with the tokenizer's end-of-sequence token (a chat template that already ends with
-it gets no second one); that token is learned where the text before it is.
+Chat and completion files in one run make a chat run: a completion record is rendered as the
+conversation of one user and one assistant turn. Plain text does not mix with either (refused,
+with what to do).
+
+`[data] train_on = "all"` learns every token of chat and completion records too (but the
+assistant turns of weight 0). One end of turn per assistant turn: when the chat template ends a
+turn with the tokenizer's end-of-sequence token (SmolLM2's `<|im_end|>`), the turn is learned up
+to and including it (not the newline after it) and nothing is appended; otherwise (a template
+without it, a text or completion record) the record gets the end-of-sequence token, learned
+when the text before it is.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.train.chat import conversation
 
 FORMATS = ("text", "chat", "completion")
-ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -92,23 +100,6 @@ def _field(record: Any, name: str, where: str) -> str:
     return record[name]
 
 
-def check_messages(record: Any, where: str) -> list[dict[str, str]]:
-    """The record's messages, each {role, content} with a known role and string content."""
-    msgs = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(msgs, list) or not msgs:
-        raise EmberError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise EmberError(f"{where}: messages[{i}] is not an object with 'role' and 'content'")
-        if m.get("role") not in ROLES:
-            raise EmberError(f"{where}: messages[{i}].role = {m.get('role')!r}; use one of {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise EmberError(f"{where}: messages[{i}].content must be a string")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise EmberError(f"{where}: no assistant message: nothing to learn from this conversation")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
-
-
 def encode(record: Any, fmt: str, tokenizer: Any, text_field: str, train_on: str, where: str) -> Encoded:
     """One record's tokens and the ones the loss learns (see the module docstring)."""
     eos = tokenizer.eos_id
@@ -121,21 +112,54 @@ def encode(record: Any, fmt: str, tokenizer: Any, text_field: str, train_on: str
         return Encoded(p + c + [eos], [train_on == "all"] * len(p) + [True] * (len(c) + 1))
     if fmt != "chat":
         raise EmberError(f"[data] format = {fmt!r}: use one of auto, {', '.join(FORMATS)}")
-    messages = check_messages(record, where)
+    conv = conversation(record, where)
     try:
-        text, spans = tokenizer.render_chat(messages)
+        text, spans = tokenizer.render_chat(conv.messages, conv.tools)
     except EmberError as e:
         raise EmberError(f"{where}: {e}") from None
     ids, offsets = tokenizer.encode_offsets(text)
-    # A token is learned when it starts inside an assistant turn (as rendered by the template).
-    starts = sorted(spans)
-    targets, j = [], 0
+    # Per token: the assistant turn (index into spans) it starts inside, as rendered by the template.
+    turn, j = [], 0
     for start, _ in offsets:
-        while j < len(starts) and starts[j][1] <= start:
+        while j < len(spans) and spans[j][1] <= start:
             j += 1
-        inside = j < len(starts) and starts[j][0] <= start < starts[j][1]
-        targets.append(train_on == "all" or inside)
-    if not ids or ids[-1] != eos:
-        last_learned = train_on == "all" or messages[-1]["role"] == "assistant"
-        ids, targets = ids + [eos], targets + [last_learned]
+        turn.append(j if j < len(spans) and spans[j][0] <= start else -1)
+    ended: set[int] = set()  # turns whose end-of-turn token is passed: the rest of their span is not theirs
+    for k, t in enumerate(ids):
+        if turn[k] in ended:
+            turn[k] = -1
+        elif turn[k] >= 0 and t == eos:
+            ended.add(turn[k])
+    targets = [conv.learned[s] if s >= 0 else train_on == "all" for s in turn]
+    if eos not in ids:  # the template does not end turns with it: the record's end does
+        last = conv.messages[-1]["role"] == "assistant" and conv.learned[-1]
+        ids, targets = ids + [eos], targets + [train_on == "all" or last]
     return Encoded(ids, targets)
+
+
+def run_format(formats: dict[str, str]) -> str:
+    """The one format of a run whose files hold `formats` (file -> detected format): chat when
+    chat and completion files are mixed; refused, with what to do, when plain text is mixed in."""
+    found = set(formats.values())
+    if len(found) <= 1:
+        return next(iter(found), "text")
+    if found == {"chat", "completion"}:
+        return "chat"
+    listed = ", ".join(f"{Path(f).name}: {fmt}" for f, fmt in formats.items())
+    other = " and ".join(sorted(found - {"text"}))
+    raise EmberError(
+        f"[data] files: plain text mixed with {other} records ({listed}); text learns every token and "
+        f"is split when long, {other} records learn their answers: write each text record as "
+        f'{{"prompt": "", "completion": <the text>}} to learn all of its tokens in this run, or train on '
+        f"the text in a run of its own and start this one from its weights ([model] path = its OUT/final; "
+        f"after LoRA, OUT/final/merged with [method] export_merged = true)")
+
+
+def prompt_tokens(prompt: str, fmt: str, tokenizer: Any) -> tuple[str, list[int]]:
+    """The text and tokens a model is given to answer `prompt`, rendered as the records of a
+    `fmt` run were in training: in a chat run, a user turn through the chat template and its
+    generation prompt; otherwise the prompt as it is (a completion's prompt)."""
+    if fmt != "chat":
+        return prompt, tokenizer.encode_batch([prompt])[0]
+    text = tokenizer.chat_prompt([{"role": "user", "content": prompt}])
+    return text, tokenizer.encode_offsets(text)[0]

