@@ -135,7 +135,8 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
             held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
-            improved = bool(held_out) and record_best(state, held_out["eval_loss"])
+            # an evaluation over no learned token measured nothing: patience neither counts nor resets
+            improved = "eval_loss" in held_out and record_best(state, held_out["eval_loss"])
             early = out_of_patience(state, r.eval.patience)  # early stopping: [eval] patience
             record = {"step": state.step, "loss": result.loss, "lr": result.lr,
                       "grad_norm": result.grad_norm, "tokens": result.tokens,
