@@ -104,7 +104,7 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")  # held across every restart
         outcome.code = supervise(req.child_argv(), restarts, recipe.train.restart_backoff_seconds, events,
-                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock.fd)
+                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock)
         return outcome
     if launcher:
         return launch_ranks(req, events, outcome)

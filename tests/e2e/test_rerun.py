@@ -1,0 +1,96 @@
+"""Kill -9, run it again (issue 26): the README's promise as a user tries it. The same command,
+started the instant after a SIGKILL, resumes (a child of the dead run that still lives does
+not keep the folder locked) and ends bit-for-bit where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.test_resume import uninterrupted
+from tests.helpers import assert_same_result, run_ember, start_ember, stop, wait_for_step, wait_until, write_recipe
+
+pytestmark = pytest.mark.e2e
+
+
+def trainer_of(run, supervised: bool) -> psutil.Process:
+    """The process that trains: the command itself, or the supervisor's child."""
+    top = psutil.Process(run.pid)
+    if not supervised:
+        return top
+    return psutil.Process(wait_until("the supervisor's training process",
+                                     lambda: [p.pid for p in top.children() if "ember" in " ".join(p.cmdline())],
+                                     120, every=0.05)[0])
+
+
+@pytest.mark.parametrize("supervised", [False, True], ids=["plain", "supervised"])
+def test_a_rerun_right_after_kill_9_resumes_though_a_loader_worker_lives_on(supervised, tmp_path):
+    """The run's data-loader worker (forked) is held stopped, as one is that has not yet noticed
+    its parent's death (torch looks every 5 s); the run's processes are SIGKILLed and the same
+    command runs again at once: it resumes instead of "in use by another ember process"."""
+    recipe = write_recipe(tmp_path, data={"workers": 1}, train={"max_steps": 30})
+    out = tmp_path / "run"
+    restarts = ["--restarts", "1"] if supervised else []
+    first = start_ember("run", recipe, "--out", out, *restarts, env={"EMBER_FAULT_DATA_DELAY": "0.2"})
+    held: list[psutil.Process] = []
+    try:
+        wait_for_step(first, out / "metrics.jsonl", 6, timeout=180)
+        wait_until("the first checkpoint", lambda: (out / "checkpoints" / "step-000000005").is_dir(), 120, 0.05)
+        trainer = trainer_of(first, supervised)
+        held = wait_until("the loader worker", lambda: trainer.children(recursive=True), 60, every=0.05)
+        for p in held:
+            p.send_signal(signal.SIGSTOP)
+        assert first.poll() is None, "test setup: the run ended before it was killed"
+        trainer.send_signal(signal.SIGKILL)
+        if supervised:
+            first.send_signal(signal.SIGKILL)
+        first.wait(60)
+        again = run_ember("run", recipe, "--out", out, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "resuming from" in again.stderr
+    finally:
+        for p in held:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        stop(first)
+
+
+KILLS = (2, 12)  # (make test, make soak)
+PROMISE = {"data": {"workers": 1}, "train": {"max_steps": 60},
+           "checkpoint": {"every_steps": 4, "keep_last": 2}}
+
+
+@pytest.mark.soak
+def test_kill_9_at_a_random_moment_and_rerun_at_once_ends_bit_identical(tmp_path, soak):
+    """As the README says: `ember run` (the command, started cold), kill -9 at a random moment
+    while it trains, the same command again with no pause; at the end, losses and weights equal
+    the uninterrupted run's."""
+    rng = random.Random(20261203)
+    recipe = write_recipe(tmp_path, **PROMISE)
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+    kills = 0
+    while kills < KILLS[soak]:
+        run = start_ember("run", recipe, "--out", out)
+        try:
+            before = metrics.read_text().count("\n") if metrics.exists() else 0
+            wait_for_step(run, metrics, before + 1, timeout=180)  # it trains: start-up is not the target
+            time.sleep(rng.uniform(0, 1.5))
+            if run.poll() is None:
+                run.send_signal(signal.SIGKILL)
+            _, err = run.communicate(timeout=120)
+            if run.returncode == 0:
+                break  # it finished before the kill landed
+            assert run.returncode == -signal.SIGKILL, f"attempt {kills + 1}: exit {run.returncode}: {err[-2000:]}"
+            kills += 1
+        finally:
+            stop(run)
+    last = run_ember("run", recipe, "--out", out, timeout=300)
+    assert last.returncode == 0, last.stderr[-2000:]
+    assert kills >= KILLS[soak] - 1, f"only {kills} kills landed"
+    assert_same_result(out, uninterrupted("promise", PROMISE))
