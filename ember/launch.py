@@ -210,8 +210,11 @@ def fast_exit(code: int) -> None:
     """Leave without interpreter teardown once everything is durable (checkpoint committed,
     metrics fsynced, ledger committed): with torch and transformers loaded it took 1.4 s, so a
     SIGTERM'd run hands the machine back one step and one save later."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # a console gone (its reader ended), or closed
+            pass
     os._exit(code)
 
 

@@ -10,7 +10,7 @@ row that committed no new checkpoint: a crash loop backs off, while a run that w
 progress (preempted, killed, the power cut) comes back after the base wait however often it
 happens.
 
-Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1) are forwarded to the child, which runs in
+Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are forwarded to the child, which runs in
 its own session so that a terminal's Ctrl-C reaches it once, through the supervisor.
 """
 
@@ -27,6 +27,7 @@ from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from ember.events import Events
 from ember.lock import Lock
 from ember.proc import dies_with_us
+from ember.train.signals import STOP_SIGNALS
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -79,7 +80,7 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
             start, before = time.time(), progress()

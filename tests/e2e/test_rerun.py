@@ -5,15 +5,28 @@ not keep the folder locked) and ends bit-for-bit where the uninterrupted run end
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
+import subprocess
 import time
 
 import psutil
 import pytest
 
 from tests.e2e.test_resume import uninterrupted
-from tests.helpers import assert_same_result, run_ember, start_ember, stop, wait_for_step, wait_until, write_recipe
+from tests.helpers import (
+    ROOT,
+    assert_same_result,
+    ember_cmd,
+    losses,
+    run_ember,
+    start_ember,
+    stop,
+    wait_for_step,
+    wait_until,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +107,38 @@ def test_kill_9_at_a_random_moment_and_rerun_at_once_ends_bit_identical(tmp_path
     assert last.returncode == 0, last.stderr[-2000:]
     assert kills >= KILLS[soak] - 1, f"only {kills} kills landed"
     assert_same_result(out, uninterrupted("promise", PROMISE))
+
+
+@pytest.mark.parametrize("how", ["stdout", "both", "both+SIGHUP"])
+def test_a_console_that_goes_away_does_not_end_the_run(how, tmp_path):
+    """`ember run ... | head -1` (stdout), `... 2>&1 | head -1` (both), and the same followed by
+    a hang-up (an SSH session that dropped): the run trains on, its output continues in the run
+    folder's console.log; it completes (exit 0), or on SIGHUP checkpoints and exits 75. Before,
+    the first write after the reader's end raised BrokenPipeError into the run (a crash), and
+    SIGHUP killed it."""
+    hang_up = how.endswith("SIGHUP")
+    recipe = write_recipe(tmp_path, train={"max_steps": 400 if hang_up else 30})
+    out = tmp_path / "run"
+    both = how.startswith("both")
+    run = subprocess.Popen(ember_cmd("run", recipe, "--out", out), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT if both else subprocess.DEVNULL, cwd=ROOT, env=os.environ)
+    try:
+        if both:
+            assert run.stdout.readline()  # the reader takes one line, then is gone
+        run.stdout.close()
+        if hang_up:
+            wait_for_step(run, out / "metrics.jsonl", 3, timeout=180)
+            run.send_signal(signal.SIGHUP)
+            assert run.wait(180) == 75
+            stopped = losses(out)[-1][0]
+            assert (out / "checkpoints" / f"step-{stopped:09d}").is_dir()  # checkpointed where it stopped
+        else:
+            assert run.wait(300) == 0
+            assert [step for step, _ in losses(out)] == list(range(1, 31))
+        log = (out / "console.log").read_text()
+        assert "went away (Broken pipe); its output continues here" in log, log
+        assert ("SIGHUP: newest committed checkpoint" in log) if hang_up else ("completed 30 steps" in log), log
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.wait()
