@@ -1,6 +1,7 @@
 """Kill -9, run it again (issue 26): the README's promise as a user tries it. The same command,
 started the instant after a SIGKILL, resumes (a child of the dead run that still lives does
-not keep the folder locked) and ends bit-for-bit where the uninterrupted run ends."""
+not keep the folder locked) and ends bit-for-bit where the uninterrupted run ends; a console
+that goes away, a hang-up, or a retired checkpoint that cannot be deleted does not end it."""
 
 from __future__ import annotations
 
@@ -142,3 +143,37 @@ def test_a_console_that_goes_away_does_not_end_the_run(how, tmp_path):
         if run.poll() is None:
             run.kill()
         run.wait()
+
+
+RETIRE = {"train": {"max_steps": 24}, "checkpoint": {"every_steps": 5, "keep_last": 1, "loss_budget_seconds": 0}}
+
+
+def chattr(flag: str, path) -> bool:
+    return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+
+
+def test_a_retired_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_path):
+    """step-5 holds a file nobody may delete (immutable: as a file held open on NFS, or a folder
+    something writes into, cannot be); the run retires step-5 at step 10 and cannot delete it.
+    Every committed checkpoint is safe, so it trains on, says why once (the operating system's
+    words), and retries at each checkpoint. Before: the next checkpoint stopped the run with
+    "Free disk space and run the same command", which frees nothing."""
+    recipe = write_recipe(tmp_path, **RETIRE)
+    out = tmp_path / "run"
+    killed = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": "ckpt.renamed@1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    pinned = out / "checkpoints" / "step-000000005" / "pinned"
+    pinned.touch()
+    if not chattr("+i", pinned):
+        pytest.skip("cannot make a file immutable here (chattr +i needs root and ext4, xfs or btrfs)")
+    try:
+        result = run_ember("run", recipe, "--out", out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Free disk space" not in result.stderr
+        warned = [line for line in result.stderr.splitlines() if "could not delete" in line]
+        assert len(warned) == 1, result.stderr[-3000:]
+        assert ".del-step-000000005: Operation not permitted" in warned[0] and "training goes on" in warned[0]
+    finally:
+        for leftover in (out / "checkpoints").glob(".del-step-000000005*/pinned"):
+            chattr("-i", leftover)
+    assert_same_result(out, uninterrupted("retire", RETIRE))
