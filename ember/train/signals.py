@@ -1,7 +1,8 @@
 """Stop on request: SIGINT, SIGTERM, SIGUSR1 and SIGHUP (a terminal or SSH session that went
-away) finish the current optimizer step, checkpoint and exit 75; a second SIGINT exits at once. Installed before the job is prepared (the model loaded,
-the data tokenized), so a signal during start-up (a scheduler's warning, a preemption) stops the
-run before its first step instead of killing it."""
+away) finish the current optimizer step, checkpoint and exit 75; a second SIGINT exits at once.
+Installed before the job is prepared (the model loaded, the data tokenized), so a signal during
+start-up (a scheduler's warning, a preemption) stops the run before its first step instead of
+killing it."""
 
 from __future__ import annotations
 
