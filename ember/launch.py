@@ -156,8 +156,12 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
 
 
 def _record_summary(job) -> RunReport:
-    """The run's figures as of this attempt's end, stored for `ember runs`."""
+    """The run's figures as of this attempt's end, stored for `ember runs`; a share of a measured
+    peak above 100% has the peak measured again first (ember.train.job.remeasure_peak)."""
+    from ember.train.job import remeasure_peak
     report = build_report(job.run.path, getattr(job.ledger, "con", None))
+    if report.mfu is not None and report.mfu.beyond_peak and remeasure_peak(job, report.mfu.beyond_peak):
+        report = build_report(job.run.path, getattr(job.ledger, "con", None))
     if isinstance(job.ledger, Ledger):
         job.ledger.summary(asdict(summarize(report)))
     return report

@@ -255,7 +255,8 @@ class CheckpointStore:
         hint = "free disk space" if full else "fix the cause"
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
         return CheckpointNotWritten(f"checkpoint at step {step} could not be written to {self.root}: "
-                                    f"{reason}; {kept}; {hint} and run the same command again to resume", full)
+                                    f"{reason}; {kept}; {hint} and run the same command again to resume",
+                                    full)
 
     def _retire_old(self) -> None:
         """Rename the checkpoints beyond keep_last away (durably), and delete them behind the
