@@ -75,8 +75,13 @@ def test_a_rerun_right_after_kill_9_resumes_though_a_loader_worker_lives_on(supe
 
 
 KILLS = (2, 12)  # (make test, make soak)
-PROMISE = {"data": {"workers": 1}, "train": {"max_steps": 60},
-           "checkpoint": {"every_steps": 4, "keep_last": 2}}
+DELAY = {"EMBER_FAULT_DATA_DELAY": "0.01"}  # s per micro-batch: a run long enough to be killed in
+
+
+def promise(kills: int) -> dict:
+    """The recipe: about 100 steps per kill (an attempt trains up to 1.5 s before its kill)."""
+    return {"data": {"workers": 1}, "train": {"max_steps": 100 * kills},
+            "checkpoint": {"every_steps": 4, "keep_last": 2}}
 
 
 @pytest.mark.soak
@@ -85,12 +90,13 @@ def test_kill_9_at_a_random_moment_and_rerun_at_once_ends_bit_identical(tmp_path
     while it trains, the same command again with no pause; at the end, losses and weights equal
     the uninterrupted run's."""
     rng = random.Random(20261203)
-    recipe = write_recipe(tmp_path, **PROMISE)
+    sections = promise(KILLS[soak])
+    recipe = write_recipe(tmp_path, **sections)
     out = tmp_path / "run"
     metrics = out / "metrics.jsonl"
     kills = 0
     while kills < KILLS[soak]:
-        run = start_ember("run", recipe, "--out", out)
+        run = start_ember("run", recipe, "--out", out, env=DELAY)
         try:
             before = metrics.read_text().count("\n") if metrics.exists() else 0
             wait_for_step(run, metrics, before + 1, timeout=180)  # it trains: start-up is not the target
@@ -107,7 +113,7 @@ def test_kill_9_at_a_random_moment_and_rerun_at_once_ends_bit_identical(tmp_path
     last = run_ember("run", recipe, "--out", out, timeout=300)
     assert last.returncode == 0, last.stderr[-2000:]
     assert kills >= KILLS[soak] - 1, f"only {kills} kills landed"
-    assert_same_result(out, uninterrupted("promise", PROMISE))
+    assert_same_result(out, uninterrupted(f"promise-{KILLS[soak]}", sections))
 
 
 @pytest.mark.parametrize("how", ["stdout", "both", "both+SIGHUP"])
