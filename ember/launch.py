@@ -104,7 +104,7 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")  # held across every restart
         outcome.code = supervise(req.child_argv(), restarts, recipe.train.restart_backoff_seconds, events,
-                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock.fd)
+                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock)
         return outcome
     if launcher:
         return launch_ranks(req, events, outcome)
@@ -156,8 +156,12 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
 
 
 def _record_summary(job) -> RunReport:
-    """The run's figures as of this attempt's end, stored for `ember runs`."""
+    """The run's figures as of this attempt's end, stored for `ember runs`; a share of a measured
+    peak above 100% has the peak measured again first (ember.train.job.remeasure_peak)."""
+    from ember.train.job import remeasure_peak
     report = build_report(job.run.path, getattr(job.ledger, "con", None))
+    if report.mfu is not None and report.mfu.beyond_peak and remeasure_peak(job, report.mfu.beyond_peak):
+        report = build_report(job.run.path, getattr(job.ledger, "con", None))
     if isinstance(job.ledger, Ledger):
         job.ledger.summary(asdict(summarize(report)))
     return report
@@ -211,8 +215,11 @@ def fast_exit(code: int) -> None:
     """Leave without interpreter teardown once everything is durable (checkpoint committed,
     metrics fsynced, ledger committed): with torch and transformers loaded it took 1.4 s, so a
     SIGTERM'd run hands the machine back one step and one save later."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # a console gone (its reader ended), or closed
+            pass
     os._exit(code)
 
 

@@ -2,6 +2,8 @@
 that what it starts does not outlive it.
 
     process_start_time()          Unix time the kernel started this process
+    described(pid)                "PID 123 (its command line, running since 14:07:12)", or None if gone
+    holders_of(path)              the live processes (of this user) with `path` open
     die_with_parent(sig, parent)  in a child: Linux sends `sig` when the parent goes (PR_SET_PDEATHSIG)
     dies_with_us(sig)             a Popen preexec_fn that does that for the child it starts
 
@@ -21,22 +23,68 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 
 
 def process_start_time() -> float:
     """Unix time at which the kernel started this process (Linux /proc), else now."""
+    return _started("self") or time.time()
+
+
+def _started(pid: int | str) -> float | None:
+    """Unix time at which the kernel started `pid` (Linux /proc); None for no such live process."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):  # a zombie holds nothing and runs nothing
+            return None
         start_ticks = int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         # Age from two boot-relative clocks (10 ms resolution); btime would be whole seconds.
         return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return time.time()
+        return None
+
+
+def described(pid: int) -> str | None:
+    """'PID 123 (python -m ember run ..., running since 14:07:12)' for a live process, else None."""
+    started = _started(pid)
+    if started is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
+    except OSError:
+        command = ""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    return f"PID {pid} ({command[:160] or 'command unknown'}, running since {since})"
+
+
+def holders_of(path: Path) -> list[int]:
+    """The PIDs of the live processes that have `path` open (those this user may inspect),
+    this one excluded: who keeps an advisory lock on it, whoever took the lock."""
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fds = os.scandir(f"/proc/{entry.name}/fd")
+            with fds:
+                for fd in fds:
+                    target = os.stat(fd.path)  # follows the link to the open file
+                    if (target.st_dev, target.st_ino) == (st.st_dev, st.st_ino):
+                        found.append(int(entry.name))
+                        break
+        except OSError:  # gone meanwhile, another user's, or not Linux
+            continue
+    return sorted(found)
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:

@@ -10,13 +10,13 @@ row that committed no new checkpoint: a crash loop backs off, while a run that w
 progress (preempted, killed, the power cut) comes back after the base wait however often it
 happens.
 
-Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1) are forwarded to the child, which runs in
+Signals to the supervisor (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are forwarded to the child, which runs in
 its own session so that a terminal's Ctrl-C reaches it once, through the supervisor.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import subprocess
 import time
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from ember.events import Events
-from ember.lock import INHERITED
+from ember.lock import Lock
 from ember.proc import dies_with_us
+from ember.train.signals import STOP_SIGNALS
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -66,9 +67,9 @@ def quick_crashes(runs: list[ChildRun]) -> int:
 
 
 def supervise(child_argv: list[str], restarts: int, base_backoff: float, events: Events,
-              progress: Callable[[], int] = lambda: 0, lock_fd: int | None = None) -> int:
+              progress: Callable[[], int] = lambda: 0, lock: Lock | None = None) -> int:
     """`progress()`: the newest committed checkpoint's step, to tell progress from a crash loop.
-    `lock_fd`: the run folder's lock, handed to each child (ember.lock)."""
+    `lock`: the run folder's, handed to each child (ember.lock)."""
     runs: list[ChildRun] = []
     child: subprocess.Popen | None = None
     stopping = False
@@ -79,13 +80,14 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
             start, before = time.time(), progress()
             # SIGTERM when the supervisor dies, even by SIGKILL: the child checkpoints and exits 75
-            child = subprocess.Popen(child_argv, start_new_session=True, preexec_fn=dies_with_us(signal.SIGTERM),
-                                     **_lock_args(lock_fd))
+            with lock.handed_down() if lock is not None else contextlib.nullcontext({}) as passed:
+                child = subprocess.Popen(child_argv, start_new_session=True,
+                                         preexec_fn=dies_with_us(signal.SIGTERM), **passed)
             code = child.wait()
             runs.append(ChildRun(start, time.time(), code, progress() > before))
             if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:
@@ -108,8 +110,3 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
                                                       for i, r in enumerate(runs, 1)))
     return code
 
-
-def _lock_args(lock_fd: int | None) -> dict:
-    if lock_fd is None:
-        return {}
-    return {"pass_fds": (lock_fd,), "env": {**os.environ, INHERITED: str(lock_fd)}}

@@ -23,7 +23,12 @@ however old; that name is durable with the commit, so a resume, or a kill at any
 the same one. Retirement renames (the durable part, on the commit's path: a kill after it never
 brings the old step back) and leaves the deletion to a thread of its own, so the commit returns
 as soon as the new checkpoint is durable; `settle()` waits for the deletion. A kill during it
-leaves a `.del-*` folder, swept at the next start.
+leaves a `.del-*` folder, swept at the next start. A `.del-*` or `.tmp-*` folder that cannot be
+deleted (a file held open on a network file system, an immutable file, a folder another program
+writes into) changes nothing committed: training goes on, the deletion is tried again at the
+next retirement and the next start, and `deletion_errors()` hands the caller each error as the
+operating system gave it, to report. (A leftover `.del-step-N` never blocks the retirement of
+a later `step-N`: that one is renamed to `.del-step-N.<ns>`.)
 
 Formats: ember-checkpoint/2 checksums with CRC32C (integrity: torn, truncated, zeroed or
 flipped data); ember-checkpoint/1 (SHA-256, optimizer.pt) still verifies and loads.
@@ -101,10 +106,30 @@ def _check_file(path: Path, fname: str, info: dict[str, Any]) -> None:
         raise ValueError(f"{fname} fails its SHA-256 check")
 
 
-def _delete(folders: list[Path]) -> None:
-    """Delete retired folders (already renamed away and durable as such)."""
+def _delete(folders: list[Path]) -> list[str]:
+    """Delete retired or abandoned folders (never committed, or no longer: renamed away durably);
+    return the errors of those that could not be, as the operating system gave them."""
+    errors = []
     for folder in folders:
-        shutil.rmtree(folder)
+        try:
+            shutil.rmtree(folder)
+        except OSError as e:
+            errors.append(f"{folder.name}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
+    return errors
+
+
+def _leftovers(root: Path) -> list[Path]:
+    """Folders of interrupted commits and retirements (.tmp-*, .del-*)."""
+    return sorted(p for p in root.iterdir() if p.name.startswith((".tmp-", ".del-")))
+
+
+class CheckpointNotWritten(EmberError):
+    """A checkpoint could not be committed; every earlier one is intact. `disk_full`: for want of
+    space (the advice is to free some), else another cause (the advice is to fix it)."""
+
+    def __init__(self, message: str, disk_full: bool):
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 @dataclass
@@ -121,7 +146,9 @@ class CheckpointStore:
         self.root = root
         self.keep_last = keep_last
         self._deleting: threading.Thread | None = None
-        self._delete_error: BaseException | None = None
+        self._delete_errors: list[str] = []
+        self._errors_lock = threading.Lock()  # the deletion thread adds, the training thread takes
+        self._reported: set[str] = set()  # each folder's error is told once, not at every retry
         self.root.mkdir(parents=True, exist_ok=True)
         fsync_dir(self.root.parent)
 
@@ -134,16 +161,28 @@ class CheckpointStore:
         return max((step for step, _ in committed_in(root)), default=0)
 
     def sweep(self) -> list[str]:
-        """Delete leftovers of interrupted commits and retirements; return their names."""
+        """Delete leftovers of interrupted commits and retirements; return the names of those
+        deleted (the others' errors wait in deletion_errors())."""
         self.settle()  # not while this store's own deletion is under way
-        swept = []
-        for p in self.root.iterdir():
-            if p.name.startswith((".tmp-", ".del-")):
-                shutil.rmtree(p, ignore_errors=False)
-                swept.append(p.name)
+        found = _leftovers(self.root)
+        self._add_errors(_delete(found))
+        swept = [p.name for p in found if not p.exists()]
         if swept:
             fsync_dir(self.root)
         return swept
+
+    def deletion_errors(self) -> list[str]:
+        """Why folders retired or left over could not be deleted, since the last call: nothing
+        committed is affected, and each is tried again at the next retirement and start."""
+        with self._errors_lock:
+            errors, self._delete_errors = self._delete_errors, []
+        new = [e for e in dict.fromkeys(errors) if e not in self._reported]
+        self._reported.update(new)
+        return new
+
+    def _add_errors(self, errors: list[str]) -> None:
+        with self._errors_lock:
+            self._delete_errors += errors
 
     def save(self, step: int, write: Callable[[Path], Any], meta: dict[str, Any]) -> Checkpoint:
         """Commit a checkpoint whose files `write(folder)` creates (returning the manifest entries
@@ -210,7 +249,7 @@ class CheckpointStore:
         faults.committed(step)
         return final
 
-    def _failed(self, step: int, e: Exception) -> EmberError:
+    def _failed(self, step: int, e: Exception) -> CheckpointNotWritten:
         last = self.committed()
         kept = f"the newest committed checkpoint, {last[-1][1].name}, is intact" if last \
             else "no earlier checkpoint exists"
@@ -218,42 +257,40 @@ class CheckpointStore:
             or "space" in str(e).lower() or "write" in str(e).lower()
         hint = "free disk space" if full else "fix the cause"
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        return EmberError(f"checkpoint at step {step} could not be written to {self.root}: "
-                          f"{reason}; {kept}; {hint} and run the same command again to resume")
+        return CheckpointNotWritten(f"checkpoint at step {step} could not be written to {self.root}: "
+                                    f"{reason}; {kept}; {hint} and run the same command again to resume",
+                                    full)
 
     def _retire_old(self, best: int | None) -> None:
         """Rename the checkpoints beyond keep_last, but for step `best`, away (durably), and delete
         them behind the commit: the caller goes on while a thread deletes (a 1.6 GB folder takes
         ~0.3 s)."""
         self.settle()
-        doomed = []
+        retired = False
         for step, path in self.committed()[:-self.keep_last]:
             if step == best:
                 continue
-            doomed.append(path.with_name(f".del-{path.name}"))
-            os.rename(path, doomed[-1])  # atomic: a kill mid-delete never leaves a half step-N
+            target = path.with_name(f".del-{path.name}")
+            if target.exists():  # one left by an earlier retirement that could not be deleted
+                target = path.with_name(f".del-{path.name}.{time.time_ns()}")
+            os.rename(path, target)  # atomic: a kill mid-delete never leaves a half step-N
             fsync_dir(self.root)
             faults.point("ckpt.retired")
-        if doomed:
+            retired = True
+        doomed = [p for p in _leftovers(self.root) if p.name.startswith(".del-")] if retired else []
+        if doomed:  # this retirement's, and any an earlier deletion could not finish
             self._deleting = threading.Thread(target=self._delete_in_background, args=(doomed,),
                                               name="ember-ckpt-retire", daemon=True)
             self._deleting.start()
 
     def _delete_in_background(self, doomed: list[Path]) -> None:
-        try:
-            _delete(doomed)
-        except BaseException as e:  # re-raised by settle(), in the caller's thread
-            self._delete_error = e
+        self._add_errors(_delete(doomed))  # reported by the caller: deletion_errors()
 
     def settle(self) -> None:
-        """Wait until retired checkpoints are deleted; raise the deletion's error, if any."""
+        """Wait until retired checkpoints are deleted (or could not be: deletion_errors())."""
         if self._deleting is not None:
             self._deleting.join()
             self._deleting = None
-        if self._delete_error is not None:
-            error, self._delete_error = self._delete_error, None
-            raise EmberError(f"retired checkpoint under {self.root} could not be deleted: {error}; "
-                             f"delete the .del-* folders there by hand")
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def print_report(report: RunReport) -> None:
                       f"{'; '.join(s.coincided)}", highlight=False, markup=False)
     if m := report.mfu:
         peak = _fmt(m.peak_flops and m.peak_flops / 1e12, ",.2f", " TFLOP/s")
-        out.print(f"MFU: {_fmt(m.value, '.2%')}  formula {m.formula} = {m.flops_per_token:,.0f} "
+        share = _fmt(m.value, '.2%') if m.value is not None or m.beyond_peak is None else f"n/a ({m.reason})"
+        out.print(f"MFU: {share}  formula {m.formula} = {m.flops_per_token:,.0f} "
                   f"FLOPs/token; peak {peak} ({m.peak_source})", highlight=False, markup=False)
     if c := report.cost:
         total = f"{c.total:.4f} {c.currency}" if c.total is not None else "unknown"

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ember import __version__
 from ember.cli.quiet import quiet_libraries
+from ember.cli.render import console as surviving_console
 from ember.errors import EXIT_ERROR, EXIT_USAGE, BadInput, EmberError
 
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell shows for `git log | head` or `yes | head`
@@ -165,7 +166,7 @@ def stdout_gone() -> bool:
 
 def command(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 on bad usage
-    console = Console(stderr=True, soft_wrap=True)
+    console = surviving_console(stderr=True)
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -225,20 +226,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from ember.cli.plan import print_checks
-    from ember.cli.render import stderr_events
+    from ember.cli.render import keep_output_in, stderr_events
     from ember.launch import PreflightFailed, RunRequest, fast_exit, run
     from ember.ranks import Topology
+    from ember.train.rundir import CONSOLE_LOG
     hf_logging.disable_progress_bar()
+    keep_output_in(args.out / CONSOLE_LOG)  # a closed pipe or a hung-up terminal: training goes on
     req = RunRequest(args.recipe, args.out, args.overrides, args.allow_recipe_change, args.restarts,
                      args.preflight, False if args.no_ledger else args.ledger, args.restart_from_scratch,
                      args.no_supervise, Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv))
-    out = Console(soft_wrap=True)
+    out = surviving_console()
     try:
         outcome = run(req, stderr_events())
     except PreflightFailed as e:
-        print_checks(e.checks, Console(stderr=True, soft_wrap=True))
+        print_checks(e.checks, surviving_console(stderr=True))
         raise
-    print_checks(outcome.checks, Console(stderr=True, soft_wrap=True))
+    print_checks(outcome.checks, surviving_console(stderr=True))
     if outcome.completed_step is not None:
         out.print(f"{args.out}: already completed {outcome.completed_step} steps; nothing to do (final "
                   f"weights in {args.out / 'final'})", markup=False, highlight=False)

@@ -36,6 +36,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ember import faults
 from ember.ckpt.state import seed_all
 from ember.ckpt.store import committed_in
 from ember.device import pick_device
@@ -410,6 +411,7 @@ class _Cancelled(StoppingCriteria):
         self.cancel = cancel
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        faults.point("infer.token")  # EMBER_FAULT_HANG here: a generation that takes that long
         return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool,
                           device=input_ids.device)
 

@@ -44,8 +44,16 @@ def flops_per_token(a: Architecture) -> FlopsPerToken:
 
 
 def mfu(tokens_per_second_per_device: float, flops_per_token: float, peak_flops: float | None) -> float | None:
-    """Achieved model FLOP/s over peak FLOP/s, a share in [0, 1] (or above, if the peak is wrong);
-    None when the peak is unknown (a guessed peak is how a tool reports 563% MFU)."""
+    """Achieved model FLOP/s over peak FLOP/s, a share in [0, 1]; None when the peak is unknown
+    (a guessed peak is how a tool reports 563% MFU) or below what was achieved (then the peak is
+    wrong, and the share is no figure: share_of_peak() gives it, to flag)."""
+    share = share_of_peak(tokens_per_second_per_device, flops_per_token, peak_flops)
+    return share if share is not None and share <= 1.0 else None
+
+
+def share_of_peak(tokens_per_second_per_device: float, flops_per_token: float,
+                  peak_flops: float | None) -> float | None:
+    """Achieved model FLOP/s over peak FLOP/s as computed, above 1 included; None for no peak."""
     if not peak_flops or peak_flops <= 0:
         return None
     return tokens_per_second_per_device * flops_per_token / peak_flops

@@ -20,7 +20,7 @@ from ember.ledger import store as ledger_store
 from ember.ledger.store import AttemptRow
 from ember.ledger.goodput import Event, Goodput, Span, Step, account
 from ember.metrics.cost import Prices, cost
-from ember.metrics.flops import mfu
+from ember.metrics.flops import mfu, share_of_peak
 from ember.metrics.ranks import RanksSummary
 from ember.metrics.heldout import generations
 from ember.metrics.heldout import history as held_out_history
@@ -65,6 +65,7 @@ class Mfu:
     peak_source: str | None
     device: str | None
     reason: str | None = None  # why value is None
+    beyond_peak: float | None = None  # the share computed, when above 1: the peak is wrong
 
 
 @dataclass
@@ -297,13 +298,20 @@ def _last_time(records: list[dict[str, Any]], attempt: int) -> float:
 
 
 def _mfu(perf: dict[str, Any], per_device: float | None) -> Mfu:
-    """MFU at `per_device` tokens/s (None: no step learned a token, so there is no figure)."""
-    fpt, peak = perf.get("flops_per_token"), perf.get("peak_flops")
+    """MFU at `per_device` tokens/s (None: no step learned a token, so there is no figure); a
+    share above the peak is never a figure either, and says why."""
+    fpt, peak, source = perf.get("flops_per_token"), perf.get("peak_flops"), perf.get("peak_source")
     value = mfu(per_device, fpt, peak) if fpt and per_device is not None else None
-    reason = None if value is not None else ("no step learned a token" if per_device is None else
-                                             perf.get("peak_source", "no performance record"))
-    return Mfu(value, perf.get("flops_formula"), fpt, peak, perf.get("peak_source"), perf.get("device_name"),
-               reason)
+    share = share_of_peak(per_device, fpt, peak) if fpt and per_device is not None else None
+    beyond = share if value is None and share is not None else None
+    if beyond is not None:  # never a figure: a share above the peak cannot be true
+        reason = (f"the run achieved {beyond:.3g}x the peak of {peak / 1e12:.4g} TFLOP/s ({source}), "
+                  f"which cannot be: that peak is too low; set [cost] peak_tflops to the device's")
+    elif per_device is None:
+        reason = "no step learned a token"
+    else:
+        reason = None if value is not None else source or "no performance record"
+    return Mfu(value, perf.get("flops_formula"), fpt, peak, source, perf.get("device_name"), reason, beyond)
 
 
 def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
@@ -361,7 +369,8 @@ def summary_line(report: RunReport) -> str:
     if t := report.throughput:
         parts.append(f"{t.tokens_per_second_per_device:,.0f} tokens/s per device")
     if m := report.mfu:
-        parts.append(f"MFU {m.value:.1%} ({m.peak_source})" if m.value is not None else f"MFU n/a ({m.reason})")
+        parts.append(f"MFU {m.value:.1%} of {m.peak_flops / 1e12:.4g} TFLOP/s ({m.peak_source})"
+                     if m.value is not None else f"MFU n/a ({m.reason})")
     if s := report.step_time:
         parts.append(f"step p50 {s.p50 * 1000:.1f} ms, p99 {s.p99 * 1000:.1f} ms")
     if g := report.goodput:

@@ -17,7 +17,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.events import Events
 from ember.paths import cached_sha256, ember_home
+from ember.proc import die_with_parent
 from ember.recipe import DataConfig, EvalConfig
 from ember.train.formats import _field, read_records
 from ember.train.model import Tokenizer
@@ -287,9 +288,14 @@ def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(sorted(set(bounds)), dtype=np.int64)
 
 
-def _ignore_sigint(_worker_id: int) -> None:
-    # Ctrl-C reaches the whole process group; the training process decides what to do with it.
+def _worker_start(parent: int, _worker_id: int) -> None:
+    # Ctrl-C (and a terminal's hang-up) reaches the whole process group; the training process
+    # decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # A SIGKILLed training process takes its workers along at once, not at torch's next
+    # watchdog check (up to 5 s later). (The run folder's lock is not theirs: ember.lock.)
+    die_with_parent(signal.SIGKILL, parent)
 
 
 class SkippingSampler:
@@ -335,7 +341,7 @@ def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
     return DataLoader(
         batches, batch_size=None, sampler=RankShare(sampler, rank, ranks) if ranks > 1 else sampler,
         num_workers=workers, pin_memory=pin,
-        worker_init_fn=_ignore_sigint if workers else None,
+        worker_init_fn=partial(_worker_start, os.getpid()) if workers else None,
         # Its own generator: otherwise creating the iterator draws from the global torch RNG,
         # and a resumed run's dropout stream would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(0),

@@ -180,7 +180,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
         try:
             job.writer.wait()  # a pending persist completes before the process goes, on every path
         except EmberError as e:
-            failed_save(job, str(e))  # within the loss budget: say so and go on; else stop
+            failed_save(job, str(e), space=getattr(e, "disk_full", False))  # within the budget: go on
         job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
         record_persisted(job)
     job.ledger.phases(job.phase_totals, state.step)

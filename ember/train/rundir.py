@@ -9,6 +9,7 @@
     OUT/.lock             held (flock) by the one process that uses the folder (ember.lock)
     OUT/remote.json       a remote job's results brought back here: {"job": NAME, "target": T}
                           (written by ember.remote.submit; its run is continued there, not here)
+    OUT/console.log       what `ember run` printed after its terminal or pipe went away (ember.cli.render)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ember.recipe import get_dotted as _get
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 REMOTE_FILE = "remote.json"
+CONSOLE_LOG = "console.log"
 
 
 def new_run_id(path: Path) -> str:
@@ -46,7 +48,7 @@ def make_folder(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
     if path.is_dir():
-        if not (path / RUN_FILE).is_file() and any(p.name != LOCK_FILE for p in path.iterdir()):
+        if not (path / RUN_FILE).is_file() and any(p.name not in (LOCK_FILE, CONSOLE_LOG) for p in path.iterdir()):
             raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
                              f"choose a new folder")
         return

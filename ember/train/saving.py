@@ -28,10 +28,10 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
     try:
         job.writer.wait()  # one persist in flight at most: a due checkpoint waits (checkpoint time)
     except EmberError as e:  # the previous persist failed: nothing partial was committed
-        failed_save(job, str(e))
+        failed_save(job, str(e), space=getattr(e, "disk_full", False))
     record_persisted(job)
     if (short := disk_shortfall(job)) is not None:
-        failed_save(job, short)
+        failed_save(job, short, space=True)
         return time.time() - t0
     metrics.sync()
     job.state.capture_rng(job.device)
@@ -54,7 +54,7 @@ def save_sharded(job: Job, metrics: MetricsLog, loss: float) -> float:
     t0, s, world = time.time(), job.state, job.world
     short = world.broadcast(disk_shortfall(job) if world.main else None)
     if short is not None:
-        failed_save(job, short)
+        failed_save(job, short, space=True)
         return time.time() - t0
     metrics.sync()
     s.capture_rng(job.device)  # this rank's streams, saved under its own key
@@ -95,8 +95,9 @@ def disk_shortfall(job: Job) -> str | None:
             f"{job.store.root}, the last checkpoint took {expected / 1e6:.1f} MB")
 
 
-def failed_save(job: Job, why: str) -> None:
-    """Keep training if the last committed checkpoint is within the loss budget; else stop."""
+def failed_save(job: Job, why: str, space: bool) -> None:
+    """Keep training if the last committed checkpoint is within the loss budget; else stop.
+    `space`: the cause is free space (the advice says to free some)."""
     committed = job.store.committed()
     budget = job.recipe.checkpoint.loss_budget_seconds
     age = time.time() - (committed[-1][1] / MANIFEST).stat().st_mtime if committed else float("inf")
@@ -105,13 +106,18 @@ def failed_save(job: Job, why: str) -> None:
         job.events.warn(f"{why}; training on: the last committed checkpoint ({last}) is within "
                         f"[checkpoint] loss_budget_seconds = {budget:g}")
         return
+    advice = ". Free disk space and run the same command to resume from it" if space else ""
     raise EmberError(f"{why}; stopping: the last committed checkpoint ({last}) is beyond [checkpoint] "
-                     f"loss_budget_seconds = {budget:g}. Free disk space and run the same command to "
-                     f"resume from it")
+                     f"loss_budget_seconds = {budget:g}{advice}")
 
 
 def record_persisted(job: Job) -> None:
-    """Ledger rows for the persists that finished: bytes, seconds blocked, seconds to durable."""
+    """Ledger rows for the persists that finished: bytes, seconds blocked, seconds to durable;
+    and a warning for each retired checkpoint that could not be deleted."""
+    for error in job.store.deletion_errors():
+        job.events.warn(f"{job.store.root}: could not delete {error}. Every committed checkpoint is "
+                        f"intact, so training goes on; the deletion is tried again at the next "
+                        f"checkpoint and start (delete it by hand if it stays)")
     for p in job.writer.completed():
         ck = p.checkpoint
         size = sum(f["bytes"] for f in ck.manifest["files"].values())

@@ -1,7 +1,8 @@
-"""Stop on request: SIGINT, SIGTERM and SIGUSR1 finish the current optimizer step, checkpoint and
-exit 75; a second SIGINT exits at once. Installed before the job is prepared (the model loaded,
-the data tokenized), so a signal during start-up (a scheduler's warning, a preemption) stops the
-run before its first step instead of killing it."""
+"""Stop on request: SIGINT, SIGTERM, SIGUSR1 and SIGHUP (a terminal or SSH session that went
+away) finish the current optimizer step, checkpoint and exit 75; a second SIGINT exits at once.
+Installed before the job is prepared (the model loaded, the data tokenized), so a signal during
+start-up (a scheduler's warning, a preemption) stops the run before its first step instead of
+killing it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import signal
 
 from ember.events import Events
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopRequest:
@@ -18,7 +21,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequest:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

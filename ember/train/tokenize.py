@@ -115,8 +115,10 @@ _WORKER_ARGS: tuple = ()  # in a worker process: the arguments of tokenize_shard
 def _worker_init(parent: int, *args: Any) -> None:
     global _WORKER_ARGS
     die_with_parent(signal.SIGKILL, parent)  # a run killed mid-tokenization takes its workers along
-    # Ctrl-C reaches the whole process group; the parent decides (it stops the pool).
+    # Ctrl-C (and a terminal's hang-up) reaches the whole process group; the parent decides (it
+    # stops the pool).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # One thread per worker process: the pool is the parallelism (and a fork-safe tokenizer).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_ARGS = args

@@ -9,7 +9,9 @@ With --port 0 it binds a free port. The first line on stdout is `listening on ht
 (flushed), and nothing else goes to stdout, so a parent that reads one line never blocks it. The
 model loads in a background thread once the server listens: GET /health answers 503
 {"status": "loading"} until then, 200 {"status": "ok"} after, and 500 {"status": "failed",
-"message": ...} if loading failed.
+"message": ...} if loading failed. SIGTERM or SIGINT stops it: answers under way get
+STOP_GRACE_SECONDS to finish, and the process is gone a second after that at the latest, even
+with a generation still running (it started from a parent that dies with it: ember.proc).
 
     GET  /v1/models             base, and each LoRA run trained on this base (by folder name)
     POST /v1/completions        prompt, model, max_tokens, temperature, top_p, stop, seed, stream
@@ -51,6 +53,7 @@ from ember.web.errors import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
 
+STOP_GRACE_SECONDS = 2.0  # after SIGTERM: the answers under way may finish, then the worker exits
 MAX_BODY = 1 << 20  # bytes: a prompt beyond this is far past any context ember serves
 _END = object()
 
@@ -259,9 +262,21 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(create_app(engine, os.environ.get(WORKER_TOKEN_ENV) or None), log_level="warning",
-                            access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+                            access_log=False, timeout_graceful_shutdown=STOP_GRACE_SECONDS)
+    server = uvicorn.Server(config)
+    server.handle_exit = lambda signum, frame: stop(server)  # uvicorn installs it for SIGTERM and SIGINT
+    server.run(sockets=[sock])
     return EXIT_OK
+
+
+def stop(server) -> None:
+    """Stop serving: the answers under way get STOP_GRACE_SECONDS to finish, then the process
+    exits whatever still runs (a generation in a thread cannot be cancelled, and uvicorn alone
+    would wait for it to the last token). Nothing here needs saving."""
+    server.should_exit = True
+    deadline = threading.Timer(STOP_GRACE_SECONDS + 1.0, os._exit, (EXIT_OK,))
+    deadline.daemon = True  # it must not itself keep the process waiting
+    deadline.start()
 
 
 def report(event: Event) -> None:

@@ -73,7 +73,7 @@ def test_sigkill_at_random_moments_resumes_bit_exact(name, baselines, tmp_path):
     assert len(attempts) == len(kills) + 1
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP])
 def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 400})
     out = tmp_path / "run"

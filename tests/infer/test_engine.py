@@ -33,7 +33,7 @@ from ember.infer.engine import Engine, RequestError
 from ember.models import BYTE_EOS, tiny_config
 from ember.web.infer_worker import create_app, main
 from ember.web.security import WORKER_TOKEN_ENV
-from tests.helpers import ROOT, run_ember, write_recipe
+from tests.helpers import ROOT, run_ember, wait_until, write_recipe
 
 SEED = 7  # write_recipe's train.seed: builtin:tiny's init, which the engine must match
 PROMPT = "In the beginning God"
@@ -332,3 +332,28 @@ def test_the_worker_process_says_its_port_loads_and_serves(worker, runs: Path):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()[-2000:]  # uvicorn re-raises it
+
+
+def test_the_worker_exits_promptly_on_sigterm_even_mid_generation(tmp_path):
+    """A generation that would run for 10 minutes (held at its first token) does not keep a
+    SIGTERMed worker alive: it exits within its grace (issue 26, item 3). Before: uvicorn waited
+    for the answer to the last token, and the service had to SIGKILL it."""
+    with open(tmp_path / "worker.err", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny",
+                                 "--seed", str(SEED), "--port", "0"], stdout=subprocess.PIPE, stderr=log,
+                                text=True, cwd=ROOT,
+                                env={**os.environ, "EMBER_FAULT": "infer.token", "EMBER_FAULT_HANG": "600"})
+    try:
+        url = proc.stdout.readline().split()[-1]
+        wait_until("the model loaded", lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, 120, 0.05)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 8, "stream": True}) as answer:
+            first = next(answer.iter_lines())  # the generation has begun, and hangs at its first token
+            assert first.startswith("data: "), first
+            proc.send_signal(signal.SIGTERM)
+            wait_until("the worker's exit after SIGTERM", lambda: proc.poll() is not None, 60, 0.05)
+        assert proc.returncode == 0, (tmp_path / "worker.err").read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

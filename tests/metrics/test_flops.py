@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.metrics.flops import Architecture, architecture_of, flops_per_token, mfu
+from ember.metrics.flops import Architecture, architecture_of, flops_per_token, mfu, share_of_peak
 from ember.metrics.peaks import lookup_peak
 from ember.recipe import MethodConfig
 from ember.train.model import apply_lora, tiny_config
@@ -22,6 +22,13 @@ def test_full_fine_tuning_formula_by_hand():
     # 2,000 tokens/s at 6e9 FLOPs/token on a 24 TFLOP/s device: 1.2e13 / 2.4e13 = 50%.
     assert mfu(2000.0, 6e9, 24e12) == pytest.approx(0.5)
     assert mfu(1000.0, f.total, None) is None  # an unknown peak is never divided by
+
+
+def test_a_share_above_the_peak_is_no_mfu():
+    # 2,000 tokens/s at 6e9 FLOPs/token on a "6 TFLOP/s" device: 1.2e13 / 6e12 = 200%: the peak is wrong.
+    assert mfu(2000.0, 6e9, 6e12) is None
+    assert share_of_peak(2000.0, 6e9, 6e12) == pytest.approx(2.0)  # what the report flags
+    assert mfu(1000.0, 6e9, 6e12) == pytest.approx(1.0)  # the peak itself is possible
 
 
 def test_lora_counts_no_weight_gradients_for_frozen_weights():

@@ -1,0 +1,95 @@
+"""The run folder's lock (ember.lock) is its holder's alone, and a refusal names who really holds
+it (issue 26, items 1 and 2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ember.errors import EmberError
+from ember.lock import acquire
+from tests.helpers import ROOT
+
+# A process that holds `path`'s flock and writes `pid` into it as its holder (an older ember
+# whose forked worker kept the lock after it died looks exactly like this), then waits.
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.pwrite(fd, (sys.argv[2] if len(sys.argv) > 2 else str(os.getpid())).encode() + b"\\n", 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold(path, pid: str | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), *([pid] if pid else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def ended_pid() -> int:
+    """The PID of a process that has ended (and been reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """A data-loader worker is forked from the training process; when the training process is
+    gone (here: it lets go), the folder is free although the worker still runs."""
+    path = tmp_path / ".lock"
+    lock = acquire(path, "--out x")
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker: waits until told to go
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        lock.release()
+        again = acquire(path, "--out x")  # refused while the child lived, before the fix
+        again.release()
+    finally:
+        os.close(w)
+        os.waitpid(child, 0)
+
+
+def test_a_refusal_names_the_live_holder_its_command_and_since_when(tmp_path):
+    path = tmp_path / ".lock"
+    holder = hold(path)
+    try:
+        with pytest.raises(EmberError) as e:
+            acquire(path, "--out x")
+        message = str(e.value)
+        assert f"PID {holder.pid} (" in message and "running since" in message, message
+        assert "-c" in message, message  # its command line
+        assert message.startswith("--out x: in use by another ember process"), message
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_refusal_never_names_a_dead_process_as_the_holder(tmp_path):
+    """The PID in the lock file ended; what still holds the lock is named instead."""
+    path = tmp_path / ".lock"
+    dead = ended_pid()
+    holder = hold(path, str(dead))
+    try:
+        with pytest.raises(EmberError) as e:
+            acquire(path, "--out x")
+        message = str(e.value)
+        assert f"(PID {dead}) has ended" in message, message
+        assert f"PID {holder.pid} (" in message and "still holds its lock" in message, message
+        assert "in use by another ember process (PID" not in message, message
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    acquire(path, "--out x").release()  # and the holder's end frees it
