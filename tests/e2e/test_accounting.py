@@ -25,6 +25,9 @@ def killed_twice(tmp_path_factory):
     recipe = write_recipe(tmp, train={"max_steps": 30}, checkpoint={"every_steps": 10, "async": False},
                           cost={"device_hour_price": 3.6})
     out = tmp / "run"
+    # The lifetimes below are the commands' own: start this worker's warm process (tests/warm.py,
+    # a few seconds of imports the first time) before the clock runs.
+    assert run_ember("--help").returncode == 0
     lifetimes = []
     for fault in ("train.micro_batch@17", "train.micro_batch@14", None):
         t0 = time.time()
