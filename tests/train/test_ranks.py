@@ -3,19 +3,22 @@ exits add up to the run's, and when the watchdog calls a step hung."""
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED
-from ember.events import collect
+from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EmberError
+from ember.events import Events, collect
 from ember.recipe import DistributedConfig, Recipe
 from ember.train.data import RankShare, SkippingSampler
 from ember.train.parallel import check_distributed
-from ember.train.watchdog import bound_seconds
-from ember.ranks import Topology, ended
-from ember.errors import EmberError
+from ember.train.signals import StopRequest
+from ember.train.watchdog import Watchdog, Where, bound_seconds
+from ember.ranks import PEER_LOST, Topology, ended
+from ember.world import World
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -51,8 +54,9 @@ def test_grad_accum_must_split_evenly_over_the_ranks():
     check_distributed(r, 4, "recipe.toml")
 
 
-def failure(code: int, t: int) -> SimpleNamespace:
-    return SimpleNamespace(exitcode=code, timestamp=t)
+def failure(code: int, t: int, message: str = "") -> SimpleNamespace:
+    """A torchrun ProcessFailure: exit code, when it was seen, what the rank left in its error file."""
+    return SimpleNamespace(exitcode=code, timestamp=t, message=message)
 
 
 def test_how_the_ranks_exits_make_the_runs():
@@ -64,6 +68,46 @@ def test_how_the_ranks_exits_make_the_runs():
     # A rank killed: a crash, and the rank that failed first is named.
     assert ended({0: failure(-signal.SIGTERM, 5), 1: failure(-signal.SIGKILL, 4)}, events) == EXIT_ERROR
     assert "rank 1 failed first (killed by SIGKILL)" in seen[-1].message
+    # The rank that died, not the one whose collective failed a moment after (seen first: its
+    # error file holds an earlier second than the agent's own clock when it noticed the kill).
+    assert ended({0: failure(1, 3, PEER_LOST), 1: failure(-signal.SIGKILL, 4)}, events, newest=5) == EXIT_ERROR
+    assert seen[-1].message == ("rank 1 failed first (killed by SIGKILL); the group was torn down (rank 0 left "
+                                "when its collective failed); saved: checkpoint step 5, the newest committed, "
+                                "where a resume continues")
+    # A hang: the watchdog's verdict, exit 70, although rank 0 (the one reporting) left first.
+    verdict = "hang: rank 1 never arrived at all_reduce (loop.py:292 train_step) in step 7; rank 0 waited there 2.1 s"
+    assert ended({0: failure(EXIT_HUNG, 3, verdict), 1: failure(EXIT_HUNG, 4)}, events, newest=0) == EXIT_HUNG
+    assert seen[-1].message == verdict + "; the group was stopped, exit 70; saved: no checkpoint yet, a resume " \
+                                         "starts from step 0"
+    assert ended({0: failure(-signal.SIGTERM, 3), 1: failure(EXIT_HUNG, 3)}, events) == EXIT_HUNG  # another node's view
+    assert "rank 0's report names the rank" in seen[-1].message and "failed first" not in seen[-1].message
+
+
+def test_the_watchdog_names_the_rank_that_never_arrived():
+    """Rank 0's verdict from every rank's last step and where its training thread is."""
+    dog = Watchdog(World(0, 3), DistributedConfig(), Path("."), Events())
+    dog.step = 6
+    waits = Where(True, "all_reduce (loop.py:292 train_step)", "")
+    # Same step: the one not in a collective; rank 0 itself may be the one.
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: Where(False, "", ""), 2: waits}, 2.04) == (
+        "hang: rank 1 never arrived at all_reduce (loop.py:292 train_step) in step 7; ranks 0, 2 waited there 2.0 s")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: Where(False, "", ""), 1: waits, 2: waits}, 3.0).startswith(
+        "hang: rank 0 never arrived")
+    # A rank a step behind; a rank stuck where it cannot even answer.
+    assert dog.verdict({0: 6, 1: 6, 2: 5}, {0: waits, 1: waits, 2: waits}, 3.0).startswith("hang: rank 2 never")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: waits, 2: None}, 3.0).startswith("hang: rank 2 never")
+
+
+def test_a_rank_is_quiet_on_a_signal(tmp_path):
+    """A rank does not promise a checkpoint on SIGTERM: the agent sends one when another rank died."""
+    for quiet, said in [(False, 1), (True, 0)]:
+        events, seen = collect()
+        stop = StopRequest(events, quiet=quiet).install()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested and len(seen) == said
+        finally:
+            stop.restore()
 
 
 def test_the_watchdog_bound():
