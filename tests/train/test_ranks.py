@@ -35,23 +35,52 @@ def test_ranks_read_disjoint_parts_of_the_one_global_order(ranks):
     assert all(len(p) == accum * steps // ranks for p in parts)
 
 
-def test_grad_accum_must_split_evenly_over_the_ranks():
+@pytest.mark.parametrize("accum,ranks", [(1, 2), (3, 2), (2, 4), (1, 4), (6, 4)])
+def test_rows_of_a_step_share_out_at_any_grad_accum(accum, ranks):
+    """grad_accum not a multiple of the ranks: each micro-batch is cut into equal slices of rows
+    and the step's slices dealt out; the ranks together train exactly the step's rows, once."""
+    from ember.train.data import row_parts
+    parts, steps = row_parts(accum, ranks), 3
+    share = [list(RankShare(SkippingSampler(50, accum * steps, set()), r, ranks, parts)) for r in range(ranks)]
+    assert all(len(p) == accum * parts * steps // ranks for p in share)
+    per_rank = accum * parts // ranks
+    for step in range(steps):
+        pieces = [x if parts > 1 else (x, 0, 1) for p in share for x in p[step * per_rank:(step + 1) * per_rank]]
+        assert sorted(pieces) == [(k, i, parts) for k in range(step * accum, (step + 1) * accum) for i in range(parts)]
+
+
+def test_the_batch_must_split_evenly_over_the_ranks():
     r = Recipe()
-    r.train.grad_accum = 3
-    with pytest.raises(EmberError, match="multiple of 2"):
+    r.train.micro_batch, r.train.grad_accum = 3, 3
+    with pytest.raises(EmberError, match="3 x 3 = 9 rows .* must be a multiple of 2; set \\[train\\] grad_accum = 4"):
         check_distributed(r, 2, "recipe.toml")
     r.train.grad_accum = 4
     check_distributed(r, 2, "recipe.toml")
+    r.train.micro_batch, r.train.grad_accum = 4, 1  # the shipped recipes: each rank takes half of each micro-batch
+    check_distributed(r, 2, "recipe.toml")
+    check_distributed(r, 4, "recipe.toml")
     r.method.kind, r.distributed.strategy = "lora", "tp"
     with pytest.raises(EmberError, match="LoRA wraps"):
         check_distributed(r, 2, "recipe.toml")
     r.method.kind, r.distributed.strategy, r.train.grad_accum = "full", "fsdp+tp", 1
     with pytest.raises(EmberError, match="at least 4"):
         check_distributed(r, 2, "recipe.toml")
+    r.train.micro_batch = 1
     with pytest.raises(EmberError, match="multiple of 2"):  # 2 groups of 2 read different data
         check_distributed(r, 4, "recipe.toml")
     r.train.grad_accum = 2
     check_distributed(r, 4, "recipe.toml")
+
+
+@pytest.mark.parametrize("recipe", ["tiny.toml", "smollm2-lora.toml"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_shipped_recipes_pass_the_launchers_checks(recipe, strategy):
+    """README's `ember run recipe.toml --out runs/a --nproc 2` with either shipped recipe."""
+    from ember.recipe import load_recipe
+    path = Path(__file__).resolve().parents[2] / "examples" / recipe
+    r = load_recipe(path, [f"distributed.strategy={strategy}"])
+    for ranks in (2, 4):
+        check_distributed(r, ranks, str(path))
 
 
 def failure(code: int, t: int, message: str = "") -> SimpleNamespace:
