@@ -122,10 +122,9 @@ def ended(failures: dict, events: Events, newest: int | None = None) -> int:
         return EXIT_HUNG
     followed = {r for r, c in codes.items() if c == -signal.SIGTERM or said.get(r) == PEER_LOST}
     rank = min(set(failures) - followed or set(failures), key=lambda r: (failures[r].timestamp, r))
-    others = sorted(set(codes) - {rank})
-    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); "
-                + (f"the group was torn down ({', '.join(f'rank {r} {_follower(codes[r], said.get(r))}' for r in others)})"
-                   if others else "the group was torn down") + _saved(newest))
+    others = ", ".join(f"rank {r} {_follower(codes[r], said.get(r))}" for r in sorted(set(codes) - {rank}))
+    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); the group was torn down"
+                + (f" ({others})" if others else "") + _saved(newest))
     return EXIT_ERROR
 
 

@@ -86,7 +86,8 @@ def where(thread_id: int) -> Where:
         return Where(False, "", line)
     inner = waits[-1].name
     inner = "the gradient all-reduce in backward" if inner == "_engine_run_backward" else inner
-    callers = [f for f in stack if Path(f.filename).resolve().is_relative_to(EMBER) and Path(f.filename).name != "world.py"]
+    callers = [f for f in stack if Path(f.filename).resolve().is_relative_to(EMBER)
+               and Path(f.filename).name != "world.py"]
     site = f" ({Path(callers[-1].filename).name}:{callers[-1].lineno} {callers[-1].name})" if callers else ""
     return Where(True, inner + site, line)
 
