@@ -16,6 +16,7 @@ Every one is an EmberError, so `except EmberError` still catches them all.
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_HUNG = 70         # EX_SOFTWARE: the hang watchdog stopped a distributed run; restarted like a crash
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: interrupted on request, resumable
 
 

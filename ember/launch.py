@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ember.ckpt.store import CheckpointStore
 from ember.doctor.preflight import Check, preflight
-from ember.errors import EXIT_OK, EmberError
+from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
 from ember.ledger.store import Ledger
 from ember.lock import acquire
@@ -28,13 +28,13 @@ from ember.metrics.report import RunReport, build_report, summarize
 from ember.plan.devices import detect_devices
 from ember.plan.memory import GiB
 from ember.plan.planner import UnknownArchitecture, make_plan
-from ember.ranks import Topology, launch
+from ember.ranks import PEER_LOST, Topology, launch
 from ember.metrics.compare import Comparison
 from ember.recipe import Recipe, load_recipe, to_toml
 from ember.supervise import supervise
 from ember.train.data import data_file_hashes
 from ember.train.rundir import LOCK_FILE, RunDir, make_folder
-from ember.world import launched
+from ember.world import launched, lost_peer, tell_launcher
 
 
 @dataclass
@@ -118,7 +118,8 @@ def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOut
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")
     try:
-        outcome.code = launch(req.topology, req.rank_argv(), req.out.name, events)
+        outcome.code = launch(req.topology, req.rank_argv(), req.out.name, events,
+                              lambda: CheckpointStore.newest_step(req.out / "checkpoints"))
     finally:
         if lock is not None:
             lock.release()
@@ -126,16 +127,23 @@ def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOut
 
 
 def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutcome) -> RunOutcome:
-    """Prepare the job and run the loop in this process; record how the attempt ended."""
+    """Prepare the job and run the loop in this process; record how the attempt ended. A rank
+    whose collective failed because another rank died leaves quietly with exit 1: the launcher
+    names the rank that died (ember.ranks)."""
     from ember.train.job import prepare
     from ember.train.loop import train
     from ember.train.signals import StopRequest
-    stop = StopRequest(events).install()  # before the model loads: a signal then stops it at the first step
+    # Before the model loads: a signal then stops it at the first step. A rank says nothing on a
+    # signal: the ranks agree at the step boundary, and what they did is said then (it may be
+    # the agent tearing the group down after another rank died: no checkpoint then).
+    stop = StopRequest(events, quiet=launched()).install()
     try:
         job = prepare(recipe, req.out, req.allow_recipe_change, events, req.recipe_file, req.ledger,
                       req.restart_from_scratch)
-    except BaseException:
+    except BaseException as e:
         stop.restore()
+        if launched() and lost_peer(e):
+            return _peer_lost(outcome)
         raise
     try:
         outcome.code = train(job, stop)
@@ -147,11 +155,20 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
         _record_summary(job)
         raise
     except BaseException as e:  # unexpected: recorded, then re-raised for the command to report
+        if job.world.distributed and lost_peer(e):
+            job.ledger.finish("crashed", PEER_LOST)
+            return _peer_lost(outcome)
         job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
         raise
     outcome.report = _record_summary(job)
     job.ledger.close()
     job.world.close()
+    return outcome
+
+
+def _peer_lost(outcome: RunOutcome) -> RunOutcome:
+    tell_launcher(PEER_LOST)
+    outcome.code = EXIT_ERROR
     return outcome
 
 

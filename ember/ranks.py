@@ -11,7 +11,10 @@
 This process is the launcher: it holds the run folder's lock for the ranks (ember.lock) and
 waits. torchrun's own restarts are off (max_restarts 0): when one rank dies, the agent tears the
 group down, and ember's supervisor (--restarts) restarts the whole group from the last durable
-checkpoint with its backoff and its crash-loop rules, the same as a one-process run. A signal to
+checkpoint with its backoff and its crash-loop rules, the same as a one-process run. The
+launcher says in one line which rank ended the run, how, and what was saved (`ended`): the
+other ranks' collectives failed after it (they leave quietly, ember.world.lost_peer) or the agent
+stopped them, and a hang is named by the watchdog's verdict (exit 70). A signal to
 the launcher reaches every rank (the agent forwards it); they agree at the step boundary to
 stop, write one checkpoint and exit 75; the agent waits `SHUTDOWN_SECONDS` for that before it
 kills them.
@@ -23,13 +26,15 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EmberError
+from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.events import Events
 from ember.lock import LAUNCHER
 
 SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
+PEER_LOST = "a collective failed: another rank is gone"  # what a rank leaves the launcher then
 
 
 @dataclass
@@ -66,8 +71,10 @@ class Topology:
         return out
 
 
-def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Events) -> int:
-    """Run `python rank_argv...` as every rank of this node; the exit code the run ends with."""
+def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Events,
+           newest: Callable[[], int | None] = lambda: None) -> int:
+    """Run `python rank_argv...` as every rank of this node; the exit code the run ends with.
+    `newest()`: the run's newest committed checkpoint step (None: not known on this node)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -92,23 +99,48 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
         events.info(f"{e.sigval.name}: the ranks were asked to checkpoint and stop")
         return EXIT_INTERRUPTED
     except ChildFailedError as e:
-        return ended(e.failures, events)
+        return ended(e.failures, events, newest())
     finally:
         os.environ.pop(LAUNCHER, None)
 
 
-def ended(failures: dict, events: Events) -> int:
-    """The run's exit code from the ranks that did not exit 0 (global rank -> ProcessFailure).
+def ended(failures: dict, events: Events, newest: int | None = None) -> int:
+    """The run's exit code from the ranks that did not exit 0 (global rank -> ProcessFailure),
+    said in one line with what was saved (`newest`: the newest committed checkpoint's step).
     Interrupted when a rank exited 75 and the others did too or were stopped by the agent
-    after it (SIGTERM); otherwise a crash, naming the rank that failed first."""
+    after it (SIGTERM); hung when the watchdog stopped the group (its verdict names the rank that
+    never arrived); otherwise a crash, naming the rank that failed first, not one that only
+    followed it (stopped by the agent, or its collective failed when the first one died)."""
     codes = {rank: f.exitcode for rank, f in failures.items()}
     if EXIT_INTERRUPTED in codes.values() and all(c in (EXIT_INTERRUPTED, -signal.SIGTERM) for c in codes.values()):
         return EXIT_INTERRUPTED
-    rank = min(failures, key=lambda r: failures[r].timestamp)
-    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); the group was torn down: "
-                + ", ".join(f"rank {r} {_how(c)}" for r, c in sorted(codes.items())))
+    said = {rank: f.message for rank, f in failures.items() if isinstance(getattr(f, "message", None), str)}
+    if EXIT_HUNG in codes.values():
+        verdict = next((m for m in said.values() if m.startswith("hang:")),
+                       "hang: the watchdog stopped the group (rank 0's report names the rank that never arrived)")
+        events.warn(f"{verdict}; the group was stopped, exit {EXIT_HUNG}{_saved(newest)}")
+        return EXIT_HUNG
+    followed = {r for r, c in codes.items() if c == -signal.SIGTERM or said.get(r) == PEER_LOST}
+    rank = min(set(failures) - followed or set(failures), key=lambda r: (failures[r].timestamp, r))
+    others = ", ".join(f"rank {r} {_follower(codes[r], said.get(r))}" for r in sorted(set(codes) - {rank}))
+    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); the group was torn down"
+                + (f" ({others})" if others else "") + _saved(newest))
     return EXIT_ERROR
 
 
 def _how(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+
+
+def _follower(code: int, said: str | None) -> str:
+    if said == PEER_LOST:
+        return "left when its collective failed"
+    return "stopped" if code == -signal.SIGTERM else _how(code)
+
+
+def _saved(newest: int | None) -> str:
+    if newest is None:
+        return ""
+    if newest == 0:
+        return "; saved: no checkpoint yet, a resume starts from step 0"
+    return f"; saved: checkpoint step {newest}, the newest committed, where a resume continues"

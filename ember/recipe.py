@@ -234,7 +234,8 @@ class DistributedConfig:
         "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
         "and MLP projections over the ranks (full fine-tuning; keep it within one node). "
         "[train] micro_batch x grad_accum stays the global batch: with ddp and fsdp each rank "
-        "takes grad_accum / ranks of the micro-batches, with tp every rank computes all of them; "
+        "takes grad_accum / ranks of the micro-batches (or, when grad_accum is not a multiple of "
+        "the ranks, an equal slice of each micro-batch's rows), with tp every rank computes all of them; "
         "'fsdp+tp' is the 2-D mesh: tp inside groups of tp_size ranks, fsdp across the groups.")
     tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
                            "within one node).", min=2)

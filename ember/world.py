@@ -7,13 +7,17 @@ read the same lines: `world.sum(...)`, `world.any(...)`, `world.barrier()`.
 
 Every collective carries a timeout (`timeout_seconds`): a rank that never arrives fails the
 others' collective instead of hanging them forever; the watchdog (ember.train.watchdog) notices
-a slow step long before that.
+a slow step long before that. A rank dying fails the others' next collective (`lost_peer`): they
+leave quietly and the launcher names the rank that died (ember.ranks). A rank tells the launcher
+why it ended through torchrun's error file (`tell_launcher`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,3 +106,29 @@ def join(device: torch.device, timeout_seconds: float) -> World:
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds),
                                              **({"device_id": device} if device.type == "cuda" else {}))
     return World(rank, size, local, backend, rank, size)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective failing under this rank because another rank went away (it
+    died, or its connection did): gloo's connection reset or closed, NCCL's and the store's
+    errors (torch.distributed.DistError), or DCP's report of one of those."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    for _ in range(8):  # the exception and what it was raised from
+        if isinstance(e, torch.distributed.DistError):
+            return True
+        if isinstance(e, (RuntimeError, CheckpointException)) and any(
+                s in str(e) for s in ("/gloo/", "Connection reset by peer", "Connection closed by peer")):
+            return True
+        if e.__cause__ is None and e.__context__ is None:
+            return False
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def tell_launcher(message: str) -> None:
+    """Leave `message` for the launcher (torchrun's error file for this rank; ember.ranks reads
+    it as the rank's failure message); nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)

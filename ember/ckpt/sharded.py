@@ -7,7 +7,8 @@ the store's protocol (ember.ckpt.store): one checkpoint, whatever the world size
 Under fixed keys: `model` and `optim` as torch.distributed.checkpoint.state_dict gives them (by
 parameter name, the same for a plain, DDP and FSDP model: so a checkpoint saved by N ranks loads
 into M ranks and into another strategy; DCP reshards), and `rank{R}`: rank R's RunState (its
-RNG streams), scheduler and grad-scaler state, as bytes.
+RNG streams), scheduler and grad-scaler state, as bytes. `model` holds the trained parameters
+alone (LoRA: the adapters), as a one-process checkpoint does: `trained_state`.
 
 A one-process run's checkpoint (model.safetensors, optimizer.safetensors, train_state.pt: see
 ember.ckpt.contents) loads into a distributed run too: `read_full` hands the full tensors to
@@ -31,6 +32,9 @@ from ember.world import World
 
 METADATA = ".metadata"
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapters, as a one-process run
+# Loading: the frozen weights are the model's own (LoRA's base) and not in the checkpoint, which a
+# strict load_state_dict calls missing; `_load` checks instead that every trained one was there.
+LOADING = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def is_sharded(folder: Path) -> bool:
@@ -45,11 +49,35 @@ def _extra(state: RunState, scheduler: Any, scaler: Any) -> io.BytesIO:
     return buf
 
 
+def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's trained parameters and the optimizer's state, by parameter name. DCP's
+    ignore_frozen_params drops a frozen parameter under its first name only: a frozen weight tied
+    under a second one (LoRA on a model whose head shares the embeddings: SmolLM2's 28M-parameter
+    lm_head) stayed in every checkpoint. Kept here: the names of parameters that train."""
+    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    trained = _trained(model)
+    return {k: v for k, v in msd.items() if k in trained}, osd
+
+
+def _trained(model: torch.nn.Module) -> set[str]:
+    """The names of the parameters that train, as state dicts name them (no DDP "module.")."""
+    return {n.removeprefix("module.") for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, msd: dict, osd: dict,
+          options: StateDictOptions) -> None:
+    """set_state_dict, refusing a model state that leaves out a parameter that trains."""
+    result = set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
+    missing = sorted(_trained(model) & {k.removeprefix("module.") for k in result.missing_keys})
+    if missing:
+        raise KeyError(f"the checkpoint holds no {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+
+
 def write_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                   scaler: Any, state: RunState, world: World) -> None:
     """Every rank writes its part into `folder` (a collective). DCP's writer fsyncs each file it
     writes (sync_files), before the store checksums them."""
-    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    msd, osd = trained_state(model, optimizer)
     sd = {"model": msd, "optim": osd, f"rank{world.rank}": _extra(state, scheduler, scaler)}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
 
@@ -68,10 +96,10 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     names = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     saved = {k.partition(".")[0] for k in names if k.startswith("rank")}
     key = f"rank{world.rank}" if f"rank{world.rank}" in saved else "rank0"
-    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    msd, osd = trained_state(model, optimizer)  # what to read: older checkpoints hold more, never less
     sd = {"model": msd, "optim": osd, key: io.BytesIO()}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=TRAINABLE)
+    _load(model, optimizer, sd["model"], sd["optim"], LOADING)
     sd[key].seek(0)
     extra = torch.load(sd[key], weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
@@ -100,8 +128,8 @@ def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer:
     osd = read_optimizer(folder)
     by_name = {"state": {names[i]: s for i, s in osd["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
-                   options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    _load(model, optimizer, weights, by_name, StateDictOptions(full_state_dict=True, ignore_frozen_params=True,
+                                                               strict=False))
     extra = torch.load(folder / STATE_FILE, weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     scaler.load_state_dict(extra["scaler"])

@@ -141,7 +141,8 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     per_rank = max(1, accum // n)
     ar = collective_seconds(ic.all_reduce, "all_reduce", grads, n)
     add("ddp", compute, ar, hide, b.peak, hops_share("all_reduce", n)[1] * grads,
-        notes=[] if accum % n == 0 else [f"grad_accum {accum} is not a multiple of {n}"])
+        notes=[] if t.micro_batch * accum % n == 0 else
+        [f"micro_batch x grad_accum = {t.micro_batch * accum} rows do not share out over {n} ranks"])
     ag = collective_seconds(ic.all_gather, "all_gather", weights, n)
     rs = collective_seconds(ic.reduce_scatter, "reduce_scatter", grads, n)
     layer = m.layer_params() * 4

@@ -12,8 +12,10 @@ worker processes hold no RNG of their own that could drift.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -123,20 +125,27 @@ class MicroBatch:
     ids: torch.Tensor                       # [rows, width]
     labels: torch.Tensor | None = None      # -100 where nothing is learned; None: every token (labels = ids)
     positions: torch.Tensor | None = None   # restart at 0 for each document; None: 0..width-1
+    first: int = 0                          # the stream position of its first row (keys LoRA's dropout)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
-        return MicroBatch(move(self.ids), move(self.labels), move(self.positions))
+        return MicroBatch(move(self.ids), move(self.labels), move(self.positions), self.first)
 
     def pin_memory(self) -> MicroBatch:
         pin = lambda t: None if t is None else t.pin_memory()
-        return MicroBatch(pin(self.ids), pin(self.labels), pin(self.positions))
+        return MicroBatch(pin(self.ids), pin(self.labels), pin(self.positions), self.first)
 
     def targets(self) -> int:
         """Positions whose next token the loss learns (every one but the last of a row)."""
         if self.labels is None:
             return self.ids.shape[0] * (self.ids.shape[1] - 1)
         return int((self.labels[:, 1:] != -100).sum())
+
+    def part(self, i: int, parts: int) -> MicroBatch:
+        """Its i-th of `parts` equal slices of rows (a rank's share of a micro-batch: RankShare)."""
+        n = self.ids.shape[0] // parts
+        take = lambda t: None if t is None else t[i * n:(i + 1) * n]
+        return MicroBatch(take(self.ids), take(self.labels), take(self.positions), self.first + i * n)
 
     def rows(self, n: int) -> MicroBatch:
         """`n` rows: these, repeated as often as needed (the doctor's larger micro-batches)."""
@@ -174,12 +183,16 @@ class PackedBatches(Dataset):
     def __len__(self) -> int:
         return 1 << 62  # endless: epochs follow one another; the sampler bounds it
 
-    def __getitem__(self, k: int) -> tuple[int, MicroBatch]:
-        return self.first_ordinal + k, self.batch(k)
+    def __getitem__(self, item: int | tuple[int, int, int]) -> tuple[int, MicroBatch]:
+        """Micro-batch k, or (k, i, parts): its i-th of `parts` slices of rows (RankShare)."""
+        k, i, parts = item if isinstance(item, tuple) else (item, 0, 1)
+        batch = self.batch(k)
+        return self.first_ordinal + k, batch if parts == 1 else batch.part(i, parts)
 
     def batch(self, k: int) -> MicroBatch:
         faults.data_delay()
-        return self.take(self.rows_at(self.first_ordinal + k))
+        rows = self.rows_at(self.first_ordinal + k)
+        return dataclasses.replace(self.take(rows), first=self.start + k * self.micro_batch)
 
     def rows_at(self, ordinal: int) -> list[int]:
         """The rows (sequence indices, in storage order) of micro-batch `ordinal` of the stream."""
@@ -316,30 +329,41 @@ class SkippingSampler:
         return self.count
 
 
+def row_parts(grad_accum: int, ranks: int) -> int:
+    """Into how many equal slices of rows each micro-batch is cut so that one step's grad_accum
+    micro-batches share out evenly over `ranks` data-parallel ranks: 1 (whole micro-batches)
+    when grad_accum is a multiple of ranks. The recipe's batch is global either way: a step
+    trains the same rows at any world size (micro_batch x grad_accum must be a multiple of
+    ranks, which makes micro_batch a multiple of the parts: ember.train.parallel checks it)."""
+    return ranks // math.gcd(grad_accum, ranks)
+
+
 class RankShare:
     """Rank `rank`'s part of a sampler's stream: the items at positions rank, rank + ranks, ...
     Every rank reads a disjoint part of the one global order, and the step's micro-batches
-    (grad_accum of them, a multiple of ranks) are shared out the same way at any world size."""
+    (grad_accum of them) are shared out the same way at any world size. With `parts` > 1 the
+    items are the micro-batches' slices of rows, (k, i, parts), micro-batch by micro-batch."""
 
-    def __init__(self, sampler: SkippingSampler, rank: int, ranks: int):
-        self.sampler, self.rank, self.ranks = sampler, rank, ranks
+    def __init__(self, sampler: SkippingSampler, rank: int, ranks: int, parts: int = 1):
+        self.sampler, self.rank, self.ranks, self.parts = sampler, rank, ranks, parts
 
     def __iter__(self):
         for j, k in enumerate(self.sampler):
-            if j % self.ranks == self.rank:
-                yield k
+            for i in range(self.parts):
+                if (j * self.parts + i) % self.ranks == self.rank:
+                    yield k if self.parts == 1 else (k, i, self.parts)
 
     def __len__(self) -> int:
-        return len(self.sampler) // self.ranks
+        return len(self.sampler) * self.parts // self.ranks
 
 
 def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
-                skip: set[int] = frozenset(), rank: int = 0, ranks: int = 1) -> DataLoader:
+                skip: set[int] = frozenset(), rank: int = 0, ranks: int = 1, parts: int = 1) -> DataLoader:
     """Iterate this rank's share of the next `count` micro-batches (not counting skipped ones),
-    in workers if asked."""
+    in workers if asked; `parts`: row_parts() of the run."""
     sampler = SkippingSampler(batches.first_ordinal, count, set(skip))
     return DataLoader(
-        batches, batch_size=None, sampler=RankShare(sampler, rank, ranks) if ranks > 1 else sampler,
+        batches, batch_size=None, sampler=RankShare(sampler, rank, ranks, parts) if ranks > 1 else sampler,
         num_workers=workers, pin_memory=pin,
         worker_init_fn=partial(_worker_start, os.getpid()) if workers else None,
         # Its own generator: otherwise creating the iterator draws from the global torch RNG,

@@ -34,6 +34,7 @@ from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.breakdown import StepTimer
+from ember.train.dropout import DropoutKeys, install as install_dropout
 from ember.train.data import (PackedBatches, data_file_hashes, data_fingerprint, eval_tokens, resolve_packing,
                               store_info, tokenize)
 from ember.train.model import ModelBundle, load_model
@@ -66,6 +67,7 @@ class Job:
     phase_totals: dict[str, float] = field(default_factory=dict)  # this attempt's, per phase
     world: World = field(default_factory=World)  # the ranks (one, by default)
     wrapped: torch.nn.Module | None = None  # the model under DDP / FSDP, when distributed
+    dropout: DropoutKeys = field(default_factory=DropoutKeys)  # which rows LoRA's dropout masks are for
 
     @property
     def model(self) -> torch.nn.Module:
@@ -118,8 +120,9 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers/peft deprecation chatter
         bundle = load_model(recipe.model, recipe.method, recipe.train.activation_checkpointing, events)
+    dropout = install_dropout(bundle.model, recipe.train.seed)  # LoRA's masks by sample, not by rank
     bundle.model.to(device)
-    if world.distributed:  # each rank its own dropout stream (saved per rank in the checkpoint)
+    if world.distributed:  # each rank its own stream for other dropout (saved per rank in the checkpoint)
         seed_all(recipe.train.seed + world.rank)
     fingerprint = data_fingerprint(recipe.data.files, bundle.tokenizer)
     if world.main:
@@ -147,7 +150,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     writer = CheckpointWriter(store, background=recipe.checkpoint.async_ and not world.distributed,
                               nice=recipe.checkpoint.persist_nice)
     job = Job(recipe, run, device, bundle, p.optimizer, p.scheduler, p.scaler, store, p.state, tokens_path,
-              events, ledger, started, writer, timer=p.timer, world=world, wrapped=p.model)
+              events, ledger, started, writer, timer=p.timer, world=world, wrapped=p.model, dropout=dropout)
     if recipe.checkpoint.every_seconds == "auto":
         job.mtbf_seconds, source = mtbf_seconds(recipe.checkpoint.interruption_hours,
                                                 getattr(ledger, "con", None), socket.gethostname())

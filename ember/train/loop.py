@@ -24,7 +24,8 @@ from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
 from ember.train.breakdown import StepTimer
-from ember.train.data import SkippingSampler, make_loader
+from ember.train.data import SkippingSampler, make_loader, row_parts
+from ember.train.dropout import DropoutKeys
 from ember.train.evaluate import Evaluator, evaluating
 from ember.train.job import Job
 from ember.train.loss import causal_lm_loss
@@ -62,6 +63,7 @@ class Steppable(Protocol):
     state: RunState
     timer: StepTimer
     world: World
+    dropout: DropoutKeys
 
 
 class Data:
@@ -77,7 +79,8 @@ class Data:
         skip = set(job.state.skip_batches)
         self.positions = iter(SkippingSampler(self.batches.first_ordinal, count, skip))
         self.iter = iter(make_loader(self.batches, count, r.data.workers, pin=job.device.type != "cpu",
-                                     skip=skip, rank=job.world.dp_rank, ranks=job.world.dp_size))
+                                     skip=skip, rank=job.world.dp_rank, ranks=job.world.dp_size,
+                                     parts=row_parts(r.train.grad_accum, job.world.dp_size)))
 
     def advance(self, micro_batches: int) -> int:
         """Move the global position past one step's micro-batches; the loader index after them."""
@@ -312,7 +315,8 @@ def train_step(job: Steppable, data: Data) -> StepResult:
     r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
     loss_sum, ordinals = 0.0, []
     world = job.world
-    accum = r.train.grad_accum // world.dp_size  # this rank's share of the step's micro-batches
+    # This rank's share of the step's micro-batches (or of their slices of rows: data.row_parts).
+    accum = r.train.grad_accum * row_parts(r.train.grad_accum, world.dp_size) // world.dp_size
     timer = job.timer
     timer.begin()
     fetched = [next(data.iter) for _ in range(accum)]  # blocks while the input pipeline is behind
@@ -326,6 +330,7 @@ def train_step(job: Steppable, data: Data) -> StepResult:
     timer.wait("sync")
     for i, (ordinal, batch) in enumerate(fetched):
         batch = batch.to(job.device, non_blocking=True)
+        job.dropout.at(state.step + 1, batch.first)  # LoRA's dropout masks: keyed by sample, not by rank
         timer.lap("h2d")
         # A distributed model synchronises gradients once per step: on the last micro-batch.
         last = i == accum - 1

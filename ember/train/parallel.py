@@ -9,6 +9,7 @@ rank. A one-process run gets its model back unchanged."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -30,12 +31,14 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
         raise EmberError(f"{where}: [distributed] strategy = 'fsdp+tp' with tp_size = {recipe.distributed.tp_size} "
                          f"needs a multiple of {recipe.distributed.tp_size} ranks, at least "
                          f"{2 * recipe.distributed.tp_size}; got {ranks}")
-    dp = ranks // tp_degree(recipe, ranks)  # the ranks that read different micro-batches
-    if t.grad_accum % dp:
-        raise EmberError(f"{where}: [train] grad_accum = {t.grad_accum} is the micro-batches of one optimizer "
-                         f"step over all data-parallel ranks, so with {dp} of them it must be a multiple of "
-                         f"{dp} (each takes grad_accum / {dp}); set [train] grad_accum = "
-                         f"{dp * max(1, t.grad_accum // dp)}")
+    dp = ranks // tp_degree(recipe, ranks)  # the ranks that read different rows
+    rows = t.micro_batch * t.grad_accum
+    if rows % dp:  # each rank takes whole micro-batches, or equal slices of each (data.row_parts)
+        step = dp // math.gcd(t.micro_batch, dp)
+        raise EmberError(f"{where}: [train] micro_batch x grad_accum = {t.micro_batch} x {t.grad_accum} = {rows} rows "
+                         f"is the batch of one optimizer step over all data-parallel ranks, shared out evenly, so "
+                         f"with {dp} of them it must be a multiple of {dp}; set [train] grad_accum = "
+                         f"{step * -(-t.grad_accum // step)}")
     if t.loss_chunk:
         raise EmberError(f"{where}: [train] loss_chunk = {t.loss_chunk} calls the model's parts around "
                          f"the DDP/FSDP wrapper, which then misses its gradient hooks; set it to 0 for a "

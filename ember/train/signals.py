@@ -2,7 +2,9 @@
 away) finish the current optimizer step, checkpoint and exit 75; a second SIGINT exits at once.
 Installed before the job is prepared (the model loaded, the data tokenized), so a signal during
 start-up (a scheduler's warning, a preemption) stops the run before its first step instead of
-killing it."""
+killing it. A rank of a distributed run is `quiet`: the ranks agree at the step boundary whether
+to stop, and say so then; a SIGTERM may also be the agent tearing the group down after another
+rank died, when no checkpoint follows."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopRequest:
-    def __init__(self, events: Events) -> None:
-        self.events = events
+    def __init__(self, events: Events, quiet: bool = False) -> None:
+        self.events, self.quiet = events, quiet
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -41,5 +43,7 @@ class StopRequest:
             os._exit(130)
         if self.signal_name is None:
             self.signal_name = name
+            if self.quiet:
+                return
             self.events.info(f"{name}: stopping at the next step boundary, with a checkpoint "
                              f"(Ctrl-C again to exit at once)", signal=name)

@@ -9,9 +9,11 @@ restarts it from the last durable checkpoint.
                touched, and a rank stuck in one still answers through it)
     on a hang  the rank dumps every thread's Python stack (faulthandler) into OUT/hang-rankR.txt,
                writes where its training thread is into the store, and rank 0 names the ranks
-               behind (a lower step, or not in the collective the others wait in); then every
-               rank exits EXIT_HUNG (the others once rank 0's account is out, at most
-               REPORT_SECONDS), the agent tears the group down, the supervisor restarts it
+               behind (a lower step, or not in the collective the others wait in) and that
+               collective; it hands the launcher that verdict (ember.world.tell_launcher), which
+               ends the run with it and EXIT_HUNG. Every rank exits EXIT_HUNG (the others once
+               rank 0's account is out, at most REPORT_SECONDS), the agent tears the group down,
+               the supervisor restarts it
 
 The detection bound is the bound above plus one poll (POLL_SECONDS); a step's work is lost at
 most once per hang, as after a crash. A hung collective cannot take a checkpoint (the checkpoint
@@ -21,19 +23,21 @@ is itself collective): the run resumes from the newest committed one.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import sys
 import threading
 import time
 import traceback
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from ember.errors import EXIT_HUNG
 from ember.events import Events
 from ember.recipe import DistributedConfig
-from ember.world import World
+from ember.world import World, tell_launcher
 
-EXIT_HUNG = 70     # EX_SOFTWARE: restarted by the supervisor like a crash
 POLL_SECONDS = 0.25
 WINDOW = 200       # recent steps the p99 is taken over
 PEERS_SECONDS = 2.0  # how long rank 0 waits for the other ranks' hang reports
@@ -58,17 +62,34 @@ def bound_seconds(cfg: DistributedConfig, steps: list[float]) -> float:
 # autograd engine (DDP's and FSDP's gradient reductions run inside backward).
 COLLECTIVE = {"all_reduce", "barrier", "broadcast_object_list", "gather_object", "all_gather", "reduce_scatter",
               "_engine_run_backward", "wait"}
+EMBER = Path(__file__).resolve().parents[1]
 
 
-def where(thread_id: int) -> tuple[bool, str]:
-    """Whether a thread waits in a collective, and its innermost frames as one line."""
+@dataclass
+class Where:
+    """Where a rank's training thread is when its watchdog fires."""
+    waiting: bool     # in a collective, waiting for the others
+    collective: str   # which one, and the ember line that called it ("" when not waiting)
+    line: str         # the innermost frames, as one line
+
+
+def where(thread_id: int) -> Where:
+    """Whether a thread waits in a collective, which one, and its innermost frames as one line."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
-        return False, "(thread gone)"
+        return Where(False, "", "(thread gone)")
     stack = traceback.extract_stack(frame)
-    waiting = any(f.name in COLLECTIVE or Path(f.filename).name == "world.py" for f in stack)
+    waits = [f for f in stack if f.name in COLLECTIVE or Path(f.filename).name == "world.py"]
     names = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-6:]]
-    return waiting, ("in a collective: " if waiting else "not in a collective: ") + " <- ".join(reversed(names))
+    line = ("in a collective: " if waits else "not in a collective: ") + " <- ".join(reversed(names))
+    if not waits:
+        return Where(False, "", line)
+    inner = waits[-1].name
+    inner = "the gradient all-reduce in backward" if inner == "_engine_run_backward" else inner
+    callers = [f for f in stack if Path(f.filename).resolve().is_relative_to(EMBER)
+               and Path(f.filename).name != "world.py"]
+    site = f" ({Path(callers[-1].filename).name}:{callers[-1].lineno} {callers[-1].name})" if callers else ""
+    return Where(True, inner + site, line)
 
 
 class Watchdog:
@@ -118,18 +139,20 @@ class Watchdog:
                 self._hung(waited, bound)
 
     def _hung(self, waited: float, bound: float) -> None:
-        rank, (waiting, here) = self.world.rank, where(self.main_thread)
+        rank, here = self.world.rank, where(self.main_thread)
         try:
             with open(self.folder / f"hang-rank{rank}.txt", "w") as f:
                 f.write(f"rank {rank}: step {self.step + 1} running for {waited:.1f} s (bound {bound:.1f} s)\n"
-                        f"training thread: {here}\n\n")
+                        f"training thread: {here.line}\n\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
         except OSError as e:  # the report below still names where every rank is
-            here += f" (its stacks could not be written: {e.strerror})"
-        self.store.set(f"hang/{rank}", f"{int(waiting)}|step {self.step + 1}: {here}")
+            here.line += f" (its stacks could not be written: {e.strerror})"
+        self.store.set(f"hang/{rank}", json.dumps({"step": self.step + 1, **asdict(here)}))
         if self.world.main:
-            self.events.warn(self.report(waited, bound))
+            verdict, account = self.report(waited, bound)
+            self.events.warn(account)
+            tell_launcher(verdict)  # the launcher ends the run with it: rank 0 exits first, yet is not the cause
             self.store.set("hang/reported", "1")
         else:
             self._await_report()
@@ -151,27 +174,54 @@ class Watchdog:
                 return
             time.sleep(0.05)
 
-    def report(self, waited: float, bound: float) -> str:
-        """Rank 0's account of a hang: every rank's last step and where it is."""
+    def report(self, waited: float, bound: float) -> tuple[str, str]:
+        """Rank 0's account of a hang: the one-line verdict (the ranks that never arrived and the
+        collective the others wait in), and the full account, every rank's last step and where
+        it is."""
         deadline = time.monotonic() + PEERS_SECONDS
-        steps, hangs = {}, {}
+        steps: dict[int, int] = {}
+        hangs: dict[int, Where | None] = {}
+        notes: dict[int, str] = {}
         for r in range(self.world.size):
             try:
                 steps[r] = int(self.store.get(f"step/{r}").decode()) if self.store.check([f"step/{r}"]) else 0
                 while not self.store.check([f"hang/{r}"]) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                hangs[r] = self.store.get(f"hang/{r}").decode() if self.store.check([f"hang/{r}"]) else None
+                if self.store.check([f"hang/{r}"]):
+                    said = json.loads(self.store.get(f"hang/{r}").decode())
+                    hangs[r] = Where(said["waiting"], said["collective"], f"step {said['step']}: {said['line']}")
+                else:
+                    hangs[r] = None
             except Exception as e:  # a store gone with its host: say so, keep what we have
-                hangs.setdefault(r, f"(no answer: {type(e).__name__})")
+                hangs.setdefault(r, None)
+                notes[r] = f"(no answer: {type(e).__name__})"
+        return self.verdict(steps, hangs, waited), self.account(steps, hangs, notes, waited, bound)
+
+    def verdict(self, steps: dict[int, int], hangs: dict[int, Where | None], waited: float) -> str:
+        """One line: who never arrived, and at which collective the others wait."""
         newest = max(steps.values(), default=0)
         behind = [r for r, s in steps.items() if s < newest]
         if not behind:  # all finished the same step: the ones not in the collective the others wait in
-            behind = [r for r, h in hangs.items() if h is not None and h.startswith("0|")]
-        hangs = {r: h.partition("|")[2] if h and h[:2] in ("0|", "1|") else h for r, h in hangs.items()}
+            behind = [r for r, h in hangs.items() if h is not None and not h.waiting]
+        if not behind:  # every rank that answered waits: the silent ones are stuck where they cannot answer
+            behind = [r for r, h in hangs.items() if h is None]
+        waiting = [r for r, h in hangs.items() if h is not None and h.waiting]
+        at = hangs[waiting[0]].collective if waiting else "a collective"
+        who = (f"rank {behind[0]}" if len(behind) == 1 else f"ranks {', '.join(map(str, behind))}") if behind else ""
+        wait = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited there {waited:.1f} s"
+        if not who:
+            return f"hang: in step {self.step + 1} no rank could be told apart as missing ({wait} at {at})"
+        return f"hang: {who} never arrived at {at} in step {self.step + 1}; {wait}"
+
+    def account(self, steps: dict[int, int], hangs: dict[int, Where | None], notes: dict[int, str],
+                waited: float, bound: float) -> str:
+        """Every rank's last step and where its training thread is, for the console."""
         lines = [f"hang: step {self.step + 1} has run {waited:.1f} s, past the watchdog's bound of {bound:.1f} s "
-                 f"({self.cfg.hang_factor:g} x the p99 step, at least {self.cfg.hang_min_seconds:g} s)",
-                 "rank(s) that never arrived: " + (", ".join(map(str, behind)) or "unknown")]
-        lines += [f"  rank {r}: last step {steps.get(r, '?')}; {hangs.get(r) or 'no report'}" for r in range(self.world.size)]
+                 f"({self.cfg.hang_factor:g} x the p99 step, at least {self.cfg.hang_min_seconds:g} s)"]
+        for r in range(self.world.size):
+            h = hangs.get(r)
+            said = h.line if h is not None else notes.get(r, "no report")
+            lines.append(f"  rank {r}: last step {steps.get(r, '?')}; {said}")
         lines.append(f"stacks: {self.folder}/hang-rank*.txt; the group stops now (exit {EXIT_HUNG}) and resumes from "
                      f"the newest committed checkpoint when supervised (--restarts)")
         return "\n".join(lines)

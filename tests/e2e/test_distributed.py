@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed_harness import RTOL, STEPS, ember_run, make_baselines, rank_pid
-from tests.helpers import assert_same_result, losses, run_ember, start_ember, stop
+from tests.helpers import ROOT, assert_same_result, losses, run_ember, start_ember, stop
 
 @pytest.fixture
 def baselines():
@@ -97,3 +97,17 @@ def test_bad_launch_flags_are_refused_before_anything(baselines, tmp_path):
             assert done.returncode != 0 and said in done.stderr, (flags, done.stderr[-1500:])
             assert "Traceback" not in done.stderr
         assert not (tmp_path / "new").exists()
+
+
+def test_the_readmes_two_rank_command_runs_a_shipped_recipe(tmp_path):
+    """`ember run recipe.toml --out runs/a --nproc 2` as the README writes it, with
+    examples/tiny.toml (grad_accum 1: each rank takes half of every micro-batch's rows): it
+    trains the same global batch as one process, within the stated tolerance. (SmolLM2's recipe
+    passes the same launcher check: tests/train/test_ranks.py.)"""
+    recipe = ROOT / "examples" / "tiny.toml"
+    two = tmp_path / "two"
+    done = run_ember("run", recipe, "--out", two, "--nproc", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ember_run(recipe, tmp_path / "one")
+    close(two, tmp_path / "one")
+    assert json.loads((two / "run.json").read_text())["manifest"]["world"]["ranks"] == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -82,8 +83,40 @@ def test_a_hung_rank_is_named_and_the_group_restarts(baselines, tmp_path):
                      "--set", "distributed.hang_min_seconds=2", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert time.monotonic() - t0 < 300  # not the 600 s the rank slept for
-    assert "rank(s) that never arrived: 1" in done.stderr, done.stderr[-3000:]
+    assert ("hang: rank 1 never arrived at all_reduce (loop.py:" in done.stderr
+            and "in step 7; rank 0 waited there" in done.stderr), done.stderr[-3000:]
+    assert "attempt 1 crashed (exit 70)" in done.stderr and "rank 0 failed first" not in done.stderr
     assert "rank 1: last step 6; step 7: not in a collective: faults.py" in done.stderr
     assert "rank 0: last step 6; step 7: in a collective" in done.stderr
     assert "Thread" in (out / "hang-rank1.txt").read_text()  # faulthandler's dump of every thread
     assert_same_result(out, baselines["ddp"])
+
+
+def test_a_hung_rank_0_is_named_and_the_run_exits_70(baselines, tmp_path):
+    """Rank 0, which writes the hang report, is itself the one stuck: it names itself, and the
+    run ends 70 (unsupervised), saying what was saved."""
+    out = tmp_path / "run"
+    env = {"EMBER_FAULT": "train.micro_batch@7", "EMBER_FAULT_RANK": "0", "EMBER_FAULT_HANG": "600"}
+    done = run_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2",
+                     "--set", "distributed.hang_min_seconds=2", env=env)
+    assert done.returncode == 70, done.stderr[-3000:]
+    assert re.fullmatch(r"warning: hang: rank 0 never arrived at all_reduce \(loop\.py:\d+ train_step\) in step 7; "
+                        r"rank 1 waited there [\d.]+ s; the group was stopped, exit 70; saved: checkpoint step 5, "
+                        r"the newest committed, where a resume continues",
+                        done.stderr.strip().splitlines()[-1]), done.stderr[-3000:]
+    assert "failed first" not in done.stderr
+
+
+def test_a_rank_that_dies_is_one_line(baselines, tmp_path):
+    """SIGKILL of rank 1 inside step 7, unsupervised: one line names it and what was saved; the
+    rank whose collective failed under it prints no traceback and promises no checkpoint."""
+    out = tmp_path / "run"
+    env = {"EMBER_FAULT": "train.micro_batch@7", "EMBER_FAULT_RANK": "1"}
+    done = run_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2", env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    after = done.stderr.split("step 6/12")[1].strip().splitlines()[1:]  # what follows step 6's line
+    assert len(after) == 1 and re.fullmatch(
+        r"warning: rank 1 failed first \(killed by SIGKILL\); the group was torn down \(rank 0 (left when its "
+        r"collective failed|stopped)\); saved: checkpoint step 5, the newest committed, where a resume continues",
+        after[0]), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "with a checkpoint" not in done.stderr

@@ -3,19 +3,22 @@ exits add up to the run's, and when the watchdog calls a step hung."""
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED
-from ember.events import collect
+from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EmberError
+from ember.events import Events, collect
 from ember.recipe import DistributedConfig, Recipe
 from ember.train.data import RankShare, SkippingSampler
 from ember.train.parallel import check_distributed
-from ember.train.watchdog import bound_seconds
-from ember.ranks import Topology, ended
-from ember.errors import EmberError
+from ember.train.signals import StopRequest
+from ember.train.watchdog import Watchdog, Where, bound_seconds
+from ember.ranks import PEER_LOST, Topology, ended
+from ember.world import World
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -32,27 +35,57 @@ def test_ranks_read_disjoint_parts_of_the_one_global_order(ranks):
     assert all(len(p) == accum * steps // ranks for p in parts)
 
 
-def test_grad_accum_must_split_evenly_over_the_ranks():
+@pytest.mark.parametrize("accum,ranks", [(1, 2), (3, 2), (2, 4), (1, 4), (6, 4)])
+def test_rows_of_a_step_share_out_at_any_grad_accum(accum, ranks):
+    """grad_accum not a multiple of the ranks: each micro-batch is cut into equal slices of rows
+    and the step's slices dealt out; the ranks together train exactly the step's rows, once."""
+    from ember.train.data import row_parts
+    parts, steps = row_parts(accum, ranks), 3
+    share = [list(RankShare(SkippingSampler(50, accum * steps, set()), r, ranks, parts)) for r in range(ranks)]
+    assert all(len(p) == accum * parts * steps // ranks for p in share)
+    per_rank = accum * parts // ranks
+    for step in range(steps):
+        pieces = [x if parts > 1 else (x, 0, 1) for p in share for x in p[step * per_rank:(step + 1) * per_rank]]
+        assert sorted(pieces) == [(k, i, parts) for k in range(step * accum, (step + 1) * accum) for i in range(parts)]
+
+
+def test_the_batch_must_split_evenly_over_the_ranks():
     r = Recipe()
-    r.train.grad_accum = 3
-    with pytest.raises(EmberError, match="multiple of 2"):
+    r.train.micro_batch, r.train.grad_accum = 3, 3
+    with pytest.raises(EmberError, match="3 x 3 = 9 rows .* must be a multiple of 2; set \\[train\\] grad_accum = 4"):
         check_distributed(r, 2, "recipe.toml")
     r.train.grad_accum = 4
     check_distributed(r, 2, "recipe.toml")
+    r.train.micro_batch, r.train.grad_accum = 4, 1  # the shipped recipes: each rank takes half of each micro-batch
+    check_distributed(r, 2, "recipe.toml")
+    check_distributed(r, 4, "recipe.toml")
     r.method.kind, r.distributed.strategy = "lora", "tp"
     with pytest.raises(EmberError, match="LoRA wraps"):
         check_distributed(r, 2, "recipe.toml")
     r.method.kind, r.distributed.strategy, r.train.grad_accum = "full", "fsdp+tp", 1
     with pytest.raises(EmberError, match="at least 4"):
         check_distributed(r, 2, "recipe.toml")
+    r.train.micro_batch = 1
     with pytest.raises(EmberError, match="multiple of 2"):  # 2 groups of 2 read different data
         check_distributed(r, 4, "recipe.toml")
     r.train.grad_accum = 2
     check_distributed(r, 4, "recipe.toml")
 
 
-def failure(code: int, t: int) -> SimpleNamespace:
-    return SimpleNamespace(exitcode=code, timestamp=t)
+@pytest.mark.parametrize("recipe", ["tiny.toml", "smollm2-lora.toml"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_shipped_recipes_pass_the_launchers_checks(recipe, strategy):
+    """README's `ember run recipe.toml --out runs/a --nproc 2` with either shipped recipe."""
+    from ember.recipe import load_recipe
+    path = Path(__file__).resolve().parents[2] / "examples" / recipe
+    r = load_recipe(path, [f"distributed.strategy={strategy}"])
+    for ranks in (2, 4):
+        check_distributed(r, ranks, str(path))
+
+
+def failure(code: int, t: int, message: str = "") -> SimpleNamespace:
+    """A torchrun ProcessFailure: exit code, when it was seen, what the rank left in its error file."""
+    return SimpleNamespace(exitcode=code, timestamp=t, message=message)
 
 
 def test_how_the_ranks_exits_make_the_runs():
@@ -64,6 +97,46 @@ def test_how_the_ranks_exits_make_the_runs():
     # A rank killed: a crash, and the rank that failed first is named.
     assert ended({0: failure(-signal.SIGTERM, 5), 1: failure(-signal.SIGKILL, 4)}, events) == EXIT_ERROR
     assert "rank 1 failed first (killed by SIGKILL)" in seen[-1].message
+    # The rank that died, not the one whose collective failed a moment after (seen first: its
+    # error file holds an earlier second than the agent's own clock when it noticed the kill).
+    assert ended({0: failure(1, 3, PEER_LOST), 1: failure(-signal.SIGKILL, 4)}, events, newest=5) == EXIT_ERROR
+    assert seen[-1].message == ("rank 1 failed first (killed by SIGKILL); the group was torn down (rank 0 left "
+                                "when its collective failed); saved: checkpoint step 5, the newest committed, "
+                                "where a resume continues")
+    # A hang: the watchdog's verdict, exit 70, although rank 0 (the one reporting) left first.
+    verdict = "hang: rank 1 never arrived at all_reduce (loop.py:292 train_step) in step 7; rank 0 waited there 2.1 s"
+    assert ended({0: failure(EXIT_HUNG, 3, verdict), 1: failure(EXIT_HUNG, 4)}, events, newest=0) == EXIT_HUNG
+    assert seen[-1].message == verdict + "; the group was stopped, exit 70; saved: no checkpoint yet, a resume " \
+                                         "starts from step 0"
+    assert ended({0: failure(-signal.SIGTERM, 3), 1: failure(EXIT_HUNG, 3)}, events) == EXIT_HUNG  # another node's view
+    assert "rank 0's report names the rank" in seen[-1].message and "failed first" not in seen[-1].message
+
+
+def test_the_watchdog_names_the_rank_that_never_arrived():
+    """Rank 0's verdict from every rank's last step and where its training thread is."""
+    dog = Watchdog(World(0, 3), DistributedConfig(), Path("."), Events())
+    dog.step = 6
+    waits = Where(True, "all_reduce (loop.py:292 train_step)", "")
+    # Same step: the one not in a collective; rank 0 itself may be the one.
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: Where(False, "", ""), 2: waits}, 2.04) == (
+        "hang: rank 1 never arrived at all_reduce (loop.py:292 train_step) in step 7; ranks 0, 2 waited there 2.0 s")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: Where(False, "", ""), 1: waits, 2: waits}, 3.0).startswith(
+        "hang: rank 0 never arrived")
+    # A rank a step behind; a rank stuck where it cannot even answer.
+    assert dog.verdict({0: 6, 1: 6, 2: 5}, {0: waits, 1: waits, 2: waits}, 3.0).startswith("hang: rank 2 never")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: waits, 2: None}, 3.0).startswith("hang: rank 2 never")
+
+
+def test_a_rank_is_quiet_on_a_signal(tmp_path):
+    """A rank does not promise a checkpoint on SIGTERM: the agent sends one when another rank died."""
+    for quiet, said in [(False, 1), (True, 0)]:
+        events, seen = collect()
+        stop = StopRequest(events, quiet=quiet).install()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested and len(seen) == said
+        finally:
+            stop.restore()
 
 
 def test_the_watchdog_bound():
