@@ -156,8 +156,11 @@ class Service:
         """`path` resolved, if it lies under a folder the owner allowed ([service] allowed)."""
         try:
             p = Path(path).expanduser().resolve()
-        except (ValueError, RuntimeError) as e:  # a NUL byte; a loop of links
-            raise BadInput(f"{what} {path[:200]!r}: not a usable path ({e})") from None
+            p.exists()  # a name or path too long for the file system says so here, not later as a 500
+        except (ValueError, RuntimeError, OSError) as e:  # a NUL byte; a loop of links; ENAMETOOLONG
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise BadInput(f"{what} {path[:200]!r}{'...' if len(path) > 200 else ''}: not a usable path "
+                           f"({reason})") from None
         roots = [Path(a).expanduser().resolve() for a in self.rules.service.allowed]
         if not any(p.is_relative_to(r) for r in roots):
             raise Refused(f"{what} {p} is outside the folders the owner allowed "

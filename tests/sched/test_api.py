@@ -480,3 +480,17 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     assert r.status_code == 409 and "requeue" not in r.json()["error"]["message"]  # a completed job is not requeued
     service.cancel("broke")
     assert "`ember requeue broke`" in c.post("/api/jobs/broke/resume", headers=AUTH).json()["error"]["message"]
+
+
+def test_a_path_too_long_for_the_file_system_is_400_not_500(service, tmp_path):
+    """A 4,000-character recipe name, a 300-character folder name and a 6,000-character path
+    were answered 500 (OSError: File name too long, raised while the path was checked)."""
+    service.rules.service.max_body_bytes = 65536  # the bodies below are up to ~6 KB
+    c = TestClient(create_app(service, "s3cret", True, None), base_url="http://127.0.0.1",
+                   raise_server_exceptions=False)
+    allowed = tmp_path / "allowed"
+    for recipe in (str(allowed / ("x" * 4000 + ".toml")), str(allowed / ("d" * 300) / "r.toml"),
+                   "/" + "a/" * 3000 + "r.toml"):
+        r = c.post("/api/jobs", json={"recipe": recipe}, headers=AUTH)
+        assert r.status_code == 400 and "File name too long" in r.json()["error"]["message"], r.text
+    assert c.get("/api/jobs", headers=AUTH).json() == []
