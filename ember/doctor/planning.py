@@ -86,9 +86,10 @@ def parallel_advice(r: Recipe, plan: Plan, con: sqlite3.Connection) -> Advice | 
         return None
     m, t = plan.model.shape, train_shape(r)
     dev = plan.devices[0]
-    slots = None
+    slots, threads, cores = None, 0, 0
     if dev.kind == "cpu":  # ranks on this machine share its cores: as many compute at once as fit
-        threads = r.train.threads or (os.cpu_count() or 1)
-        slots = max(1, (os.cpu_count() or 1) // threads) * max(1, len(row.hosts))
+        cores = os.cpu_count() or 1
+        threads = r.train.threads or cores
+        slots = max(1, cores // threads) * max(1, len(row.hosts))
     return advise(m, t, estimate(m, t), r.train.grad_accum, plan.time.step_seconds, to_interconnect(row),
-                  dev.free, slots=slots)
+                  dev.free, slots=slots, threads=threads, cores=cores)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -77,35 +79,137 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
     return lookup_peak(name, dtype)
 
 
+MAX_AGE_DAYS = 30      # a measured CPU peak older than this is measured again
+LOADED = 0.25          # other processes' share of the cores above which a measurement was under load
+QUIETER_BY = 0.2       # ... and measured again once the machine is this much quieter
+
+
+@dataclass(frozen=True)
+class CpuPeak:
+    """One measurement of the CPU peak: FLOP/s, when (epoch seconds), other processes' share of
+    all cores while it ran (0..1; None where /proc/stat could not be read)."""
+    flops: float
+    at: float
+    others: float | None
+
+    def describe(self) -> str:
+        """When and under what load, for the peak's source."""
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.at))
+        load = "load unknown" if self.others is None else f"other processes using {self.others:.0%} of the cores"
+        return f"measured {when}, {load}"
+
+
+def stale(record: object, now: float, others_now: float | None) -> str | None:
+    """Why a cached CPU peak record must be measured again (None: it stands): no date or load
+    (an old cache), older than MAX_AGE_DAYS, or measured under load while the machine is now quieter."""
+    if not isinstance(record, CpuPeak):
+        return "the cached peak carries no date or load"
+    days = (now - record.at) / 86400
+    if days > MAX_AGE_DAYS:
+        return f"the cached peak is {days:.0f} days old"
+    if (record.others is not None and others_now is not None and record.others > LOADED
+            and others_now < record.others - QUIETER_BY):
+        return (f"the cached peak was measured with other processes using {record.others:.0%} of the cores, "
+                f"now {others_now:.0%}")
+    return None
+
+
+def choose_cpu_peak(record: object, now: float, others_now: float | None, measure: Callable[[], CpuPeak],
+                    again: bool = False) -> tuple[CpuPeak, str | None]:
+    """The CPU peak to keep, and why it was measured (None: the cached record stands). A stale
+    record by age is replaced; a loaded one, or one measured `again`, gives way only to a higher
+    figure (load from elsewhere only slows a measurement down)."""
+    why = "at the end of the attempt" if again else stale(record, now, others_now)
+    if why is None and isinstance(record, CpuPeak):
+        return record, None
+    fresh = measure()
+    aged = isinstance(record, CpuPeak) and (now - record.at) / 86400 > MAX_AGE_DAYS
+    if isinstance(record, CpuPeak) and not aged and record.flops > fresh.flops:
+        return record, why
+    return fresh, why
+
+
+def others_share(window: float = 0.1) -> float | None:
+    """Other processes' share of all cores over `window` seconds (this process sleeps through it)."""
+    first = _cpu_jiffies()
+    if first is None:
+        return None
+    mine = time.process_time()
+    time.sleep(window)
+    return _others_since(first, mine)
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores from /proc/stat; None where it cannot be read."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _others_since(first: tuple[int, int], mine: float) -> float | None:
+    """Other processes' share of all cores since `first` jiffies, less this process's CPU time since `mine`."""
+    last = _cpu_jiffies()
+    if last is None or last[1] <= first[1]:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = (last[0] - first[0]) / tick - (time.process_time() - mine)
+    return min(1.0, max(0.0, busy / ((last[1] - first[1]) / tick)))
+
+
+def time_matmul(threads: int, size: int = 1024, rounds: int = 5) -> CpuPeak:
+    """fp32 matmul FLOP/s on this CPU with `threads` threads, the best of `rounds` windows of
+    0.1 s, with other processes' share of the cores while it ran."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    a @ b  # warm-up
+    first, mine, best = _cpu_jiffies(), time.process_time(), 0.0
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            a @ b
+            n += 1
+        best = max(best, 2 * size ** 3 * n / (time.perf_counter() - t0))
+    others = _others_since(first, mine) if first is not None else None
+    torch.set_num_threads(previous)
+    return CpuPeak(best, time.time(), others)
+
+
 def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5) -> Peak:
-    """fp32 matmul FLOP/s measured on this CPU with `threads` threads: the best of `rounds`
-    windows of 0.1 s (load from elsewhere only slows a window down), cached per machine. `again`:
-    measure anew, keeping the higher of the two (a peak measured on a busy machine comes out low)."""
+    """fp32 matmul FLOP/s measured on this CPU with `threads` threads (see time_matmul), cached
+    per machine with its date and load and measured again when stale (see choose_cpu_peak).
+    `again`: measure anew, keeping the higher of the two."""
     cache = ember_home() / "cache" / "cpu_peak.json"
     key = cpu_peak_key(threads)
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known or again:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
-        a @ b  # warm-up
-        best = 0.0
-        for _ in range(rounds):
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.1:
-                a @ b
-                n += 1
-            best = max(best, 2 * size ** 3 * n / (time.perf_counter() - t0))
-        torch.set_num_threads(previous)
-        known[key] = max(best, known.get(key, 0.0))
+    record = _from_json(known.get(key))
+    loaded = record is not None and record.others is not None and record.others > LOADED
+    others_now = others_share() if loaded and not again else None  # only a loaded record needs it
+    peak, why = choose_cpu_peak(record, time.time(), others_now, lambda: time_matmul(threads, size, rounds), again)
+    if why is not None:
+        known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
-    how = "measured again" if again else "measured"
-    return Peak(known[key], f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+    how = peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
+    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+
+
+def _from_json(value: object) -> CpuPeak | None:
+    """A cached record (a bare number from before records carried their date and load: None)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        others = value.get("others")
+        return CpuPeak(float(value["flops"]), float(value["at"]), None if others is None else float(others))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def cpu_peak_key(threads: int) -> str:

@@ -176,9 +176,20 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     return out
 
 
+def core_sharing(ranks: int, threads: int, cores: int) -> str | None:
+    """Why CPU ranks on one machine scale no better than they do, when their threads outnumber
+    its cores (None when they do not): they take turns on the cores, whatever the network does."""
+    if threads <= 0 or cores <= 0 or ranks * threads <= cores:
+        return None
+    return (f"{ranks} ranks x {threads} threads per rank = {ranks * threads} threads on {cores} cores: "
+            f"the ranks share the cores, so each rank computes no faster than one device alone")
+
+
 def advise(m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float, ic: Interconnect,
-           free: int, counts: tuple[int, ...] = DEVICE_COUNTS, slots: int | None = None) -> Advice:
-    """Every option at each device count, and the one to take."""
+           free: int, counts: tuple[int, ...] = DEVICE_COUNTS, slots: int | None = None,
+           threads: int = 0, cores: int = 0) -> Advice:
+    """Every option at each device count, and the one to take (`threads` per CPU rank and the
+    machine's `cores`, where known, name core sharing as the cause when ranks outnumber them)."""
     overlap = ic.backend == "nccl"
     options = [o for n in counts for o in options_at(n, m, t, b, accum, one_step, ic, free, overlap, slots)]
     runnable = [o for o in options if o.fits and not o.advice_only]
@@ -194,11 +205,17 @@ def advise(m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: flo
         best = single
         near = min((o for o in runnable if o.devices == 2), key=lambda o: o.step_seconds, default=None)
         if near is not None:
-            reasons.append(f"stay on one device and accumulate gradients: the best of 2 devices ({near.strategy}) "
-                           f"would take {near.step_seconds:.3g} s a step against {one_step:.3g} s, "
-                           f"{near.efficiency:.0%} efficient, because {near.comm_seconds:.3g} s of it is "
-                           f"moving {near.bytes_per_step / 1e6:.3g} MB per rank over a link measured at "
-                           f"{ic.all_reduce.bandwidth / 1e6:.3g} MB/s")
+            shared = core_sharing(near.devices, threads, cores * max(1, ic.nodes))
+            head = (f"stay on one device and accumulate gradients: the best of 2 devices ({near.strategy}) "
+                    f"would take {near.step_seconds:.3g} s a step against {one_step:.3g} s, "
+                    f"{near.efficiency:.0%} efficient, because ")
+            link = (f"{near.comm_seconds:.3g} s of it is moving {near.bytes_per_step / 1e6:.3g} MB per rank over "
+                    f"a link measured at {ic.all_reduce.bandwidth / 1e6:.3g} MB/s")
+            if shared:
+                reasons.append(head + f"{shared} ({near.compute_seconds:.3g} s of compute a step against "
+                               f"{one_step / near.devices:.3g} s with cores of their own); {link}")
+            else:
+                reasons.append(head + link)
     else:
         best = min(runnable, key=lambda o: o.step_seconds, default=None)
         if best is not None:

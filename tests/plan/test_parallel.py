@@ -75,3 +75,18 @@ def test_fsdp_fits_where_ddp_does_not():
     a = advise(M, T, b, accum=4, one_step=1.0, ic=net(10_000 * MB), free=int(b.peak * 0.9), counts=(1, 2, 4))
     assert not next(o for o in a.options if o.devices == 1).fits
     assert a.recommended.strategy == "fsdp" and a.recommended.fits
+
+
+def test_two_ranks_of_two_threads_on_two_cores_name_core_sharing_not_the_link():
+    """Issue 27, item 12: 50% efficiency where two ranks of two threads share two cores is the
+    cores' doing; the advisor said it was the communication."""
+    b = estimate(M, T)
+    one_host = Interconnect(2, 1, "gloo", link(1000 * MB), link(1000 * MB), link(1000 * MB))
+    a = advise(M, T, b, accum=2, one_step=1.0, ic=one_host, free=1 << 40, counts=(1, 2), slots=1,
+               threads=2, cores=2)
+    assert a.recommended.devices == 1
+    assert "because 2 ranks x 2 threads per rank = 4 threads on 2 cores: the ranks share the cores" in a.reasons[0]
+    slow = Interconnect(2, 1, "gloo", link(1 * MB), link(1 * MB), link(1 * MB))
+    quiet = advise(M, T, b, accum=2, one_step=1.0, ic=slow, free=1 << 40, counts=(1, 2), slots=2,
+                   threads=1, cores=2)
+    assert "share the cores" not in quiet.reasons[0] and "because " in quiet.reasons[0]
