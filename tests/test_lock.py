@@ -47,12 +47,17 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     path = tmp_path / ".lock"
     lock = acquire(path, "--out x")
     r, w = os.pipe()
+    started_r, started_w = os.pipe()
     child = os.fork()
-    if child == 0:  # the worker: waits until told to go
+    if child == 0:  # the worker: says it runs (its fork handlers have run), waits until told to go
         os.close(w)
+        os.write(started_w, b"x")
         os.read(r, 1)
         os._exit(0)
     os.close(r)
+    os.close(started_w)
+    assert os.read(started_r, 1) == b"x"  # the child runs: what it inherited is settled
+    os.close(started_r)
     try:
         lock.release()
         again = acquire(path, "--out x")  # refused while the child lived, before the fix
