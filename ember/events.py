@@ -9,6 +9,7 @@ will record them; tests collect them in a list. With no sink, events go nowhere.
     stage       a named part of the work begins (converting the model, tokenizing, first step)
     progress    an optimizer step finished: step, total, loss, tokens/s, ETA
     checkpoint  a checkpoint was committed and is durable
+    tokenizing  where a tokenization stands: records, MB of input, MB/s, ETA (every few seconds)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("info", "warning", "stage", "progress", "checkpoint")
+KINDS = ("info", "warning", "stage", "progress", "checkpoint", "tokenizing")
 
 
 @dataclass(frozen=True)

@@ -87,15 +87,16 @@ class DataConfig:
                            min=0, max=64)
     tokenize_workers: int = setting(
         0, "Processes that tokenize the files into the token cache, shard by shard (0 = one per "
-        "CPU core). The cache is byte-identical for any count; a tokenization that was stopped "
-        "resumes with the shards it had not finished.", min=0, max=256)
+        "CPU core). The cache is byte-identical for any count; a tokenization that was killed "
+        "resumes with the shards it had not finished; one that failed removes its work.", min=0, max=256)
 
 
 @dataclass
 class EvalConfig:
     holdout: float = setting(0.0, "Share of the training files' documents held out for evaluation, "
                              "chosen by a seeded hash of each document's content (appending files "
-                             "never moves a document between the splits); 0 = none.", min=0, max=0.5)
+                             "never moves a document between the splits); .txt files are held out in "
+                             "blocks cut at line ends; 0 = none.", min=0, max=0.5)
     files: list[str] = setting(list, "Separate evaluation files (same formats as [data] files).",
                                factory=True)
     seed: int = setting(0, "Seed of the held-out hash.", min=0)

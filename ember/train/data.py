@@ -41,7 +41,8 @@ from ember.train.tokenize import build
 from ember.train.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
-STORE_VERSION = 3  # the token store's layout and encoding (3: one end of turn per chat turn); in the cache key
+STORE_VERSION = 4  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
+#                   4: a .txt file's held-out share in blocks)
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:

@@ -100,6 +100,17 @@ def _field(record: Any, name: str, where: str) -> str:
     return record[name]
 
 
+def check(record: Any, fmt: str, text_field: str, where: str) -> None:
+    """Raise what encode() would about a record's fields, without tokenizing it (to list them all)."""
+    if fmt == "text":
+        _field(record, text_field, where)
+    elif fmt == "completion":
+        _field(record, "prompt", where)
+        _field(record, "completion", where)
+    elif fmt == "chat":
+        conversation(record, where)
+
+
 def encode(record: Any, fmt: str, tokenizer: Any, text_field: str, train_on: str, where: str) -> Encoded:
     """One record's tokens and the ones the loss learns (see the module docstring)."""
     eos = tokenizer.eos_id

@@ -1,25 +1,39 @@
 """Data files -> shards -> records, read a piece at a time (never a whole corpus in memory).
 
-A shard is a piece of one input that a process reads alone:
+A shard is a piece of one input, about SHARD_BYTES of it, that a process reads alone:
 
-    jsonl     a byte range of a .jsonl file, starting at a line start (about SHARD_BYTES)
-    text      a whole small .txt file: one document, read at once (as it always was)
-    textpart  a byte range of a .txt file above LARGE_TEXT_BYTES, cut at a newline; the file
-              is still one document, tokenized in blocks of about TEXT_BLOCK_BYTES cut at newlines
-    parquet   one row group of a .parquet file
-    arrow     a run of record batches of one .arrow file of a `datasets` folder (save_to_disk)
+    jsonl     a byte range of a .jsonl file, starting at a line start
+    text      a whole .txt file up to LARGE_TEXT_BYTES: one document, read at once
+    textpart  a byte range of a .txt file cut at a newline: a piece of one document (a larger
+              file, or a run of blocks of one split, below), tokenized in blocks of about
+              TEXT_BLOCK_BYTES cut at newlines
+    parquet   a range of rows of a .parquet file (within a row group or across several)
+    arrow     a range of rows of one .arrow file of a `datasets` folder (save_to_disk)
 
+Rows are cut by bytes too: a Parquet row group's (uncompressed) bytes, or an Arrow record
+batch's, are shared equally among its rows, so a 95 MB file of one row group is ~24 shards.
 The plan (the list of shards) depends on the files and these constants alone, never on the
 number of worker processes, so the token store is byte-identical for any worker count.
+
+A held-out share between 0 and 1 holds out each record by a seeded hash of its content
+(held_out). A .txt file is one document, too few to share out, so the .txt files of a share are
+cut at line ends into about HOLDOUT_BLOCKS blocks, and exactly round(share x blocks) of them,
+those with the smallest seeded content hashes, are held out; each held-out block, and each run
+of training blocks between them, is a document. Text too short to give both splits a block is
+refused with the reason, never held out at 0% or 100%.
+
 Records keep the semantics of ember.train.formats: a JSONL line, a Parquet or Arrow row (the
 same fields: `text` / `messages` / `prompt` + `completion`); rows are numbered from 0, as
-`dataset[N]` and pandas number them; JSONL lines from 1, as editors do.
+`dataset[N]` and pandas number them; JSONL lines from 1, as editors do. A JSONL line that is not
+a record (not UTF-8, not JSON) comes as an EmberError in place of the record, so that a reader
+can list every bad line, not only the first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,138 +42,223 @@ from typing import Any
 from ember.errors import EmberError
 from ember.train.formats import detect, read_records
 
-SHARD_BYTES = 4 << 20         # a jsonl / textpart shard (a 1 GB file: 256 shards to share out)
-SHARD_ROWS = 100_000          # arrow: record batches are grouped into shards of about this many rows
+SHARD_BYTES = 4 << 20         # a shard (a 1 GB file: 256 shards to share out)
 LARGE_TEXT_BYTES = 64 << 20   # a .txt file above this is read in blocks; a smaller one whole
-TEXT_BLOCK_BYTES = 1 << 20    # the blocks a large .txt file is tokenized in
+TEXT_BLOCK_BYTES = 1 << 20    # the blocks a textpart shard is tokenized in
+HOLDOUT_BLOCKS = 200          # a held-out share of .txt files: blocks to choose from (0.5% each)...
+HOLDOUT_BLOCK_MIN = 1 << 10   # ...of at least this many bytes, and at most TEXT_BLOCK_BYTES
 ROWS_PER_READ = 1024          # Parquet / Arrow rows turned into Python records at a time
+MAX_LISTED = 20               # bad records listed in one error (every one is counted)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One piece of one input file, with everything a worker needs to read it alone."""
+    """One piece of one input file, with everything a worker needs to read it alone. A record
+    of the plan (its plan.json), not a call site: each kind uses the fields its comment names."""
     file: str           # as the recipe names it
     kind: str           # jsonl, text, textpart, parquet, arrow (see the module docstring)
-    start: int          # byte offset; row group; first batch (arrow: of `part`)
-    stop: int           # end byte; row group + 1; batch after the last
-    first: int          # number of the first line or row (messages)
+    start: int          # byte offset; parquet: first row of the file; arrow: first row of `part`
+    stop: int           # end byte; the row after the last
+    first: int          # number of the first line or row (messages); textpart: its document's start
     fmt: str            # the file's record format
     split: str          # "eval" or "train" for the whole shard, "" when decided per record
+    nbytes: int         # about how many bytes of input: progress, and whether a pool pays
     part: str = ""      # arrow: the .arrow file inside the folder
     block: int = 0      # textpart: the block size (in the plan, so every process cuts alike)
+    end: int = 0        # textpart: its document's end (the EOS follows)
 
     @property
     def where(self) -> str:
         """The prefix of a message about one of this shard's records."""
         return f"{'[eval]' if self.split == 'eval' else '[data]'} files: {self.file}:"
 
-    @property
-    def size(self) -> int:
-        """Roughly how much work: bytes, or rows x 256."""
-        return self.stop - self.start if self.kind in ("jsonl", "textpart", "text") else (self.stop - self.start) * 256
-
 
 def held_out(record: Any, seed: int, share: float) -> bool:
     """Whether a record is in the held-out share: a seeded hash of its content alone, so no
     other record (and no appended file) moves it between the splits."""
     digest = hashlib.sha256(f"{seed}\0{json.dumps(record, sort_keys=True, default=str)}".encode()).digest()
-    return _share(digest) < share
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
-def _share(digest: bytes) -> float:
-    return int.from_bytes(digest[:8], "big") / 2**64
+def bad_records(listed: list[str], count: int) -> EmberError:
+    """One error for `count` bad records: the first ones' messages (`file:line: what`), and the count."""
+    if count == 1:
+        return EmberError(listed[0])
+    more = f"\n  ... and {count - len(listed)} more" if count > len(listed) else ""
+    return EmberError(f"{count} bad records in the data files; fix or remove them and run again:\n  "
+                      + "\n  ".join(listed) + more)
 
 
 def plan(files: list[tuple[str, float]], fmt: str, text_field: str, seed: int) -> tuple[list[Shard], dict[str, str]]:
     """The shards of every (file, held-out share) in order, and each file's record format
-    (detected from its first record under `fmt` "auto"); files without records have none."""
+    (detected from its first record under `fmt` "auto"); a file with no record is refused."""
     shards: list[Shard] = []
     formats: dict[str, str] = {}
+    texts = _held_out_texts(files, fmt, seed)
     for f, share in files:
         path = Path(f)
         split = "eval" if share >= 1.0 else ("train" if share <= 0 else "")
-        if path.is_dir():
-            kind, found = "arrow", _first_row(_arrow_rows(path, _arrow_parts(path)), fmt, text_field, f)
+        section = "[eval]" if share >= 1.0 else "[data]"
+        if not path.exists():
+            raise EmberError(f"{section} files: {path} does not exist")
+        if path.suffix == ".txt" and fmt not in ("auto", "text"):
+            raise EmberError(f"{section} files: {path}: a .txt file is plain text, not [data] format = {fmt!r}")
+        if f in texts:
+            found, new = "text", texts[f]
+        elif path.is_dir():
+            found, new = _arrow_plan(path, f, fmt, text_field, split)
         elif path.suffix == ".parquet":
-            kind, found = "parquet", _first_row(_parquet_rows(path, 0, list(range(len(_parquet_groups(path))))), fmt, text_field, f)
-        else:  # .txt / .jsonl, and the messages for anything else, from formats.read_records
-            large = path.suffix == ".txt" and path.is_file() and path.stat().st_size > LARGE_TEXT_BYTES
-            kind = "textpart" if large else ("text" if path.suffix == ".txt" else "jsonl")
-            if large and fmt not in ("auto", "text"):
-                raise EmberError(f"[data] files: {path}: a .txt file is plain text, not [data] format = {fmt!r}")
-            found = "text" if large else next((r[1] for r in read_records(path, fmt, text_field)), None)
-        if found is None:
-            continue
-        formats[f] = found
-        if kind == "text":
-            shards.append(Shard(f, kind, 0, path.stat().st_size, 1, found, split))
-        elif kind in ("jsonl", "textpart"):
-            if kind == "textpart" and not split:
-                split = "eval" if _text_held_out(path, text_field, seed, share) else "train"
-            block = TEXT_BLOCK_BYTES if kind == "textpart" else 0
-            shards += [Shard(f, kind, a, b, line, found, split, block=block) for a, b, line in line_ranges(path)]
-        elif kind == "parquet":
-            row = 0
-            for g, rows in enumerate(_parquet_groups(path)):
-                shards.append(Shard(f, kind, g, g + 1, row, found, split))
-                row += rows
+            found, new = _parquet_plan(path, f, fmt, text_field, split)
+        elif path.suffix == ".txt":
+            found, new = "text", _text_plan(path, f, split)
         else:
-            shards += _arrow_shards(path, f, found, split)
+            found, new = _jsonl_plan(path, f, fmt, text_field, split, f"{section} files: {f}:")
+        if not new:
+            raise EmberError(f"{section} files: {f} holds no records (it is empty, or blank); "
+                             f"fill it, or take it out of {section} files")
+        formats[f] = found
+        shards += new
     return shards, formats
+
+
+def _cuts(path: Path, size: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """Byte ranges covering [start, stop), each of about `size` bytes, cut after a newline."""
+    out = []
+    with open(path, "rb") as fh:
+        while start < stop:
+            fh.seek(max(start, min(stop, start + size) - 1))
+            end = min(stop, fh.tell() + len(fh.readline()))  # the first line start at or past the target
+            out.append((start, end))
+            start = end
+    return out
 
 
 def line_ranges(path: Path) -> list[tuple[int, int, int]]:
     """(start, stop, number of the first line) of byte ranges of about SHARD_BYTES, each
     starting at a line start; one pass over the file, counting newlines."""
-    size = path.stat().st_size
-    ranges, start, line = [], 0, 1
+    ranges, line = [], 1
     with open(path, "rb") as fh:
-        while start < size:
-            fh.seek(max(start, min(size, start + SHARD_BYTES) - 1))
-            stop = min(size, fh.tell() + len(fh.readline()))  # the first line start at or past the target
+        for start, stop in _cuts(path, SHARD_BYTES, 0, path.stat().st_size):
             fh.seek(start)
             lines, left = 0, stop - start
             while left > 0:
                 block = fh.read(min(16 << 20, left))
                 lines, left = lines + block.count(b"\n"), left - len(block)
             ranges.append((start, stop, line))
-            start, line = stop, line + lines
+            line += lines
     return ranges
+
+
+def _jsonl_plan(path: Path, f: str, fmt: str, text_field: str, split: str,
+                where: str) -> tuple[str | None, list[Shard]]:
+    if path.suffix != ".jsonl":
+        raise EmberError(f"{where} unsupported type '{path.suffix}'; use .txt, .jsonl, .parquet or a "
+                         f"`datasets` folder")
+    bad, unknown = [], None  # lines that are not records; the first record of no known format
+    for n, record in _jsonl(path, 0, path.stat().st_size, 1, where):
+        if isinstance(record, EmberError):  # listed with the others when the shards are read
+            bad.append(str(record))
+            continue
+        found = fmt if fmt != "auto" else detect(record, text_field)
+        if found is None:  # the records before the first of a known format are listed as bad ones
+            unknown = unknown or n
+            continue
+        return found, [Shard(f, "jsonl", a, b, line, found, split, b - a) for a, b, line in line_ranges(path)]
+    if unknown is not None:
+        raise EmberError(f"{where}{unknown}: no 'messages' (chat), 'prompt' and 'completion', or "
+                         f"'{text_field}' (text) field in any record; set [data] format and [data] "
+                         f"text_field to match the records")
+    if bad:  # not one good line
+        raise bad_records(bad[:MAX_LISTED], len(bad))
+    return None, []
+
+
+def _text_plan(path: Path, f: str, split: str) -> list[Shard]:
+    size = path.stat().st_size
+    if size > LARGE_TEXT_BYTES:
+        return [Shard(f, "textpart", a, b, 0, "text", split, b - a, block=TEXT_BLOCK_BYTES, end=size)
+                for a, b in _cuts(path, SHARD_BYTES, 0, size)]
+    if next(read_records(path, "text", "text"), None) is None:  # blank
+        return []
+    return [Shard(f, "text", 0, size, 1, "text", split, size)]
+
+
+def _held_out_texts(files: list[tuple[str, float]], fmt: str, seed: int) -> dict[str, list[Shard]]:
+    """The shards of the .txt files of each held-out share between 0 and 1 (module docstring)."""
+    out: dict[str, list[Shard]] = {}
+    for share in sorted({s for _, s in files if 0 < s < 1}):
+        texts = [f for f, s in files if s == share and f.endswith(".txt") and Path(f).is_file()]
+        if not texts or fmt not in ("auto", "text"):
+            continue  # (plan refuses a .txt file under another format)
+        out.update({f: [] for f in texts})
+        texts = [f for f in texts if Path(f).stat().st_size > LARGE_TEXT_BYTES  # a blank file holds no record
+                 or next(read_records(Path(f), "text", "text"), None)]
+        total = sum(Path(f).stat().st_size for f in texts)
+        size = max(HOLDOUT_BLOCK_MIN, min(TEXT_BLOCK_BYTES, total // HOLDOUT_BLOCKS))
+        blocks = [(f, a, b) for f in texts for a, b in _cuts(Path(f), size, 0, Path(f).stat().st_size)]
+        k = round(share * len(blocks))
+        if blocks and not 0 < k < len(blocks):
+            raise EmberError(f"[eval] holdout = {share:g}: {', '.join(texts)} cut at line ends into blocks of "
+                             f"about {size:,} bytes gives {len(blocks)} block(s), too few to hold out {share:.1%} "
+                             f"of the text (a split would get all or nothing); add text, or name held-out "
+                             f"files in [eval] files and set [eval] holdout = 0")
+        keys = [_block_key(Path(f), a, b, seed) for f, a, b in blocks]
+        held = set(sorted(range(len(blocks)), key=lambda i: (keys[i], i))[:k])
+        i = 0
+        while i < len(blocks):  # a run: blocks of one file and one split in a row, one document
+            f, a, _ = blocks[i]
+            j = i
+            while j + 1 < len(blocks) and blocks[j + 1][0] == f and ((j + 1) in held) == (i in held):
+                j += 1
+            split, b = "eval" if i in held else "train", blocks[j][2]
+            out[f] += [Shard(f, "textpart", s, e, a, "text", split, e - s, block=TEXT_BLOCK_BYTES, end=b)
+                       for s, e in _cuts(Path(f), SHARD_BYTES, a, b)]
+            i = j + 1
+    return out
+
+
+def _block_key(path: Path, start: int, stop: int, seed: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return hashlib.sha256(f"{seed}\0".encode() + fh.read(stop - start)).digest()
 
 
 def records(shard: Shard, text_field: str) -> Iterator[tuple[int, Any]]:
     """(line or row number, record) of each record of a shard, in order; a textpart shard
-    gives its blocks of text instead ({text_field: block})."""
+    gives its blocks of text instead ({text_field: block}); a bad JSONL line, an EmberError."""
     path = Path(shard.file)
     if shard.kind == "text":
         yield from ((n, r) for n, _, r in read_records(path, shard.fmt, text_field))
     elif shard.kind == "textpart":
         yield from ((1, {text_field: b}) for b in text_blocks(path, shard.start, shard.stop, shard.block))
     elif shard.kind == "jsonl":
-        yield from _jsonl(path, shard)
+        yield from _jsonl(path, shard.start, shard.stop, shard.first, shard.where)
     elif shard.kind == "parquet":
-        yield from _parquet_rows(path, shard.first, [shard.start])
+        yield from _parquet_rows(path, shard.start, shard.stop)
     else:
-        yield from _arrow_rows(path, [shard.part], shard.start, shard.stop, shard.first)
+        yield from _rows(_open_stream(path / shard.part), 0, shard.start, shard.stop, shard.first)
 
 
-def _jsonl(path: Path, shard: Shard) -> Iterator[tuple[int, Any]]:
+_BLANK = object()  # a blank JSONL line: skipped, but counted
+
+
+def _jsonl(path: Path, start: int, stop: int, lineno: int, where: str) -> Iterator[tuple[int, Any]]:
     with open(path, "rb") as fh:
-        fh.seek(shard.start)
-        at, lineno = shard.start, shard.first
+        fh.seek(start)
+        at = start
         for raw in fh:
-            if at >= shard.stop:
+            if at >= stop:
                 return
             at += len(raw)
             try:
-                line = raw.decode("utf-8")
+                text = raw.decode("utf-8")
+                record = json.loads(text) if text.strip() else _BLANK
             except UnicodeDecodeError as e:
-                raise EmberError(f"{shard.where}{lineno}: not UTF-8 text ({e})") from None
-            if line.strip():
-                try:
-                    yield lineno, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EmberError(f"{shard.where}{lineno}: not valid JSON ({e.msg})") from None
+                record = EmberError(f"{where}{lineno}: not UTF-8 text ({e})")
+            except json.JSONDecodeError as e:
+                record = EmberError(f"{where}{lineno}: not valid JSON ({e.msg})")
+            if record is not _BLANK:
+                yield lineno, record
             lineno += 1
 
 
@@ -184,16 +283,6 @@ def text_blocks(path: Path, start: int, stop: int, block: int) -> Iterator[str]:
             carry = buf[cut:]
 
 
-def _text_held_out(path: Path, text_field: str, seed: int, share: float) -> bool:
-    """held_out({text_field: the whole file}) without holding the file: json.dumps escapes
-    character by character, so the escaped blocks, joined, are the escaped whole."""
-    h = hashlib.sha256(f"{seed}\0{{{json.dumps(text_field)}: \"".encode())
-    for text in text_blocks(path, 0, path.stat().st_size, TEXT_BLOCK_BYTES):
-        h.update(json.dumps(text)[1:-1].encode())
-    h.update(b"\"}")
-    return _share(h.digest()) < share
-
-
 def _first_row(rows: Iterator[tuple[int, Any]], fmt: str, text_field: str, f: str) -> str | None:
     for n, record in rows:
         found = fmt if fmt != "auto" else detect(record, text_field)
@@ -204,26 +293,61 @@ def _first_row(rows: Iterator[tuple[int, Any]], fmt: str, text_field: str, f: st
     return None
 
 
-def _parquet_groups(path: Path) -> list[int]:
-    """Rows in each row group of a Parquet file."""
+def _cut(units: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first row, row after the last, bytes) of runs of about SHARD_BYTES, from consecutive
+    units of (rows, bytes) (row groups, record batches) whose rows count as equally large."""
+    out, start, row, acc = [], 0, 0, 0
+    for rows, nbytes in units:
+        at = 0
+        while at < rows:
+            take = min(rows - at, max(1, -(-(SHARD_BYTES - acc) * rows // max(nbytes, 1))))
+            at, row, acc = at + take, row + take, acc + take * nbytes // rows
+            if acc >= SHARD_BYTES:
+                out.append((start, row, acc))
+                start, acc = row, 0
+    if row > start:
+        out.append((start, row, acc))
+    return out
+
+
+def _parquet_plan(path: Path, f: str, fmt: str, text_field: str, split: str) -> tuple[str | None, list[Shard]]:
     import pyarrow.parquet as pq
     try:
         meta = pq.ParquetFile(path).metadata
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError...: all mean "not a readable Parquet file"
         raise EmberError(f"[data] files: {path}: not a readable Parquet file ({e})") from None
-    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    groups = [(meta.row_group(g).num_rows, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
+    found = _first_row(_parquet_rows(path, 0, sys.maxsize), fmt, text_field, f)
+    return found, ([Shard(f, "parquet", a, b, a, found, split, n) for a, b, n in _cut(groups)] if found else [])
 
 
-def _parquet_rows(path: Path, first: int, groups: list[int]) -> Iterator[tuple[int, Any]]:
-    """(row number, record) of the given row groups, ROWS_PER_READ at a time."""
+def _parquet_rows(path: Path, start: int, stop: int) -> Iterator[tuple[int, Any]]:
+    """(row number, record) of rows [start, stop) of a Parquet file: the row groups holding
+    them are read, ROWS_PER_READ rows at a time, the rows before `start` decoded but skipped."""
     import pyarrow.parquet as pq
-    if not groups:
-        return
-    n = first
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=ROWS_PER_READ, row_groups=groups):
-        for record in batch.to_pylist():
-            yield n, record
-            n += 1
+    pf = pq.ParquetFile(path)
+    groups, at, offset = [], 0, 0
+    for g in range(pf.metadata.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        if at < stop and at + rows > start:
+            offset = offset if groups else at
+            groups.append(g)
+        at += rows
+    if groups:
+        yield from _rows(pf.iter_batches(batch_size=ROWS_PER_READ, row_groups=groups), offset, start, stop, start)
+
+
+def _rows(batches: Any, at: int, start: int, stop: int, first: int) -> Iterator[tuple[int, Any]]:
+    """(number, record) of rows [start, stop) of record batches whose first is row `at`; row
+    `start` is numbered `first`. Only those rows become Python records, ROWS_PER_READ at a time."""
+    for batch in batches:
+        if at >= stop:
+            return
+        lo, hi = max(start - at, 0), min(batch.num_rows, stop - at)
+        for i in range(lo, hi, ROWS_PER_READ):
+            for j, record in enumerate(batch.slice(i, min(ROWS_PER_READ, hi - i)).to_pylist()):
+                yield first + at + i + j - start, record
+        at += batch.num_rows
 
 
 def _arrow_parts(folder: Path) -> list[str]:
@@ -248,32 +372,15 @@ def _open_stream(path: Path) -> Any:
     return pa.ipc.open_stream(pa.memory_map(str(path)))
 
 
-def _arrow_shards(folder: Path, f: str, fmt: str, split: str) -> list[Shard]:
-    shards, row = [], 0
-    for part in _arrow_parts(folder):
-        reader, first_batch, rows, b = _open_stream(folder / part), 0, 0, 0
-        for b, batch in enumerate(reader):
-            rows += batch.num_rows
-            if rows >= SHARD_ROWS:
-                shards.append(Shard(f, "arrow", first_batch, b + 1, row, fmt, split, part))
-                row, rows, first_batch = row + rows, 0, b + 1
-        if rows:
-            shards.append(Shard(f, "arrow", first_batch, b + 1, row, fmt, split, part))
-            row += rows
-    return shards
-
-
-def _arrow_rows(folder: Path, parts: list[str], start: int = 0, stop: int | None = None,
-                first: int = 0) -> Iterator[tuple[int, Any]]:
-    """(row number, record) of batches [start, stop) of each part, ROWS_PER_READ at a time."""
-    n = first
-    for part in parts:
-        for b, batch in enumerate(_open_stream(folder / part)):
-            if b < start:
-                continue
-            if stop is not None and b >= stop:
-                break
-            for at in range(0, batch.num_rows, ROWS_PER_READ):
-                for record in batch.slice(at, ROWS_PER_READ).to_pylist():
-                    yield n, record
-                    n += 1
+def _arrow_plan(folder: Path, f: str, fmt: str, text_field: str, split: str) -> tuple[str | None, list[Shard]]:
+    parts = _arrow_parts(folder)
+    # The first row of the first part that has one is row 0 of the dataset.
+    found = _first_row((r for p in parts for r in _rows(_open_stream(folder / p), 0, 0, sys.maxsize, 0)),
+                       fmt, text_field, f)
+    shards: list[Shard] = []
+    row = 0
+    for part in parts if found else []:
+        batches = [(b.num_rows, b.nbytes) for b in _open_stream(folder / part)]
+        shards += [Shard(f, "arrow", a, b, row + a, found, split, n, part) for a, b, n in _cut(batches)]
+        row += sum(rows for rows, _ in batches)
+    return found, shards

@@ -7,11 +7,17 @@ WORK is `.<key>.work/` beside the store. Its states, changed only by this module
     absent --build--> WORK/plan.json (the shard list; a different plan empties WORK first)
     shard i missing --worker--> WORK/i.tmp<pid>/ --rename--> WORK/i/ (committed: never rewritten)
     every shard committed --assemble--> .<key>.<pid>/ --rename--> <key>/ (the store), WORK removed
+    a failure (a bad record, a worker that died, any exception) --> WORK and .<key>.<pid>/ removed
 
-A tokenization killed at any point leaves committed shards and at most some .tmp folders
-(removed when seen); run again, only the missing shards are tokenized. A shard holds raw
-little-endian files per split: `tokens` (uint32), `targets` (uint8, absent when all are
-learned), `lengths` (int64 per document) and `info.json` with their counts. The store's .npy
+The store is complete when its info.json is there: written last, inside the temporary folder,
+before the rename (a folder at <key>/ without it, left by an older build, is replaced). A
+tokenization killed at any point (the process that runs it: SIGKILL, a power cut) leaves
+committed shards and at most some .tmp folders (removed when seen); run again, only the missing
+shards are tokenized. Every bad record is listed in one error: once one is found, the shards not
+yet begun are only checked (formats.check, no tokenizer) and nothing more is committed.
+
+A shard holds raw little-endian files per split: `tokens` (uint32), `targets` (uint8, absent
+when all are learned), `lengths` (int64 per document) and `info.json` with their counts. The store's .npy
 files are one header followed by the shards' raw bytes in order: nothing is held whole in
 memory, and the bytes do not depend on how many processes tokenized them. A cache, like the
 store: renames for atomicity, no fsync (a power cut costs a re-tokenization, not a wrong
@@ -24,9 +30,9 @@ import json
 import os
 import shutil
 import signal
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,8 +44,9 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
 from ember.proc import die_with_parent
-from ember.train.formats import _field, encode, run_format
-from ember.train.sources import Shard, held_out, plan, records
+from ember.train.formats import _field, check, encode, run_format
+from ember.train.progress import Progress
+from ember.train.sources import MAX_LISTED, Shard, bad_records, held_out, plan, records
 
 SPLITS = ("train", "eval")
 TEXT_BATCH = 256            # plain-text records per tokenizer call (the fast tokenizers' batch path)
@@ -70,43 +77,86 @@ def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, 
     fmt = run_format(formats)  # chat and completion files mixed: every record a conversation
     shards = [s if s.fmt == fmt else replace(s, fmt=fmt) for s in shards]
     work = store.with_name(f".{store.name}.work")
+    for stale in store.parent.glob(f".{store.name}.*"):  # a killed assemble's (this process holds the lock)
+        if stale != work:
+            shutil.rmtree(stale, ignore_errors=True)
     plan_json = json.dumps([asdict(s) for s in shards], indent=0)
     if not (work / "plan.json").is_file() or (work / "plan.json").read_text() != plan_json:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         (work / "plan.json").write_text(plan_json)
     todo = [i for i in range(len(shards)) if shard_info(work / f"{i:06d}") is None]
-    big = sum(shards[i].size for i in todo) >= POOL_MIN_BYTES
+    big = sum(shards[i].nbytes for i in todo) >= POOL_MIN_BYTES
     procs = max(1, min(workers, len(todo))) if big else 1
     events.stage(f"tokenizing {len(todo)} of {len(shards)} shard(s) with {procs} process(es)",
                  shards=len(shards), todo=len(todo), done=len(shards) - len(todo), workers=procs)
     args = (tokenizer, cfg.text_field, cfg.train_on, seed, dict(files))
+    progress = Progress(events, sum(shards[i].nbytes for i in todo))
+    try:
+        found = _run(shards, todo, work, args, procs, progress)
+        count = sum(f.bad_count for f in found.values())
+        if count:
+            raise bad_records([m for i in sorted(found) for m in found[i].bad][:MAX_LISTED], count)
+        assemble(shards, work, store, fmt, formats)
+    except Exception:
+        # A failure leaves nothing behind. A killed build (no exception here) leaves its committed
+        # shards, which the next build of the same data resumes from.
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(store.with_name(f".{store.name}.{os.getpid()}"), ignore_errors=True)  # assemble's
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    progress.finish(procs)
+
+
+def _run(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: int,
+         progress: Progress) -> dict[int, Found]:
+    """The missing shards, in this process or a pool of `procs`: what each found. Once a bad
+    record is found, the shards not yet begun are only checked (their bad records listed too);
+    a failure raises the first in input order once the shards begun have ended."""
+    found: dict[int, Found] = {}
     if procs == 1:
         for i in todo:
-            tokenize_shard(shards[i], work / f"{i:06d}", *args)
-    else:
-        _pool(shards, todo, work, args, procs)
-    assemble(shards, work, store, fmt, formats)
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def _pool(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: int) -> None:
-    """The missing shards in worker processes; the first failure in input order is raised."""
+            checking = any(f.bad_count for f in found.values())
+            found[i] = tokenize_shard(shards[i], None if checking else work / f"{i:06d}", *args)
+            progress.shard(found[i].records, shards[i].nbytes)
+        return found
     # spawn, not fork: the parent may hold torch's and the tokenizer's threads, which a fork
     # would copy mid-flight; each worker imports what it needs once.
     # The tokenizer goes to each worker once, with the initializer: pickled with every shard, it
     # cost ~0.35 s a shard to rebuild (a tenth of a 4 MB shard's tokenization).
     pool = ProcessPoolExecutor(procs, mp_context=get_context("spawn"), initializer=_worker_init,
                                initargs=(os.getpid(), *args))
+    failed: dict[int, BaseException] = {}
     try:
-        futures: list[Future] = [pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}") for i in todo]
-        for fut in futures:
-            fut.result()
-    except BrokenProcessPool:
-        raise EmberError(f"a tokenization worker process died (killed, or out of memory); the shards it "
-                         f"finished are kept in {work}: run again to tokenize only the rest") from None
+        running = {pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}"): i for i in todo}
+        checking = False
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = running.pop(fut)
+                if fut.cancelled():
+                    continue
+                if fut.exception() is not None:
+                    failed[i] = fut.exception()
+                    for other in running:  # those not begun never begin
+                        other.cancel()
+                    continue
+                found[i] = fut.result()
+                progress.shard(found[i].records, shards[i].nbytes)
+                if found[i].bad_count and not checking:  # the rest: only checked
+                    checking = True
+                    for other, j in list(running.items()):
+                        if other.cancel():
+                            del running[other]
+                            running[pool.submit(_tokenize_in_worker, shards[j], None)] = j
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    if any(isinstance(e, BrokenProcessPool) for e in failed.values()):
+        raise EmberError("a tokenization worker process died (killed, or out of memory); its work is removed: "
+                         "run again (with fewer [data] tokenize_workers if memory ran out)")
+    if failed:
+        raise failed[min(failed)]
+    return found
 
 
 _WORKER_ARGS: tuple = ()  # in a worker process: the arguments of tokenize_shard after the shard's
@@ -124,8 +174,8 @@ def _worker_init(parent: int, *args: Any) -> None:
     _WORKER_ARGS = args
 
 
-def _tokenize_in_worker(shard: Shard, out: Path) -> None:
-    tokenize_shard(shard, out, *_WORKER_ARGS)
+def _tokenize_in_worker(shard: Shard, out: Path | None) -> Found:
+    return tokenize_shard(shard, out, *_WORKER_ARGS)
 
 
 class SplitWriter:
@@ -181,43 +231,78 @@ class SplitWriter:
         return self.counts
 
 
-def tokenize_shard(shard: Shard, out: Path, tokenizer: Any, text_field: str, train_on: str,
-                   seed: int, shares: dict[str, float]) -> None:
-    """Tokenize one shard into `out` (written under a temporary name, then renamed)."""
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    writers = {name: SplitWriter(tmp / name) for name in SPLITS}
+@dataclass
+class Found:
+    """What tokenizing (or checking) one shard found."""
+    records: int = 0
+    bad: list[str] = field(default_factory=list)   # the first MAX_LISTED bad records: file:line: what
+    bad_count: int = 0
+
+    def add(self, message: str) -> None:
+        self.bad_count += 1
+        if len(self.bad) < MAX_LISTED:
+            self.bad.append(message)
+
+
+def tokenize_shard(shard: Shard, out: Path | None, tokenizer: Any, text_field: str, train_on: str,
+                   seed: int, shares: dict[str, float]) -> Found:
+    """Tokenize one shard into `out` (written under a temporary name, then renamed): what it
+    found. With `out` None, or from its first bad record on, its records are only checked
+    (formats.check) and nothing is committed, so that every bad record is listed at once."""
+    found = Found()
+    if out is None and shard.kind == "textpart":
+        return found  # plain text: nothing to check
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}") if out is not None else None
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    writers = {name: SplitWriter(tmp / name) for name in SPLITS} if tmp is not None else {}
     share = shares[shard.file]
-    if shard.kind == "textpart":  # one document across shards: this piece, its EOS if it is the last
+    if shard.kind == "textpart":  # a piece of a document: joined to the one before, its EOS if it is the last
         w = writers[shard.split]
         for _, block in records(shard, text_field):
             w.add(tokenizer.encode_batch([block[text_field]])[0], None)
-        if shard.stop == Path(shard.file).stat().st_size:
+        if shard.stop == shard.end:
             w.add([tokenizer.eos_id], None)
+            found.records = 1
         w.end_document()
-        w.counts["joins"] = int(shard.start > 0)
+        w.counts["joins"] = int(shard.start > shard.first)
     else:
         texts: list[tuple[str, str]] = []  # plain-text records waiting for one batched tokenizer call
         for n, record in records(shard, text_field):
             where = f"{shard.where}{'row ' if shard.kind in ('parquet', 'arrow') else ''}{n}"
-            split = shard.split or ("eval" if share > 0 and held_out(record, seed, share) else "train")
-            if shard.fmt == "text":  # encode() for text, batched: the same ids, one call per TEXT_BATCH
-                texts.append((split, _field(record, text_field, where)))
-                if len(texts) >= TEXT_BATCH:
-                    _encode_texts(texts, tokenizer, writers)
-                continue
-            enc = encode(record, shard.fmt, tokenizer, text_field, train_on, where)
-            writers[split].add(enc.ids, enc.targets)
-            writers[split].end_document()
-        _encode_texts(texts, tokenizer, writers)
+            found.records += 1
+            try:
+                if isinstance(record, EmberError):  # a line that is not a record
+                    raise record
+                if tmp is None or found.bad_count:
+                    check(record, shard.fmt, text_field, where)
+                    continue
+                split = shard.split or ("eval" if share > 0 and held_out(record, seed, share) else "train")
+                if shard.fmt == "text":  # encode() for text, batched: the same ids, one call per TEXT_BATCH
+                    texts.append((split, _field(record, text_field, where)))
+                    if len(texts) >= TEXT_BATCH:
+                        _encode_texts(texts, tokenizer, writers)
+                    continue
+                enc = encode(record, shard.fmt, tokenizer, text_field, train_on, where)
+                writers[split].add(enc.ids, enc.targets)
+                writers[split].end_document()
+            except EmberError as e:
+                found.add(str(e))
+        if not found.bad_count:
+            _encode_texts(texts, tokenizer, writers)
     info = {name: w.close() for name, w in writers.items()}
+    if tmp is None or found.bad_count:  # nothing to commit
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return found
     (tmp / "info.json").write_text(json.dumps(info))
     faults.point("tokenize.shard")  # killed here: this shard is redone, the committed ones are kept
     try:
         os.rename(tmp, out)
     except OSError:  # another build committed it first (the same bytes)
         shutil.rmtree(tmp, ignore_errors=True)
+    return found
 
 
 def _encode_texts(texts: list[tuple[str, str]], tokenizer: Any, writers: dict[str, SplitWriter]) -> None:
@@ -277,11 +362,15 @@ def assemble(shards: list[Shard], work: Path, store: Path, fmt: str, formats: di
                 at += int(lengths.sum())
             fh.write(np.asarray([at], dtype="<i8").tobytes())
         info[name] = {"documents": docs, "tokens": tokens, "targets": learned}
-    (tmp / "info.json").write_text(json.dumps(info, indent=1))
+    (tmp / "info.json").write_text(json.dumps(info, indent=1))  # the store is complete when it is there
     try:
         os.rename(tmp, store)  # a cache: atomic, rebuilt if lost, so no fsync
-    except OSError:  # another process finished it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        if (store / "info.json").is_file():  # another process finished it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # a folder without the marker (an older build's): not a store, replaced
+            shutil.rmtree(store)
+            os.rename(tmp, store)
 
 
 def _npy(path: Path, descr: str, n: int) -> BinaryIO:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +26,19 @@ TOK = ByteTokenizer()
 CHATS = [{"messages": [{"role": "user", "content": f"question {i}"},
                        {"role": "assistant", "content": f"answer {i} " * (i % 4 + 1)}]} for i in range(40)]
 TEXTS = [{"text": f"document {i}: " + "word " * (i % 7)} for i in range(60)]
+ROOT = Path(__file__).parents[2]
+# tokenize() of the files named on the command line, in a process of its own, under small_shards' settings
+SCRIPT = (
+    "import sys; from tests.train.test_tokenize import *; from ember.train import sources, tokenize as t\n"
+    "sources.SHARD_BYTES, sources.LARGE_TEXT_BYTES, sources.TEXT_BLOCK_BYTES = 300, 1000, 128\n"
+    "cfg = DataConfig(files=sys.argv[1:], tokenize_workers=1)\n"
+    "print(tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.2)))\n")
 
 
 @pytest.fixture
 def small_shards(monkeypatch):
     """Shards of a few hundred bytes, a pool even for tiny inputs, and large-text handling above 1 KB."""
     monkeypatch.setattr(sources, "SHARD_BYTES", 300)
-    monkeypatch.setattr(sources, "SHARD_ROWS", 4)
     monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 1000)
     monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 128)
     monkeypatch.setattr(sharded, "POOL_MIN_BYTES", 0)
@@ -65,9 +76,12 @@ def test_one_and_two_workers_give_byte_identical_stores(tmp_path, monkeypatch, s
     one = build(tmp_path / "h1", monkeypatch, files, workers=1, holdout=0.2)
     two = build(tmp_path / "h2", monkeypatch, files, workers=2, holdout=0.2)
     assert contents(one) == contents(two)
-    assert len(sources.plan([(str(f), 0.2) for f in files], "auto", "text", 0)[0]) > 6  # really several shards
+    shards = sources.plan([(str(f), 0.2) for f in files], "auto", "text", 0)[0]
+    assert len(shards) > 6  # really several shards
     info = json.loads((one / "info.json").read_text())
-    assert info["train"]["documents"] + info.get("eval", {}).get("documents", 0) == 121  # the .txt is one
+    text_docs = {(s.first, s.end) for s in shards if s.kind == "textpart"}  # held-out blocks, runs between
+    assert {s.split for s in shards if s.kind == "textpart"} == {"train", "eval"}
+    assert info["train"]["documents"] + info.get("eval", {}).get("documents", 0) == 120 + len(text_docs)
     tokens = np.load(one / "train" / "tokens.npy")
     assert bytes(tokens[tokens < 256].astype(np.uint8)).count(b"line 199 of the long text\n") <= 1
     assert not list(one.parent.glob(".*"))  # no work folder or temporary left
@@ -81,17 +95,20 @@ def test_store_matches_whole_file_tokenization_of_the_large_text(tmp_path, monke
 
 
 def test_a_killed_tokenization_resumes_with_the_missing_shards(tmp_path, monkeypatch, small_shards):
+    """The process tokenizing is killed (SIGKILL) before committing its 2nd shard: the next build
+    tokenizes only the missing shards, in 2 processes, into the same store."""
     files = corpus(tmp_path)
     clean = build(tmp_path / "clean", monkeypatch, files, workers=1, holdout=0.2)
-    monkeypatch.setenv("EMBER_FAULT", "tokenize.shard@2")  # each worker dies before committing its 2nd shard
-    with pytest.raises(EmberError, match="worker process died.*run again"):
-        build(tmp_path / "h", monkeypatch, files, workers=2, holdout=0.2)
-    work = next((tmp_path / "h" / "cache" / "tokens").glob(".*.work"))
+    home = tmp_path / "h"
+    killed = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, files)], cwd=ROOT, capture_output=True,
+                            env={**os.environ, "EMBER_HOME": str(home), "EMBER_FAULT": "tokenize.shard@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    work = next((home / "cache" / "tokens").glob(".*.work"))
     committed = sorted(p.name for p in work.iterdir() if p.is_dir() and "tmp" not in p.name)
     total = len(json.loads((work / "plan.json").read_text()))
-    assert 0 < len(committed) < total
+    assert committed == ["000000"] and total > 2
     before = {name: (work / name / "info.json").stat().st_mtime_ns for name in committed}
-    monkeypatch.delenv("EMBER_FAULT")
+    monkeypatch.setenv("EMBER_HOME", str(home))
     events, seen = collect()
     monkeypatch.setattr(sharded, "assemble", _spy(sharded.assemble, work, before))
     cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=2)
@@ -146,20 +163,12 @@ def test_a_folder_that_is_not_a_saved_dataset_is_refused(tmp_path, monkeypatch):
 def test_a_second_process_waits_for_the_one_tokenizing_the_same_data(tmp_path, monkeypatch, small_shards):
     """Two runs starting on the same new data: the second waits for the first (which holds a
     shard uncommitted for a while), then uses its store; neither removes the other's work."""
-    import subprocess
-    import sys
-    import time
     files = corpus(tmp_path)
     clean = build(tmp_path / "clean", monkeypatch, files, workers=1, holdout=0.2)
     home = tmp_path / "shared"
-    script = (
-        "import sys; from tests.train.test_tokenize import *; from ember.train import sources, tokenize as t\n"
-        "sources.SHARD_BYTES, sources.SHARD_ROWS, sources.LARGE_TEXT_BYTES, sources.TEXT_BLOCK_BYTES = 300, 4, 1000, 128\n"
-        "cfg = DataConfig(files=sys.argv[1:], tokenize_workers=1)\n"
-        "print(tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.2)))\n")
-    env = {**__import__("os").environ, "EMBER_HOME": str(home), "EMBER_FAULT": "tokenize.shard@2",
+    env = {**os.environ, "EMBER_HOME": str(home), "EMBER_FAULT": "tokenize.shard@2",
            "EMBER_FAULT_HANG": "3"}  # the first process stops 3 s before committing its 2nd shard
-    first = subprocess.Popen([sys.executable, "-c", script, *map(str, files)], env=env, cwd=Path(__file__).parents[2],
+    first = subprocess.Popen([sys.executable, "-c", SCRIPT, *map(str, files)], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -180,3 +189,91 @@ def test_a_second_process_waits_for_the_one_tokenizing_the_same_data(tmp_path, m
             first.kill()
     assert first.returncode == 0 and Path(out.strip()) == second
     assert contents(second.parent.parent) == contents(clean)
+
+
+def test_a_killed_worker_or_a_bad_record_leaves_no_work_folder(tmp_path, monkeypatch, small_shards):
+    """A failed tokenization removes its work: nothing under the cache but what was there."""
+    files = corpus(tmp_path)
+    monkeypatch.setenv("EMBER_FAULT", "tokenize.shard@2")  # each worker dies before committing its 2nd shard
+    with pytest.raises(EmberError, match="worker process died.*its work is removed"):
+        build(tmp_path / "h1", monkeypatch, files, workers=2, holdout=0.2)
+    assert list((tmp_path / "h1" / "cache" / "tokens").iterdir()) == []
+    monkeypatch.delenv("EMBER_FAULT")
+    bad = jsonl(tmp_path / "bad.jsonl", TEXTS[:40] + [{"txt": "no text field"}] + TEXTS[40:])
+    with pytest.raises(EmberError, match="bad.jsonl:41: no string field 'text'"):
+        build(tmp_path / "h2", monkeypatch, [files[0], bad], workers=2)
+    assert list((tmp_path / "h2" / "cache" / "tokens").iterdir()) == []
+
+
+def test_a_folder_without_the_stores_marker_is_replaced(tmp_path, monkeypatch, small_shards):
+    """A folder at the store's place without its info.json (an older, interrupted build's) is
+    not a store: the build replaces it rather than returning it."""
+    files = corpus(tmp_path)
+    clean = build(tmp_path / "clean", monkeypatch, files, workers=1)
+    half = tmp_path / "h" / "cache" / "tokens" / clean.name
+    (half / "train").mkdir(parents=True)
+    (half / "train" / "tokens.npy").write_bytes(b"half")
+    store = build(tmp_path / "h", monkeypatch, files, workers=1)
+    assert store == half and contents(store) == contents(clean)
+
+
+def rows_of_text(n: int) -> list[dict]:
+    return [{"text": f"record {i}: " + "lorem ipsum dolor " * (i % 9 + 1)} for i in range(n)]
+
+
+@pytest.fixture
+def mb_shards(monkeypatch):
+    """Shards of 256 KB, and a pool for any input: a file of a few MB is several shards."""
+    monkeypatch.setattr(sources, "SHARD_BYTES", 256 << 10)
+    monkeypatch.setattr(sharded, "POOL_MIN_BYTES", 0)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "datasets"])
+def test_a_parquet_file_or_datasets_folder_of_a_few_mb_is_cut_by_bytes_and_tokenized_in_parallel(
+        tmp_path, monkeypatch, mb_shards, kind):
+    """A ~2.5 MB Parquet file of one row group (or a `datasets` folder of one .arrow file) is
+    ~10 shards of about SHARD_BYTES, tokenized by 2 processes into the store 1 process builds."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    rows = rows_of_text(25_000)
+    if kind == "parquet":
+        data = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=len(rows))
+        assert pq.ParquetFile(data).num_row_groups == 1
+    else:
+        data = tmp_path / "ds"
+        datasets.Dataset.from_list(rows).save_to_disk(str(data))
+        assert len(list(data.glob("*.arrow"))) == 1
+    shards = sources.plan([(str(data), 0.05)], "auto", "text", 0)[0]
+    assert len(shards) >= 8 and all(s.nbytes <= 2 * sources.SHARD_BYTES for s in shards)
+    assert [(s.start, s.stop) for s in shards] == list(zip([0] + [s.stop for s in shards[:-1]],
+                                                           [s.stop for s in shards]))  # every row once, in order
+    assert shards[-1].stop == len(rows)
+    one = build(tmp_path / "h1", monkeypatch, [data], workers=1, holdout=0.05)
+    events, seen = collect()
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h2"))
+    cfg = DataConfig(files=[str(data)], tokenize_workers=2)
+    two = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), events, EvalConfig(holdout=0.05)).parent.parent
+    assert any(e.message == f"tokenizing {len(shards)} of {len(shards)} shard(s) with 2 process(es)" for e in seen)
+    assert contents(one) == contents(two)
+    info = json.loads((one / "info.json").read_text())
+    assert info["train"]["documents"] + info["eval"]["documents"] == len(rows)
+
+
+def test_progress_says_records_mb_per_second_and_the_time_left(tmp_path, monkeypatch, small_shards):
+    monkeypatch.setattr("ember.train.progress.PROGRESS_SECONDS", 0.0)  # a line after every shard
+    files = [jsonl(tmp_path / "a.jsonl", TEXTS), jsonl(tmp_path / "b.jsonl", TEXTS[::-1])]
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
+    events, seen = collect()
+    cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=2)
+    tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), events)
+    lines = [e for e in seen if e.kind == "tokenizing"]
+    total = sum(f.stat().st_size for f in files)
+    assert len(lines) == len(sources.plan([(str(f), 0.0) for f in files], "auto", "text", 0)[0]) > 4
+    assert [e.data["records"] for e in lines] == sorted(e.data["records"] for e in lines)
+    last = lines[-1].data
+    assert last["records"] == 120 and last["bytes"] == last["total_bytes"] == total and last["eta_seconds"] == 0
+    assert all(e.data["mb_per_second"] > 0 and e.data["eta_seconds"] >= 0 for e in lines)
+    assert all(" MB/s, ETA " in e.message and "records" in e.message for e in lines)
+    assert any(e.kind == "info" and e.message.startswith("tokenized 120 records") for e in seen)

@@ -1,0 +1,133 @@
+"""What the data files hold, as the token store sees it: a .txt file's held-out share in
+blocks, every bad record listed at once (file:line and field), an empty file named."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.errors import EmberError
+from ember.models import BYTE_EOS
+from ember.recipe import DataConfig, EvalConfig
+from ember.train import sources, tokenize as sharded
+from ember.train.data import data_fingerprint, tokenize
+from ember.train.model import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def build(home: Path, monkeypatch, files: list[Path], workers: int = 1, holdout: float = 0.0) -> Path:
+    monkeypatch.setenv("EMBER_HOME", str(home))
+    cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=workers)
+    return tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=holdout)).parent.parent
+
+
+def documents(store: Path, split: str) -> list[str]:
+    tokens, starts = np.load(store / split / "tokens.npy"), np.load(store / split / "docs.npy")
+    return [bytes(t for t in tokens[a:b].tolist() if t != BYTE_EOS).decode() for a, b in zip(starts[:-1], starts[1:])]
+
+
+def test_a_single_txt_file_holds_out_the_share_in_blocks(tmp_path, monkeypatch):
+    text = "".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000))  # ~200 KB
+    (tmp_path / "book.txt").write_text(text)
+    store = build(tmp_path / "h", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
+    held, kept = documents(store, "eval"), documents(store, "train")
+    share = sum(map(len, held)) / len(text)
+    assert 0.04 < share < 0.06, share  # ~5%, not 0% or 100%
+    assert len(held) >= 5 and sum(map(len, held + kept)) == len(text)  # every byte in one split, once
+    for doc in held + kept:  # blocks and runs of blocks, cut at line ends
+        at = text.index(doc)
+        assert (at == 0 or text[at - 1] == "\n") and doc.endswith("\n")
+    train = "".join(kept)
+    assert not any(doc.splitlines()[0] in train.splitlines() for doc in held)  # no held-out line is trained on
+    again = build(tmp_path / "h2", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
+    assert documents(again, "eval") == held  # a pure function of the text and the seed
+
+
+def test_a_txt_file_too_short_to_hold_out_the_share_is_refused_with_the_reason(tmp_path, monkeypatch):
+    (tmp_path / "note.txt").write_text("a short note\nof three lines\nonly\n")
+    with pytest.raises(EmberError, match=r"\[eval\] holdout = 0.05: .*note.txt .*gives 1 block\(s\), too few "
+                                         r"to hold out 5.0% of the text"):
+        build(tmp_path / "h", monkeypatch, [tmp_path / "note.txt"], holdout=0.05)
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    monkeypatch.setattr(sources, "SHARD_BYTES", 300)
+    monkeypatch.setattr(sharded, "POOL_MIN_BYTES", 0)
+
+
+def test_every_bad_record_is_listed_with_its_line_and_field(tmp_path, monkeypatch, small_shards):
+    """30 bad lines among 90, over several shards: one error counts them all and lists the
+    first 20 in file order, each with file:line and what is wrong; the same for any worker count."""
+    lines, bad = [], []
+    for i in range(1, 91):
+        if i % 3:
+            lines.append(json.dumps({"text": f"record {i}"}))
+            continue
+        bad.append(i)
+        lines.append(['{"text": "cut', json.dumps({"txt": "x"}), json.dumps({"text": i})][i // 3 % 3])
+    f = tmp_path / "a.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    messages = []
+    for workers in (1, 2):
+        with pytest.raises(EmberError) as e:
+            build(tmp_path / f"h{workers}", monkeypatch, [f], workers=workers)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    message = messages[0]
+    assert message.startswith("30 bad records in the data files") and message.endswith("... and 10 more")
+    assert [int(n) for n in re.findall(r"a\.jsonl:(\d+):", message)] == bad[:20]
+    assert f"a.jsonl:3: no string field 'text'" in message
+    assert f"a.jsonl:6: no string field 'text'" in message  # {"text": 6}: not a string
+    assert f"a.jsonl:9: not valid JSON" in message
+
+
+def test_bad_chat_and_parquet_records_name_the_field(tmp_path, monkeypatch, small_shards):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    chats = [ok] * 5 + [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}] \
+        + [ok] * 5 + [{"messages": []}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    with pytest.raises(EmberError, match=r"(?s)2 bad records.*c\.jsonl:6: messages\[1\]\.role = 'robot'.*"
+                                         r"c\.jsonl:12: field 'messages' must be a non-empty list"):
+        build(tmp_path / "h1", monkeypatch, [tmp_path / "c.jsonl"], workers=2)
+    rows = [{"text": "fine"}, {"text": "also fine"}, {"text": None}, {"text": "ok"}, {"text": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet", row_group_size=2)
+    with pytest.raises(EmberError, match=r"(?s)2 bad records.*bad\.parquet:row 2: no string field 'text'.*"
+                                         r"bad\.parquet:row 4: no string field 'text'"):
+        build(tmp_path / "h2", monkeypatch, [tmp_path / "bad.parquet"])
+
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", ""), ("blank.jsonl", "\n \n"), ("empty.txt", ""),
+                                          ("blank.txt", "\n\n"), ("empty.parquet", None)])
+def test_an_empty_data_file_is_refused_by_name(tmp_path, monkeypatch, name, content):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "a record"}) + "\n")
+    empty = tmp_path / name
+    if content is None:
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty)
+    else:
+        empty.write_text(content)
+    with pytest.raises(EmberError, match=rf"\[data\] files: .*{re.escape(name)} holds no records \(it is empty, "
+                                         rf"or blank\); fill it, or take it out of \[data\] files"):
+        build(tmp_path / "h", monkeypatch, [good, empty])
+
+
+def test_a_first_record_of_no_known_format_is_listed_with_the_others(tmp_path, monkeypatch):
+    """The format comes from the first record that has one; a file where none has is refused."""
+    f = tmp_path / "a.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [{"body": "x"}, {"text": "ok"}, {"body": "y"}]))
+    with pytest.raises(EmberError, match=r"(?s)2 bad records.*a\.jsonl:1: no string field 'text'.*a\.jsonl:3: "):
+        build(tmp_path / "h1", monkeypatch, [f])
+    f.write_text("".join(json.dumps(r) + "\n" for r in [{"body": "x"}, {"body": "y"}]))
+    with pytest.raises(EmberError, match=r"a\.jsonl:1: no 'messages' \(chat\), 'prompt' and 'completion', or 'text' "
+                                         r"\(text\) field in any record"):
+        build(tmp_path / "h2", monkeypatch, [f])
