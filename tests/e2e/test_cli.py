@@ -43,6 +43,11 @@ def test_empty_dataset(tmp_path):
     empty.write_text("\n")
     recipe = write_recipe(tmp_path, data={"files": [str(empty)]})
     assert_clean_error(run_ember("run", recipe, "--out", tmp_path / "o"),
+                       f"{empty} holds no records (it is empty, or blank)")
+    short = tmp_path / "short.jsonl"  # records, but not one sequence's worth of tokens
+    short.write_text('{"text": "hi"}\n')
+    recipe = write_recipe(tmp_path, data={"files": [str(short)]})
+    assert_clean_error(run_ember("run", recipe, "--out", tmp_path / "o2"),
                        "fewer than one sequence of seq_len = 32")
 
 

@@ -221,9 +221,9 @@ def test_rerunning_a_completed_run_adds_no_attempt(tmp_path):
 # 6 ----------------------------------------------------------------------------------------------
 
 def test_a_failed_start_is_not_an_interruption(tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    bad = write_recipe(tmp_path / "bad", data={"files": [str(empty)]}, train={"max_steps": 2})
+    short = tmp_path / "short.jsonl"  # fails once the run has started: not one sequence of tokens
+    short.write_text('{"text": "hi"}\n')
+    bad = write_recipe(tmp_path / "bad", data={"files": [str(short)]}, train={"max_steps": 2})
     ledger = tmp_path / "ledger.db"
     assert_refused(run_ember("run", bad, "--out", tmp_path / "o", "--ledger", ledger))
     rows = ledger_attempts(ledger) if ledger.exists() else []
