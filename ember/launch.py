@@ -149,7 +149,11 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
         outcome.code = train(job, stop)
         if not job.world.main:  # rank 0 reports and records the run
             job.world.close()
-            return outcome
+            # Everything this rank wrote is durable (the commit is collective): leave without the
+            # interpreter's teardown, as rank 0 does (fast_exit). Torn down, a gloo rank's threads
+            # were once destroyed still joinable: "terminate called without an active exception",
+            # SIGABRT after a completed run (test_ranks_killed_at_random_moments…[fsdp]).
+            fast_exit(outcome.code)
     except EmberError as e:  # bad input, out of memory, a disk that stays full: the user can act
         job.ledger.finish("failed", str(e))
         _record_summary(job)
