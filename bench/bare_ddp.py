@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from ember.ckpt.state import DataCursor  # noqa: E402
 from ember.recipe import load_recipe  # noqa: E402
-from ember.train.data import PackedBatches, data_fingerprint, tokenize  # noqa: E402
+from ember.data.loader import PackedBatches, data_fingerprint, tokenize  # noqa: E402
 from ember.train.model import load_model  # noqa: E402
 
 WARMUP = 5

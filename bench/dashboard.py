@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ember.ledger import store  # noqa: E402
+from ember.ledger import database as store  # noqa: E402
 from tests.web.runs import make_run  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

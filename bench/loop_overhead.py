@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ember.ckpt.state import seed_all  # noqa: E402
 from ember.recipe import build_recipe  # noqa: E402
-from ember.train.data import make_loader  # noqa: E402
+from ember.data.loader import make_loader  # noqa: E402
 from ember.train.job import prepare  # noqa: E402
 from ember.train.loop import train  # noqa: E402
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from ember.ckpt.state import DataCursor  # noqa: E402
 from ember.events import Events  # noqa: E402
 from ember.recipe import build_recipe  # noqa: E402
-from ember.train.data import PackedBatches, eval_tokens  # noqa: E402
+from ember.data.loader import PackedBatches, eval_tokens  # noqa: E402
 from ember.train.evaluate import evaluating, split_loss  # noqa: E402
 from ember.train.job import prepare  # noqa: E402
 from ember.train.loop import train  # noqa: E402

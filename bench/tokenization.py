@@ -62,7 +62,7 @@ def child(tool: str, corpus: str, folder: str, cache: str) -> None:
         import numpy as np
 
         from ember.recipe import DataConfig
-        from ember.train.data import data_fingerprint, tokenize
+        from ember.data.loader import data_fingerprint, tokenize
         from ember.train.model import HFTokenizer
         os.environ["EMBER_HOME"] = cache
         hf = HFTokenizer(tok)

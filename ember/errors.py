@@ -1,7 +1,7 @@
 """The project's exceptions for errors a user can cause, by meaning, and ember's exit codes.
 
 Library code raises the class that says what went wrong; the CLI maps them to exit codes
-(ember.cli.main.exit_code) and the web layer to HTTP statuses (ember.web.errors), each in one place.
+(ember.cli.main.exit_code) and the web layer to HTTP statuses (ember.web.error_responses), each in one place.
 
     BadInput      the request or an argument is malformed or out of range: fix it and ask again
     NotFound      what it names (a job, a run, a file) does not exist

@@ -22,7 +22,7 @@ from ember.ckpt.store import CheckpointStore
 from ember.doctor.preflight import Check, preflight
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
-from ember.ledger.store import Ledger
+from ember.ledger.database import Ledger
 from ember.lock import acquire
 from ember.metrics.report import RunReport, build_report, summarize
 from ember.plan.devices import detect_devices
@@ -32,8 +32,8 @@ from ember.ranks import PEER_LOST, Topology, launch
 from ember.metrics.compare import Comparison
 from ember.recipe import Recipe, load_recipe, to_toml
 from ember.supervise import supervise
-from ember.train.data import data_file_hashes
-from ember.train.rundir import LOCK_FILE, RunDir, make_folder
+from ember.data.loader import data_file_hashes
+from ember.runfolder import LOCK_FILE, RunDir, make_folder
 from ember.world import launched, lost_peer, tell_launcher
 
 
@@ -87,7 +87,7 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
     req.topology.check()  # bad flags are refused whatever the run folder holds
     launcher = req.topology.world > 1 and not launched()  # this process starts the ranks
     if launcher:
-        from ember.train.parallel import check_distributed
+        from ember.train.sharding import check_distributed
         check_distributed(recipe, req.topology.world, str(req.recipe_file))
     done = completed_step(req.out, recipe)
     if done is not None:  # nothing is loaded, no attempt is logged, the figures stay as they are

@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 LAYERS = [
     {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "control", "world"},  # base
     {"recipe", "models"},
-    {"ckpt", "ledger", "metrics"},
-    {"train", "plan", "policy", "infer"},
+    {"ckpt", "ledger", "metrics", "runfolder"},
+    {"data", "train", "plan", "policy", "infer"},
     {"doctor", "launch", "ranks", "supervise", "sched", "remote"},
     {"cli", "web"},
     {"__main__"},  # `python -m ember`: the entry point, above everything
 ]
-NEVER = {("train", "plan"), ("plan", "train")}  # training and planning do not import each other
+NEVER = {("train", "plan"), ("plan", "train"),  # training and planning do not import each other
+         ("data", "train"), ("data", "plan")}  # the data pipeline sits below training
 
 
 def component(module: str) -> str:

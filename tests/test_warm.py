@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.train.rundir import LOCK_FILE
+from ember.runfolder import LOCK_FILE
 from tests import warm
 from tests.helpers import ROOT, ember_cmd, write_recipe
 

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ember.cli.render import stderr_events
-from ember.ledger import store as ledger_store
+from ember.ledger import database as ledger_store
 from ember.metrics.compare import VERDICT_EXIT, Comparison, compare_folders
 from ember.metrics.report import RunReport, build_report, resolve_run, summary_line
 
@@ -53,7 +53,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     path = resolve_run(args.run, con)
     report = build_report(path, con)
     if args.plots:
-        from ember.metrics.plots import write_plots
+        from ember.metrics.report_plots import write_plots
         report.plots = [str(p) for p in write_plots(report, path, args.plots)]
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, default=str))

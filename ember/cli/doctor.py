@@ -74,7 +74,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
     import tempfile
 
     from ember.doctor.comm import measure
-    from ember.ledger import comm, store
+    from ember.ledger import comm_rows as comm, database as store
     from ember.ranks import Topology
     topology = Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv)
     topology.check()

@@ -229,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ember.cli.render import keep_output_in, stderr_events
     from ember.launch import PreflightFailed, RunRequest, fast_exit, run
     from ember.ranks import Topology
-    from ember.train.rundir import CONSOLE_LOG
+    from ember.runfolder import CONSOLE_LOG
     hf_logging.disable_progress_bar()
     keep_output_in(args.out / CONSOLE_LOG)  # a closed pipe or a hung-up terminal: training goes on
     req = RunRequest(args.recipe, args.out, args.overrides, args.allow_recipe_change, args.restarts,

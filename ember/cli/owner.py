@@ -37,7 +37,7 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ember.sched.owner import load_rules, owner_file
+    from ember.sched.owner_rules import load_rules, owner_file
     from ember.sched.owner_reference import resolved
     path = args.path or owner_file()
     err, out = Console(stderr=True, soft_wrap=True), Console(soft_wrap=True)

@@ -48,7 +48,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ember.doctor.planning import PlanRequest, plan_recipe
+    from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
     result = plan_recipe(PlanRequest(args.recipe, args.overrides, args.target_micro_batch, args.calibrate,
                                      args.device_memory, args.ledger, args.apply), stderr_events())
     if args.json:

@@ -199,7 +199,7 @@ def print_decision(decided: Any) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from ember.ledger import audit
-    from ember.ledger import store as ledger_store
+    from ember.ledger import database as ledger_store
     chain, problems = audit.check_log(ledger_store.connect(args.ledger))
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in chain], "problems": problems}, indent=1))

@@ -109,7 +109,7 @@ def job_name(text: str) -> str:
 
 
 def request(method: str, path: str, body: dict | None = None, timeout: float = 30.0) -> Any:
-    """Call the running service; its error answers (ember.web.errors) become EmberErrors with its message."""
+    """Call the running service; its error answers (ember.web.error_responses) become EmberErrors with its message."""
     import httpx
 
     from ember.web.server import client_target

@@ -3,7 +3,7 @@ use, the way the run would use it: ranks started by torchrun's launcher (ember.r
 backend (gloo on CPU, NCCL on CUDA), all-reduce, all-gather and reduce-scatter at message sizes
 from 4 KiB to 16 MiB. Each size is timed a few times after a warm-up, every rank between two
 barriers, and the slowest rank's time is the collective's. Latency and bandwidth are fitted per
-collective (ember.plan.parallel.fit) and stored in the ledger, where `ember plan` finds them.
+collective (ember.plan.advisor.fit) and stored in the ledger, where `ember plan` finds them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ember.errors import EXIT_OK, EmberError
 from ember.events import Events
-from ember.ledger.comm import InterconnectRow
-from ember.plan.parallel import Interconnect, Link, fit
+from ember.ledger.comm_rows import InterconnectRow
+from ember.plan.advisor import Interconnect, Link, fit
 from ember.ranks import Topology, launch
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]   # bytes

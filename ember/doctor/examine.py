@@ -70,7 +70,7 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
     r = load_recipe(target, overrides) if target.is_file() else None
     # Only now torch and the rest (seconds on a busy machine): a mistyped argument fails at once.
     from ember.doctor.experiments import Budget, run_all
-    from ember.ledger import store as ledger_store
+    from ember.ledger import database as ledger_store
     from ember.metrics.report import build_report
     run_report = None
     if r is None:
@@ -87,7 +87,7 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
         x.saving_cost = x.saving_share * cost if cost else None
     out = DoctorReport(headline(figures, run_report), findings, figures, cost, skipped)
     if plots is not None:
-        from ember.doctor.plots import plot
+        from ember.doctor.figure import plot
         out.plots = [str(p) for p in plot(figures, findings, plots)]
     out.seconds = time.monotonic() - started
     if run_report is not None:  # the run's page shows the newest diagnosis

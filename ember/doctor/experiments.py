@@ -566,7 +566,7 @@ def loader(i: InputFigures | None, sw: SweepFigures | None, r: Recipe, job: Job,
     micro-batch at the recipe's micro batch and at the sweep's; then the loader workers that
     would keep up with the model."""
     from ember.ckpt.state import DataCursor
-    from ember.train.data import PackedBatches, make_loader, resolve_packing
+    from ember.data.loader import PackedBatches, make_loader, resolve_packing
     sizes = [r.train.micro_batch] + ([p.micro_batch for p in sw.points] if sw is not None else [])
     start = 0.2 + 0.3 * shape.workers  # the workers' start-up, each time
     rates = {}

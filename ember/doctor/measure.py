@@ -31,7 +31,7 @@ from ember.recipe import Recipe
 def synthetic(batch: Any) -> Any:
     """Stands in for the loop's Data: the same in-memory micro-batch (a MicroBatch, or a tensor
     of token ids), forever."""
-    from ember.train.data import MicroBatch
+    from ember.data.loader import MicroBatch
     batch = MicroBatch(batch) if isinstance(batch, torch.Tensor) else batch
     return SimpleNamespace(iter=itertools.repeat((0, batch)), batches=SimpleNamespace(first_ordinal=0),
                            advance=lambda micro_batches: 0, close=lambda: None)
@@ -88,7 +88,7 @@ def build_for_measurement(r: Recipe) -> tuple[Any, torch.device]:
 def loader_rate(r: Recipe, tokens_path: Path, batches: int = 50) -> float:
     """Micro-batches per second the input pipeline delivers with nothing consuming them."""
     from ember.ckpt.state import DataCursor
-    from ember.train.data import PackedBatches, make_loader, resolve_packing
+    from ember.data.loader import PackedBatches, make_loader, resolve_packing
     packed = PackedBatches(tokens_path, r.data.seq_len, r.train.micro_batch, r.train.seed, DataCursor(),
                            *resolve_packing(r.data, tokens_path))
     loader = make_loader(packed, batches, r.data.workers, pin=False)

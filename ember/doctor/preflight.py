@@ -28,7 +28,7 @@ from ember.metrics.compare import weight_differences
 from ember.paths import scratch_dir
 from ember.plan.planner import make_plan
 from ember.recipe import Recipe
-from ember.train.data import data_fingerprint, tokenize
+from ember.data.loader import data_fingerprint, tokenize
 
 INPUT_HEADROOM = 1.2  # the loader should deliver at least this many times what the model uses
 

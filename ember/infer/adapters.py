@@ -22,7 +22,7 @@ from ember.events import Events
 from ember.infer.runs import BASE, find_runs  # noqa: F401  (re-exported: the engine's names)
 from ember.models import resolve_path
 from ember.recipe import MethodConfig
-from ember.train.rundir import RUN_FILE, RunDir
+from ember.runfolder import RUN_FILE, RunDir
 
 
 class RequestError(EmberError):

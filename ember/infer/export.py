@@ -38,8 +38,9 @@ from ember.metrics.heldout import history as held_out_history
 from ember.models import model_folder
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
-from ember.train.model import ByteTokenizer, Tokenizer, load_model, load_tokenizer
-from ember.train.rundir import RUN_FILE, RunDir, remote_job
+from ember.data.tokenizer import Tokenizer
+from ember.train.model import ByteTokenizer, load_model, load_tokenizer
+from ember.runfolder import RUN_FILE, RunDir, remote_job
 
 FORMATS = ("hf", "peft", "gguf")
 DTYPES = {"f16": torch.float16, "f32": torch.float32}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ember.train.rundir import RUN_FILE
+from ember.runfolder import RUN_FILE
 
 BASE = "base"
 

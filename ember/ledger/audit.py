@@ -3,7 +3,7 @@ recipe's hash, the datasets with their fingerprints, the target, the limits, the
 decision and its reasons). Rows are only ever appended: triggers refuse UPDATE and DELETE, and
 each row carries the SHA-256 of its own fields and of the row before it, so a row edited, removed
 or inserted behind SQLite's back breaks the chain (`verify`). What a chain cannot show alone is
-rows cut from its end; remote jobs name the audit row that let them go (ember.ledger.remote), and
+rows cut from its end; remote jobs name the audit row that let them go (ember.ledger.remote_rows), and
 `verify` checks those too. Only SQL and the hashing live here."""
 
 from __future__ import annotations

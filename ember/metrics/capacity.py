@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember.errors import EmberError
-from ember.ledger import store as ledger_store
+from ember.ledger import database as ledger_store
 from ember.metrics.machine import machine_file, read_machine
 
 HOURS_PER_YEAR = 365.25 * 24

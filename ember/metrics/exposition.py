@@ -33,7 +33,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ember.jsonl import read_jsonl
-from ember.ledger import store as ledger_store
+from ember.ledger import database as ledger_store
 from ember.ledger.goodput import Goodput, Step
 from ember.metrics.flops import mfu
 from ember.metrics.report import goodput_so_far

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.errors import EmberError, NotFound
-from ember.ledger.store import attempts
+from ember.ledger.database import attempts
 from ember.metrics.report import list_runs, pid_alive
 
 SORT_KEYS = ("created", "id", "name", "status", "steps", "progress", "tokens_per_second_per_device", "mfu",

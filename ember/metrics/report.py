@@ -16,15 +16,15 @@ from typing import Any
 from ember.ckpt.store import committed_in
 from ember.errors import EmberError, NotFound
 from ember.jsonl import read_jsonl
-from ember.ledger import store as ledger_store
-from ember.ledger.store import AttemptRow
+from ember.ledger import database as ledger_store
+from ember.ledger.database import AttemptRow
 from ember.ledger.goodput import Event, Goodput, Span, Step, account
 from ember.metrics.cost import Prices, cost
 from ember.metrics.flops import mfu, share_of_peak
-from ember.metrics.ranks import RanksSummary
+from ember.metrics.rank_times import RanksSummary
 from ember.metrics.heldout import generations
 from ember.metrics.heldout import history as held_out_history
-from ember.metrics.ranks import load as load_ranks
+from ember.metrics.rank_times import load as load_ranks
 from ember.metrics.machine import read_machine
 from ember.metrics.stats import Histogram, Spread, Stall, histogram, spread, stalls
 
@@ -95,7 +95,7 @@ class CostInfo:
 
 @dataclass
 class DataInfo:
-    """What the training data holds to learn (run.json's data notes, ember.train.truncation)."""
+    """What the training data holds to learn (run.json's data notes, ember.data.truncation)."""
     format: str
     records: int
     learned: int               # learned tokens per epoch, after truncation and packing

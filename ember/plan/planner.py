@@ -19,7 +19,7 @@ from ember.metrics.peaks import select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, model_config
 from ember.plan.devices import Device, detect_devices, host_memory
-from ember.plan.parallel import Advice
+from ember.plan.advisor import Advice
 from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, trainable_params
 from ember.plan.remedies import Remedy, architecture, fits, remedies, train_shape
 from ember.recipe import Recipe

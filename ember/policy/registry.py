@@ -41,7 +41,7 @@ from pathlib import Path
 from ember.durable import sha256_file
 from ember.errors import EmberError
 from ember.ledger import audit
-from ember.ledger import store as ledger_store
+from ember.ledger import database as ledger_store
 from ember.paths import cached_sha256, ember_home
 from ember.recipe import build_section, did_you_mean, read_toml, setting
 

@@ -1,5 +1,5 @@
 """The remote job state machine, and bringing a job's results back. This module is the only one
-allowed to change a remote job's state (ember.ledger.remote.set_state); it is driven by what
+allowed to change a remote job's state (ember.ledger.remote_rows.set_state); it is driven by what
 Slurm says (ember.remote.slurm) and by the outcome the job wrote itself (ember.remote.allocation).
 
     staging ──sbatch──> pending ──its allocation starts──> running
@@ -35,9 +35,9 @@ from typing import Any
 
 from ember.errors import EmberError
 from ember.events import Events
-from ember.ledger import remote as rows
-from ember.ledger import store as ledger_store
-from ember.ledger.remote import RemoteJobRow
+from ember.ledger import remote_rows as rows
+from ember.ledger import database as ledger_store
+from ember.ledger.remote_rows import RemoteJobRow
 from ember.metrics.report import build_report
 from ember.remote import slurm
 from ember.remote.script import OUTCOME_FILE, run_folder

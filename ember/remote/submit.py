@@ -35,8 +35,8 @@ from ember.durable import sha256_file
 from ember.errors import Conflict, EmberError, Refused
 from ember.events import Events
 from ember.ledger import audit
-from ember.ledger import remote as rows
-from ember.ledger import store as ledger_store
+from ember.ledger import remote_rows as rows
+from ember.ledger import database as ledger_store
 from ember.paths import check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
 from ember.policy.registry import Registry, contents_of, fingerprint_files, holdings, load_registry
@@ -46,7 +46,7 @@ from ember.remote import jobs, slurm, stage
 from ember.remote.script import (ALLOCATIONS_FILE, DATA_SUMS, OUTCOME_FILE, SCRIPT_FILE, SPEC_FILE, JobSpec,
                                  batch_script, time_minutes)
 from ember.remote.shell import Shell
-from ember.train.rundir import mark_remote, remote_job
+from ember.runfolder import mark_remote, remote_job
 
 
 @dataclass
@@ -129,7 +129,7 @@ def predict(req: RemoteRequest, target: Target, events: Events) -> Prediction:
     """`ember plan` for the target: its device's peak and price. Device-hours are one device's
     predicted wall-clock (ideal scaling: n devices take 1/n of the time each); the wall time is
     those device-hours over the job's devices."""
-    from ember.doctor.planning import PlanRequest, plan_recipe
+    from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
     sets = [f"cost.device_hour_price={target.price}", "cost.devices=1", "cost.watts=0"]
     sets += [f"cost.peak_tflops={target.peak_tflops}"] * (target.peak_tflops > 0)
     sets += ["train.device=cpu"] * (target.device == "cpu")

@@ -1,5 +1,5 @@
 """The job state machine. This module is the only one allowed to change a job's state (a test
-checks that no other module calls ember.ledger.jobs.set_state); the service calls `move`.
+checks that no other module calls ember.ledger.job_rows.set_state); the service calls `move`.
 
     queued ──admitted──> starting ──attempt registered──> running
     running <──soft pause / lifted──> soft-paused
@@ -22,7 +22,7 @@ checks that no other module calls ember.ledger.jobs.set_state); the service call
 A queued job with a `hold` ("user": ember pause --hard; "yield": ember yield) is not admitted
 until the hold is lifted. completed, failed and cancelled are final: no process, and the
 scheduler never moves them; only a hand's requeue or purge does. The service calls `remove` to
-purge (a test checks that no other module calls ember.ledger.jobs.remove).
+purge (a test checks that no other module calls ember.ledger.job_rows.remove).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import sqlite3
 from typing import Any
 
 from ember.errors import EmberError
-from ember.ledger import jobs as rows
-from ember.ledger.jobs import JobRow
+from ember.ledger import job_rows as rows
+from ember.ledger.job_rows import JobRow
 
 STATES = ("queued", "starting", "running", "soft-paused", "preempting", "completed", "failed", "cancelled")
 FINAL = ("completed", "failed", "cancelled")  # ended: no process; only a hand requeues or purges them

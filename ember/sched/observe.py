@@ -18,7 +18,7 @@ from collections import deque
 
 import psutil
 
-from ember.sched.owner import Observation, OwnerRules
+from ember.sched.owner_rules import Observation, OwnerRules
 from ember.sched.resources import foreign_accelerator_pids
 
 

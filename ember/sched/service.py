@@ -32,15 +32,15 @@ from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
 from ember.events import Events
 from ember.infer.runs import BASE, lora_run
-from ember.ledger import jobs as rows
-from ember.ledger.jobs import JobRow
-from ember.ledger.store import connect, default_path, latest_run_at
+from ember.ledger import job_rows as rows
+from ember.ledger.job_rows import JobRow
+from ember.ledger.database import connect, default_path, latest_run_at
 from ember.paths import check_name, default_run_folder, ember_home, name_from
-from ember.sched import admission, owner, process
+from ember.sched import admission, owner_rules as owner, process
 from ember.sched.inference import Gate
 from ember.sched.jobs import FINAL, LIVE, move, remove
 from ember.sched.observe import Observer
-from ember.sched.planning import plan_json
+from ember.sched.plan_child import plan_json
 from ember.sched.resources import Machine, detect
 
 TICK_SECONDS = 0.1
@@ -739,14 +739,14 @@ def last_step_time(out: Path) -> float:
 
 
 def last_outcome(con: sqlite3.Connection, out: Path) -> str | None:
-    from ember.ledger.store import run_attempt_outcomes
+    from ember.ledger.database import run_attempt_outcomes
     outcomes = run_attempt_outcomes(con, out)
     return outcomes[-1] if outcomes else None
 
 
 def failure_cause(con: sqlite3.Connection, out: Path, log: Path, code: int) -> str:
     """Why a job failed: the ledger's last attempt detail, else the last line of its log."""
-    from ember.ledger.store import run_attempt_details
+    from ember.ledger.database import run_attempt_details
     details = [d for d in run_attempt_details(con, out) if d]
     if details:
         return details[-1]
@@ -759,6 +759,6 @@ def failure_cause(con: sqlite3.Connection, out: Path, log: Path, code: int) -> s
 
 
 def run_goodput(con: sqlite3.Connection, out: str) -> float | None:
-    from ember.ledger.store import summary_for_path
+    from ember.ledger.database import summary_for_path
     s = summary_for_path(con, Path(out))
     return s.get("goodput") if s else None

@@ -2,7 +2,7 @@
 and greedy completions of the recipe's prompts (kept in OUT/eval/step-N.json with the figures,
 and in OUT/eval/generations.jsonl).
 
-The eval split is made when the data is tokenized (ember.train.data: a seeded hash of each
+The eval split is made when the data is tokenized (ember.data.loader: a seeded hash of each
 document's content, or separate files), so no held-out document is ever in the training
 stream. Every row of the split is read once, in storage order, packed as training packs. The
 loss is the sum over all learned tokens divided by their count, so a row with more learned
@@ -33,8 +33,8 @@ from ember.device import autocast
 from ember.durable import write_durable
 from ember.jsonl import read_jsonl
 from ember.metrics.heldout import EVAL_DIR, GENERATIONS
-from ember.train.data import PackedBatches, eval_tokens, resolve_packing, store_info
-from ember.train.formats import prompt_tokens
+from ember.data.loader import PackedBatches, eval_tokens, resolve_packing, store_info
+from ember.data.formats import prompt_tokens
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Evaluator:
     def generate(self, step: int) -> list[dict[str, Any]]:
         """Greedy completions of [eval] prompts by the live model (no sampling: reproducible),
         each prompt rendered as the training records were (a chat run's through the chat
-        template, with its generation prompt: ember.train.formats.prompt_tokens); the
+        template, with its generation prompt: ember.data.formats.prompt_tokens); the
         unwrapped model, so one rank can generate alone (DDP replicas are whole)."""
         job, ev = self.job, self.job.recipe.eval
         if not ev.prompts:

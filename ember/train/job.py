@@ -24,10 +24,10 @@ from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
 from ember.events import Event, Events
 from ember.jsonl import read_jsonl
-from ember.ledger import store as ledger_store
+from ember.ledger import database as ledger_store
 from ember.ledger.history import mtbf_seconds
 from ember.ledger.manifest import build_manifest
-from ember.ledger.store import Ledger, NullLedger
+from ember.ledger.database import Ledger, NullLedger
 from ember.metrics.flops import architecture_of, flops_per_token
 from ember.metrics.peaks import device_name, select_peak
 from ember.models import check_against_model, model_config
@@ -35,13 +35,13 @@ from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.breakdown import StepTimer
 from ember.train.dropout import DropoutKeys, install as install_dropout
-from ember.train.data import (PackedBatches, data_file_hashes, data_fingerprint, eval_tokens, resolve_packing,
+from ember.data.loader import (PackedBatches, data_file_hashes, data_fingerprint, eval_tokens, resolve_packing,
                               store_info, tokenize)
 from ember.train.model import ModelBundle, load_model
-from ember.train.parallel import check_distributed, parallelize, tp_degree, unwrapped
+from ember.train.sharding import check_distributed, parallelize, tp_degree, unwrapped
 from ember.train.parts import build_parts
-from ember.train.rundir import RunDir
-from ember.train.truncation import learning
+from ember.runfolder import RunDir
+from ember.data.truncation import learning
 from ember.world import World, join
 
 
@@ -181,7 +181,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
 def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
     """What the data became (format, packing, counts, long records, the tokens learned after
     the cut and the packing), for run.json; said once. Refuses a training split with no learned
-    token left; warns when many records lose all of theirs (ember.train.truncation)."""
+    token left; warns when many records lose all of theirs (ember.data.truncation)."""
     info = store_info(tokens_path)
     packing, rule = resolve_packing(recipe.data, tokens_path)
     d = recipe.data

@@ -19,19 +19,19 @@ from ember.ckpt.store import CheckpointStore
 from ember.control import PausePoint, from_environment
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
-from ember.metrics import ranks
+from ember.metrics import rank_times as ranks
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
 from ember.train.breakdown import StepTimer
-from ember.train.data import SkippingSampler, make_loader, row_parts
+from ember.data.loader import SkippingSampler, make_loader, row_parts
 from ember.train.dropout import DropoutKeys
 from ember.train.evaluate import Evaluator, evaluating
 from ember.train.job import Job
 from ember.train.loss import causal_lm_loss
 from ember.train.model import save_final, trainable_parameters
-from ember.train.parallel import clip_gradients
-from ember.train.rundir import MetricsLog
+from ember.train.sharding import clip_gradients
+from ember.runfolder import MetricsLog
 from ember.train.scalars import Scalars, open_sinks
 from ember.train.saving import failed_save, record_persisted, save_checkpoint
 from ember.train.signals import StopRequest
@@ -111,7 +111,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
     interval = initial_interval(job)
     attempt_tokens, attempt_seconds, blocked = 0, 0.0, 0.0
     learning_seconds = 0.0  # of the steps that learned tokens: a step without any is no tokens/s figure
-    step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.ranks)
+    step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.rank_times)
     job.model.train()
     job.ledger.event("startup", job.started, time.time(), step=state.step)
     stopping = world.any(stop.requested)[0]  # a signal during start-up: no step, exit 75

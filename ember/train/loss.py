@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def causal_lm_loss(model: nn.Module, batch: Any, loss_chunk: int = 0, normalizer: float | None = None) -> torch.Tensor:
-    """Next-token cross-entropy of a micro-batch (ember.train.data.MicroBatch, or a LongTensor of
+    """Next-token cross-entropy of a micro-batch (ember.data.loader.MicroBatch, or a LongTensor of
     ids): summed over the positions whose next token is learned, divided by `normalizer` (the
     step's learned positions, so a step's micro-batches add up to its token-weighted mean; None:
     this micro-batch's own count, its mean)."""

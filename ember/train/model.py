@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,26 +16,14 @@ from ember.events import Events
 from ember.models import BYTE_EOS, BYTE_VOCAB, model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
-from ember.train.chat import tool_name
+from ember.data.chat import tool_name
+from ember.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
 BYTE_TOKENIZER_FILE = "ember_tokenizer.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
-
-
-class Tokenizer(Protocol):
-    eos_id: int
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                    ) -> tuple[str, list[tuple[int, int]]]: ...
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def fingerprint(self) -> str: ...
-    def save(self, folder: Path) -> None: ...
 
 
 class ByteTokenizer:

@@ -13,7 +13,7 @@ from ember.ckpt.sharded import own_files, write_sharded
 from ember.ckpt.store import MANIFEST
 from ember.errors import EmberError
 from ember.train.job import Job
-from ember.train.rundir import MetricsLog
+from ember.runfolder import MetricsLog
 
 
 def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:

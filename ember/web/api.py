@@ -32,7 +32,7 @@ without either is redirected to /login. Only the owner opens reading and /v1 on 
 owner.toml's `[service] open_on_loopback = true`; bound to loopback, only loopback host names are
 answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
 refused with 400 before routing. Bad requests get a 4xx and change nothing; every error answer,
-here, from the dashboard's routes and from /v1, has the one shape of ember.web.errors, which maps
+here, from the dashboard's routes and from /v1, has the one shape of ember.web.error_responses, which maps
 the library's errors to statuses. /openapi.json (ember.web.openapi) documents the bodies, the
 token and the errors.
 `ember ui` makes the app without a service: the dashboard alone, no /api/jobs and no /v1.
@@ -59,9 +59,9 @@ from ember import __version__
 from ember.errors import BadInput
 from ember.paths import NAME_GRAMMAR
 from ember.sched.service import Service
-from ember.web import errors, security
+from ember.web import error_responses as errors, security
 from ember.web.dashboard import add_dashboard
-from ember.web.errors import error_response, responses
+from ember.web.error_responses import error_response, responses
 from ember.web.openapi import document
 from ember.web.views import Views
 
@@ -233,7 +233,7 @@ def body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
 
 def add_service_routes(app: FastAPI, service: Service, engine_url: str | None, client: httpx.AsyncClient) -> None:
     """The queue's verbs and the inference endpoint. The service's errors say their meaning
-    (ember.errors): ember.web.errors answers them."""
+    (ember.errors): ember.web.error_responses answers them."""
 
     async def read(request: Request, model: type[BaseModel]) -> Any:
         """The body as `model`; an empty body is {}. Any content type is read as JSON."""

@@ -43,7 +43,7 @@ from ember.metrics.report import RunReport
 from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
 from ember.sched.jobs import FINAL, STATES
 from ember.web import security
-from ember.web.errors import LIBRARY, status_of
+from ember.web.error_responses import LIBRARY, status_of
 from ember.web.views import MachinePage, Views
 
 HERE = Path(__file__).parent
@@ -105,7 +105,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
         return HTMLResponse(html, headers={"Cache-Control": "no-store"})
 
     def error_page(request: Request, e: Exception) -> HTMLResponse:
-        """A library error as a page, with the status the JSON API gives it (ember.web.errors)."""
+        """A library error as a page, with the status the JSON API gives it (ember.web.error_responses)."""
         status = status_of(e)
         r = page(request, "error.html", "Error", status=status, message=str(e))
         r.status_code = status

@@ -22,7 +22,7 @@ that carry it (`Authorization: Bearer`; 401 otherwise): its port is on loopback,
 program could otherwise use the model past the service's own token.
 
 `"stream": true` answers text/event-stream: `data: {chunk}` events, then `data: [DONE]`. Errors
-are `{"error": {"message", "type", "param", "code"}}` (ember.web.errors, the service's one shape)
+are `{"error": {"message", "type", "param", "code"}}` (ember.web.error_responses, the service's one shape)
 with a 4xx status when the request is at fault; a bad request changes nothing. A missing `model`
 means `base`.
 """
@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
 from ember.infer.engine import BASE, Engine, Generation, RequestError, Sampling
-from ember.web.errors import error_response
+from ember.web.error_responses import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
 

@@ -1,6 +1,6 @@
 """/openapi.json: FastAPI's document of the routes, completed with what it cannot see from them:
 who may call (ember.web.security: the token, or the dashboard's session and, for a change, its
-CSRF value) and the one error shape of every error answer (ember.web.errors), in place of
+CSRF value) and the one error shape of every error answer (ember.web.error_responses), in place of
 FastAPI's 422 that this API never answers. The document itself needs the token, as every route."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ember.web import security
-from ember.web.errors import TYPES, ErrorBody
+from ember.web.error_responses import TYPES, ErrorBody
 
 MUTATING = {"post", "put", "patch", "delete"}
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}

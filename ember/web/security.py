@@ -10,7 +10,7 @@
                                     rebinding page cannot read the dashboard under its own name)
 
 Reading needs the token or the session too, on every interface, unless the owner set
-`[service] open_on_loopback = true` (ember.sched.owner).
+`[service] open_on_loopback = true` (ember.sched.owner_rules).
 
 The cookie and the CSRF value are HMACs of the token, so they change when the token does and
 nothing more is stored. Every answer carries a Content-Security-Policy that allows scripts, styles

@@ -35,7 +35,7 @@ from ember.events import Events
 from ember.lock import acquire
 from ember.paths import ember_home
 from ember.proc import dies_with_us
-from ember.sched.owner import OwnerRules, load_rules
+from ember.sched.owner_rules import OwnerRules, load_rules
 from ember.sched.process import signal_job, start_time
 from ember.sched.service import Service
 from ember.web.security import WORKER_TOKEN_ENV

@@ -1,6 +1,6 @@
 """What each dashboard page shows, gathered by calling the library the commands call; the HTML
 routes render it and the JSON routes return it. No arithmetic here: only which functions and which
-arguments. Errors are the library's, by meaning (ember.errors); ember.web.errors answers them."""
+arguments. Errors are the library's, by meaning (ember.errors); ember.web.error_responses answers them."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 
 from ember.doctor.examine import saved_diagnosis
 from ember.errors import BadInput, NotFound, Unavailable
-from ember.ledger import jobs as job_rows
-from ember.ledger import store as ledger_store
+from ember.ledger import job_rows as job_rows
+from ember.ledger import database as ledger_store
 from ember.metrics.capacity import CapacityReport, capacity_report
 from ember.metrics.compare import Comparison, compare_folders
 from ember.metrics.listing import RunEntry, run_folder, run_table
 from ember.metrics.report import RunReport, build_report, load_run_record
 from ember.metrics.series import CURVE_FIELDS, Curves, curves
 from ember.recipe import to_toml
-from ember.sched.planning import plan_json
+from ember.sched.plan_child import plan_json
 from ember.sched.resources import Device, detect
 from ember.sched.service import JobView, Service
 

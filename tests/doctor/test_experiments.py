@@ -12,7 +12,7 @@ from ember.doctor import experiments
 from ember.doctor.diagnose import Shape
 from ember.events import Events
 from ember.recipe import load_recipe
-from ember.train.data import MicroBatch
+from ember.data.loader import MicroBatch
 from tests.helpers import write_recipe
 
 

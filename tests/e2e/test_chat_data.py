@@ -183,7 +183,7 @@ def test_keeping_the_answer_learns_at_every_step(tmp_path):
 def test_many_records_losing_all_their_tokens_are_warned_of_on_console_record_and_dashboard(tmp_path):
     from fastapi.testclient import TestClient
 
-    from ember.ledger import store
+    from ember.ledger import database as store
     from ember.web.api import create_app
     data = long_chats(tmp_path, short=32)  # 8 of 40 (20%) lose all their learned tokens
     assert [n > 64 for n in rendered_lengths(data)] == [False] * 32 + [True] * 8
@@ -266,8 +266,8 @@ def test_a_held_out_loss_over_no_tokens_is_no_figure(tmp_path):
 def test_tool_calls_and_completion_records_train_in_one_chat_run(tmp_path):
     """OpenAI tool-call records (tools, tool_calls with content null, tool turns, text parts,
     weight 0) and a file of completion records, in one run: every record a conversation
-    through the template, each learning what ember.train.formats.encode says it learns."""
-    from ember.train.formats import encode
+    through the template, each learning what ember.data.formats.encode says it learns."""
+    from ember.data.formats import encode
     from ember.train.model import ByteTokenizer
     rng = random.Random(2)
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]

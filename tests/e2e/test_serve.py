@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ember.ledger.store import connect, events as ledger_events, find_run
+from ember.ledger.database import connect, events as ledger_events, find_run
 from tests.helpers import assert_same_result, run_ember, wait_until, write_recipe
 from tests.serve_harness import Serve
 

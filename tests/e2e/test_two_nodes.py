@@ -65,5 +65,5 @@ def test_the_measured_interconnect_is_the_shaped_link(tmp_path):
     # 7.8 MB/s was seen) and no more than the link (unshaped, the veth pair is far faster).
     for kind, low in (("all_reduce", 5e6), ("all_gather", 5e6), ("reduce_scatter", 2.5e6)):
         assert low < row["links"][kind]["bandwidth"] < 14e6, (kind, row["links"][kind], row["samples"][kind])
-    from ember.ledger import comm, store
+    from ember.ledger import comm_rows as comm, database as store
     assert comm.newest(store.connect(ledger)).links == row["links"]

@@ -11,8 +11,8 @@ import pytest
 
 from ember.events import collect
 from ember.ledger import audit
-from ember.ledger import remote as remote_rows
-from ember.ledger import store
+from ember.ledger import remote_rows as remote_rows
+from ember.ledger import database as store
 from ember.policy.gate import Limits
 from ember.policy.registry import register
 from ember.remote.submit import RemoteRequest, decide

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ember.errors import EmberError
-from ember.ledger import store
+from ember.ledger import database as store
 
 
 def test_fresh_ledger_is_at_the_current_schema_in_wal_mode(tmp_path):
@@ -56,7 +56,7 @@ def test_attempts_that_died_without_saying_are_closed_as_killed(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
-from ember.ledger import store
+from ember.ledger import database as store
 con = store.connect(Path(sys.argv[1]))
 run = sys.argv[2]
 store.register_run(con, run, Path(run), run, "d", {}, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.ckpt.interval import daly, recommend, young
-from ember.ledger import store
+from ember.ledger import database as store
 from ember.ledger.history import mtbf_from_ledger, mtbf_seconds
 
 

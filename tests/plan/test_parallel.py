@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.plan.memory import ModelShape, TrainShape, estimate
-from ember.plan.parallel import Interconnect, Link, advise, collective_seconds, fit
+from ember.plan.advisor import Interconnect, Link, advise, collective_seconds, fit
 
 MB = 1e6
 

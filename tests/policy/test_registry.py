@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import EmberError
-from ember.ledger import audit, store
+from ember.ledger import audit, database as store
 from ember.policy.registry import (Holding, covering, fingerprint, fingerprint_files, holdings, load_registry, members,
                                    register, verify)
 from ember.policy.targets import load_targets

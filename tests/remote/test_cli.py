@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from ember.ledger import audit, store
+from ember.ledger import audit, database as store
 from tests.helpers import GENESIS, ROOT, ember_cmd, run_ember, write_recipe
 
 

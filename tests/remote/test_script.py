@@ -89,6 +89,6 @@ def test_ended_states_leave_only_through_continue():
 
 
 def test_only_the_state_machine_module_changes_a_remote_jobs_state():
-    """Nothing but ember/remote/jobs.py calls ember.ledger.remote.set_state (however imported)."""
-    callers = callers_of("ember.ledger.remote", "set_state")
+    """Nothing but ember/remote/jobs.py calls ember.ledger.remote_rows.set_state (however imported)."""
+    callers = callers_of("ember.ledger.remote_rows", "set_state")
     assert callers == ["remote/jobs.py"], callers

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ember.ledger import remote as remote_rows
-from ember.ledger import store
+from ember.ledger import remote_rows as remote_rows
+from ember.ledger import database as store
 from ember.policy.registry import register
 from tests.helpers import GENESIS, assert_same_result, run_ember, wait_until, write_recipe
 

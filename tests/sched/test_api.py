@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ember.events import Events
-from ember.ledger import jobs as rows
-from ember.sched.owner import OwnerRules
+from ember.ledger import job_rows as rows
+from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
 from ember.web.server import ensure_token, is_loopback
@@ -172,7 +172,7 @@ def test_a_default_run_folder_that_is_a_link_out_of_the_runs_folder_is_refused(t
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / "runs").mkdir(parents=True)
     (tmp_path / "home" / "runs" / "j").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(Refused, match="outside"):  # answered 403 (ember.web.errors)
+    with pytest.raises(Refused, match="outside"):  # answered 403 (ember.web.error_responses)
         default_run_folder("j")
     assert default_run_folder("k") == (tmp_path / "home" / "runs" / "k").resolve()
     assert name_from("../my recipe (v2)", "7") == "my-recipe-v2-7"

@@ -25,10 +25,10 @@ def test_every_state_is_declared_with_its_transitions_in_the_docstring():
 
 
 def test_only_the_state_machine_module_changes_a_jobs_state():
-    """Nothing but ember/sched/jobs.py calls ember.ledger.jobs.set_state or removes a job's row
+    """Nothing but ember/sched/jobs.py calls ember.ledger.job_rows.set_state or removes a job's row
     (however imported)."""
     for function in ("set_state", "remove"):
-        callers = callers_of("ember.ledger.jobs", function)
+        callers = callers_of("ember.ledger.job_rows", function)
         assert callers == ["sched/jobs.py"], (function, callers)
 
 

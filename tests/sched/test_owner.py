@@ -7,7 +7,7 @@ import pytest
 
 from ember.errors import EmberError
 from ember.sched.observe import WindowMean
-from ember.sched.owner import (RESTART_KEYS, SECTIONS, Hold, Observation, OwnerRules, applies, holds, in_window,
+from ember.sched.owner_rules import (RESTART_KEYS, SECTIONS, Hold, Observation, OwnerRules, applies, holds, in_window,
                                load_rules, merge)
 from ember.sched.owner_reference import reference, settings
 from tests.helpers import ROOT, run_ember

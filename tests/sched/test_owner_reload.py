@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ember.events import Events
-from ember.sched.owner import load_rules
+from ember.sched.owner_rules import load_rules
 from ember.sched.service import Service
 from ember.web.api import create_app
 

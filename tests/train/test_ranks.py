@@ -13,8 +13,8 @@ import pytest
 from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EmberError
 from ember.events import Events, collect
 from ember.recipe import DistributedConfig, Recipe
-from ember.train.data import RankShare, SkippingSampler
-from ember.train.parallel import check_distributed
+from ember.data.loader import RankShare, SkippingSampler
+from ember.train.sharding import check_distributed
 from ember.train.signals import StopRequest
 from ember.train.watchdog import Watchdog, Where, bound_seconds
 from ember.ranks import PEER_LOST, Topology, ended
@@ -39,7 +39,7 @@ def test_ranks_read_disjoint_parts_of_the_one_global_order(ranks):
 def test_rows_of_a_step_share_out_at_any_grad_accum(accum, ranks):
     """grad_accum not a multiple of the ranks: each micro-batch is cut into equal slices of rows
     and the step's slices dealt out; the ranks together train exactly the step's rows, once."""
-    from ember.train.data import row_parts
+    from ember.data.loader import row_parts
     parts, steps = row_parts(accum, ranks), 3
     share = [list(RankShare(SkippingSampler(50, accum * steps, set()), r, ranks, parts)) for r in range(ranks)]
     assert all(len(p) == accum * parts * steps // ranks for p in share)
@@ -162,7 +162,7 @@ def test_topology_flags_are_checked():
 
 def test_the_rank_the_others_wait_for():
     """Rank 1 reads slowly: rank 0 waits for it at the all-reduce, so rank 1 is named, for input."""
-    from ember.metrics.ranks import figures, summarize
+    from ember.metrics.rank_times import figures, summarize
     fast = figures(0, [1.0] * 10, 1000, {"data": 0.5, "forward": 3, "backward": 3, "optimizer": 1, "sync": 2.5})
     slow = figures(1, [1.0] * 10, 1000, {"data": 5.5, "forward": 2, "backward": 2, "optimizer": 0.4, "sync": 0.1})
     s = summarize(2, [fast, slow])

@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ember.events import Events
-from ember.ledger import store
-from ember.sched.owner import OwnerRules
+from ember.ledger import database as store
+from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
 from tests.helpers import run_ember, write_recipe

@@ -1,5 +1,5 @@
 """Runs written the way a training process writes them (run.json, metrics.jsonl, the ledger's rows
-through ember.ledger.store), without training: for runs longer or more numerous than a test can
+through ember.ledger.database), without training: for runs longer or more numerous than a test can
 train (100,000 steps, 1,000 runs), and for figures a test must know exactly (a spike at step S)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from ember.ledger import store
+from ember.ledger import database as store
 from ember.metrics.report import build_report, summarize
 from ember.recipe import Recipe
 from tests.helpers import GENESIS

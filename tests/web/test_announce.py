@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from ember.ledger import store
+from ember.ledger import database as store
 from tests.helpers import ROOT, ember_cmd, wait_until
 from tests.web.test_browser import Ui
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.ledger import store
+from ember.ledger import database as store
 from tests.helpers import ROOT, ember_cmd, write_recipe
 from tests.serve_harness import Serve
 from tests.web.runs import loss_at, make_run, metrics_line
@@ -237,7 +237,7 @@ enabled = false
 def finished_jobs(ledger: Path, recipe: Path, root: Path) -> dict[str, int]:
     """A job that failed while a hand's soft pause was on it, and one that completed, in the ledger
     as the service records them (a real failure takes four supervised attempts: minutes here)."""
-    from ember.ledger import jobs as rows
+    from ember.ledger import job_rows as rows
     from ember.sched.jobs import move
     con = store.connect(ledger)
     try:
@@ -357,7 +357,7 @@ def test_queue_page_shows_an_owner_toml_that_does_not_validate_as_it_happens(chr
 def transitions(home: Path, job: int) -> list:
     con = store.connect(home / "ledger.db")
     try:
-        from ember.ledger.jobs import transitions as rows
+        from ember.ledger.job_rows import transitions as rows
         return [dict(r) for r in rows(con, job)]
     finally:
         con.close()

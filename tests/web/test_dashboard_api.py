@@ -19,8 +19,8 @@ from openapi_spec_validator import validate
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
-from ember.ledger import jobs as job_rows
-from ember.ledger import store
+from ember.ledger import job_rows as job_rows
+from ember.ledger import database as store
 from ember.metrics.compare import compare_folders
 from ember.metrics.listing import run_table
 from ember.metrics.report import build_report

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from openapi_spec_validator import validate
 
-from ember.ledger import jobs as rows
+from ember.ledger import job_rows as rows
 from ember.web.api import create_app
 from tests.helpers import write_recipe
 from tests.web.conftest import AUTH, TOKEN
@@ -149,12 +149,12 @@ def test_opened_reading_is_documented_as_needing_no_token(service):
 
 
 def test_one_table_maps_each_meaning_to_its_status_and_exit_code():
-    """ember.web.errors and ember.cli.main.exit_code, on a bare app that raises each kind."""
+    """ember.web.error_responses and ember.cli.main.exit_code, on a bare app that raises each kind."""
     from fastapi import FastAPI
 
     from ember.cli.main import exit_code
     from ember.errors import BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
-    from ember.web import errors
+    from ember.web import error_responses as errors
     raised = {"bad": BadInput("b"), "missing": NotFound("n"), "state": Conflict("c"), "policy": Refused("r"),
               "later": Unavailable("u"), "recipe": EmberError("e"), "value": ValueError("v"), "defect": KeyError("k")}
     app = FastAPI()

@@ -15,11 +15,12 @@ from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.events import Events, collect
 from ember.recipe import DataConfig, GuardConfig, Recipe
-from ember.train import stability, truncation
-from ember.train.data import PackedBatches, data_fingerprint, tokenize
+from ember.train import stability
+from ember.data import truncation
+from ember.data.loader import PackedBatches, data_fingerprint, tokenize
 from ember.train.job import data_notes
 from ember.train.model import ByteTokenizer
-from ember.train.truncation import learned_in, learning
+from ember.data.truncation import learned_in, learning
 
 TOK = ByteTokenizer()
 SEQ = 48

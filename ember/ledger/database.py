@@ -74,7 +74,7 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX job_transitions_job ON job_transitions(job_id);
     """,
-    # 4: interconnects `ember doctor --comm` measured (ember.ledger.comm), for the advisor
+    # 4: interconnects `ember doctor --comm` measured (ember.ledger.comm_rows), for the advisor
     """
     CREATE TABLE interconnects (
         id INTEGER PRIMARY KEY, time REAL NOT NULL, hosts TEXT NOT NULL, ranks INTEGER NOT NULL,
@@ -82,7 +82,7 @@ MIGRATIONS: list[str] = [
     );
     """,
     # 5: the remote gate's audit log (ember.ledger.audit: append-only, hash-chained) and the remote
-    # jobs (ember.remote.jobs declares their state machine; SQL in ember.ledger.remote)
+    # jobs (ember.remote.jobs declares their state machine; SQL in ember.ledger.remote_rows)
     """
     CREATE TABLE audit (
         id INTEGER PRIMARY KEY, time REAL NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL,

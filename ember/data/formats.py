@@ -4,7 +4,7 @@ Three formats, chosen by `[data] format` or detected from a file's first record 
 
     text        {"text": ...} per JSONL line, or a whole .txt file: every token is learned
     chat        {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]} (OpenAI's
-                format, tool calls included: ember.train.chat): rendered through the
+                format, tool calls included: ember.data.chat): rendered through the
                 tokenizer's own chat template; the assistant turns (weight 1) are learned
     completion  {"prompt": ..., "completion": ...}: the completion is learned
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
-from ember.train.chat import conversation
+from ember.data.chat import conversation
 
 FORMATS = ("text", "chat", "completion")
 

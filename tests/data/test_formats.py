@@ -15,8 +15,8 @@ from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.models import BYTE_EOS, tiny_config
 from ember.recipe import DataConfig, EvalConfig
-from ember.train.data import PackedBatches, data_fingerprint, eval_tokens, held_out, resolve_packing, tokenize
-from ember.train.formats import encode
+from ember.data.loader import PackedBatches, data_fingerprint, eval_tokens, held_out, resolve_packing, tokenize
+from ember.data.formats import encode
 from ember.train.model import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -91,7 +91,7 @@ def test_an_eval_prompt_is_the_training_rendering_up_to_the_answer(smollm2):
     """A chat run's [eval] prompt is a user turn through the chat template with its generation
     prompt: token for token, what a training record holds before its first learned token; a
     completion run's is the prompt as training tokenized it."""
-    from ember.train.formats import prompt_tokens
+    from ember.data.formats import prompt_tokens
     from ember.train.model import HFTokenizer
     record = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
     completion = {"prompt": "Q: Name a book.\nA:", "completion": " Genesis."}

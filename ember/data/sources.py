@@ -22,7 +22,7 @@ those with the smallest seeded content hashes, are held out; each held-out block
 of training blocks between them, is a document. Text too short to give both splits a block is
 refused with the reason, never held out at 0% or 100%.
 
-Records keep the semantics of ember.train.formats: a JSONL line, a Parquet or Arrow row (the
+Records keep the semantics of ember.data.formats: a JSONL line, a Parquet or Arrow row (the
 same fields: `text` / `messages` / `prompt` + `completion`); rows are numbered from 0, as
 `dataset[N]` and pandas number them; JSONL lines from 1, as editors do. A JSONL line that is not
 a record (not UTF-8, not JSON) comes as an EmberError in place of the record, so that a reader
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
-from ember.train.formats import detect, read_records
+from ember.data.formats import detect, read_records
 
 SHARD_BYTES = 4 << 20         # a shard (a 1 GB file: 256 shards to share out)
 LARGE_TEXT_BYTES = 64 << 20   # a .txt file above this is read in blocks; a smaller one whole

@@ -15,11 +15,11 @@ from ember.doctor.measure import calibrate
 from ember.errors import EmberError
 from ember.events import Events
 from ember.doctor.comm import to_interconnect
-from ember.ledger import comm
-from ember.ledger import store as ledger_store
+from ember.ledger import comm_rows as comm
+from ember.ledger import database as ledger_store
 from ember.plan.devices import detect_devices, replace_memory
 from ember.plan.memory import GiB, estimate
-from ember.plan.parallel import Advice, advise
+from ember.plan.advisor import Advice, advise
 from ember.plan.planner import Plan, UnknownArchitecture, make_plan
 from ember.plan.remedies import Remedy, train_shape
 from ember.recipe import Recipe, load_recipe

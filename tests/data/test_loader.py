@@ -13,7 +13,7 @@ import torch
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.recipe import DataConfig
-from ember.train.data import (
+from ember.data.loader import (
     PackedBatches,
     data_fingerprint,
     make_loader,

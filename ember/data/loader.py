@@ -1,4 +1,4 @@
-"""Records -> tokens (a cached store, ember.train.tokenize) -> rows -> micro-batches in a seeded order.
+"""Records -> tokens (a cached store, ember.data.tokenize) -> rows -> micro-batches in a seeded order.
 
 A row is a seq_len cut of the token stream (packing "mixed"), a pack of whole documents with
 restarting positions (packing "documents"), or one document (packing "padded"); a micro-batch
@@ -34,11 +34,11 @@ from ember.events import Events
 from ember.paths import cached_sha256, ember_home
 from ember.proc import die_with_parent
 from ember.recipe import DataConfig, EvalConfig
-from ember.train.formats import _field, read_records
-from ember.train.model import Tokenizer
-from ember.train.sources import held_out  # noqa: F401  (re-exported: the split rule)
-from ember.train.tokenize import build
-from ember.train.truncation import pieces
+from ember.data.formats import _field, read_records
+from ember.data.tokenizer import Tokenizer
+from ember.data.sources import held_out  # noqa: F401  (re-exported: the split rule)
+from ember.data.tokenize import build
+from ember.data.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
 STORE_VERSION = 4  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
@@ -79,12 +79,12 @@ def source_sha256(path: Path) -> str:
 
 def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Events | None = None,
              ev: EvalConfig | None = None) -> Path:
-    """Encode every record (ember.train.formats) once into a cached token store; return the path
+    """Encode every record (ember.data.formats) once into a cached token store; return the path
     of its training stream. The store is a folder: `train/` and, when [eval] holds documents out
     or names files, `eval/`, each with tokens.npy (the documents one after another, uint32),
     docs.npy (where each starts, and the end) and targets.npy (1 where the loss learns a token;
     absent when every token is learned), and `info.json` with the counts. Built streaming, by
-    shards in [data] tokenize_workers processes, resumable (ember.train.tokenize)."""
+    shards in [data] tokenize_workers processes, resumable (ember.data.tokenize)."""
     ev = ev or EvalConfig()
     eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
     key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
@@ -275,7 +275,7 @@ class PackedBatches(Dataset):
 def rows_of(tokens_path: str, seq_len: int, packing: str, long_rule: str) -> tuple[np.ndarray, ...]:
     """(piece starts, piece lengths, the record of each piece, where each row's first piece is,
     notes) of a store packed by whole documents, long ones cut by `long_rule`
-    (ember.train.truncation): O(documents) work, done once per process (the run's notes, the
+    (ember.data.truncation): O(documents) work, done once per process (the run's notes, the
     loop's batches and the evaluator all read the same layout)."""
     folder = Path(tokens_path).parent
     docs = np.load(folder / "docs.npy") if (folder / "docs.npy").is_file() else \
@@ -335,7 +335,7 @@ def row_parts(grad_accum: int, ranks: int) -> int:
     micro-batches share out evenly over `ranks` data-parallel ranks: 1 (whole micro-batches)
     when grad_accum is a multiple of ranks. The recipe's batch is global either way: a step
     trains the same rows at any world size (micro_batch x grad_accum must be a multiple of
-    ranks, which makes micro_batch a multiple of the parts: ember.train.parallel checks it)."""
+    ranks, which makes micro_batch a multiple of the parts: ember.train.sharding checks it)."""
     return ranks // math.gcd(grad_accum, ranks)
 
 

@@ -1,6 +1,6 @@
-"""The sharded, streaming, resumable writer of a token store (layout: ember.train.data).
+"""The sharded, streaming, resumable writer of a token store (layout: ember.data.loader).
 
-    plan (ember.train.sources) -> shards tokenized by a process pool into WORK/ -> assemble -> rename
+    plan (ember.data.sources) -> shards tokenized by a process pool into WORK/ -> assemble -> rename
 
 WORK is `.<key>.work/` beside the store. Its states, changed only by this module:
 
@@ -44,9 +44,9 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
 from ember.proc import die_with_parent
-from ember.train.formats import _field, check, encode, run_format
-from ember.train.progress import Progress
-from ember.train.sources import MAX_LISTED, Shard, bad_records, held_out, plan, records
+from ember.data.formats import _field, check, encode, run_format
+from ember.data.progress import Progress
+from ember.data.sources import MAX_LISTED, Shard, bad_records, held_out, plan, records
 
 SPLITS = ("train", "eval")
 TEXT_BATCH = 256            # plain-text records per tokenizer call (the fast tokenizers' batch path)

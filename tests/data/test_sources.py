@@ -13,8 +13,8 @@ import pytest
 from ember.errors import EmberError
 from ember.models import BYTE_EOS
 from ember.recipe import DataConfig, EvalConfig
-from ember.train import sources, tokenize as sharded
-from ember.train.data import data_fingerprint, tokenize
+from ember.data import sources, tokenize as sharded
+from ember.data.loader import data_fingerprint, tokenize
 from ember.train.model import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -14,7 +14,7 @@ from ember.errors import EmberError
 
 def plan_json(recipe: Path, overrides: list[str], ledger: Path | None, device_memory_gib: float | None = None,
               target_micro_batch: int | None = None, timeout: float = 600) -> dict:
-    """`ember plan RECIPE --json` (ember.doctor.planning.plan_recipe) in a child; its refusal as an EmberError."""
+    """`ember plan RECIPE --json` (ember.doctor.calibrated_plan.plan_recipe) in a child; its refusal as an EmberError."""
     argv = [sys.executable, "-m", "ember", "plan", str(recipe), "--json"]
     if ledger is not None:
         argv += ["--ledger", str(ledger)]

@@ -18,8 +18,8 @@ import pytest
 from ember.errors import EmberError
 from ember.events import collect
 from ember.recipe import DataConfig, EvalConfig
-from ember.train import sources, tokenize as sharded
-from ember.train.data import data_fingerprint, tokenize
+from ember.data import sources, tokenize as sharded
+from ember.data.loader import data_fingerprint, tokenize
 from ember.train.model import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -29,7 +29,7 @@ TEXTS = [{"text": f"document {i}: " + "word " * (i % 7)} for i in range(60)]
 ROOT = Path(__file__).parents[2]
 # tokenize() of the files named on the command line, in a process of its own, under small_shards' settings
 SCRIPT = (
-    "import sys; from tests.train.test_tokenize import *; from ember.train import sources, tokenize as t\n"
+    "import sys; from tests.data.test_tokenize import *; from ember.data import sources, tokenize as t\n"
     "sources.SHARD_BYTES, sources.LARGE_TEXT_BYTES, sources.TEXT_BLOCK_BYTES = 300, 1000, 128\n"
     "cfg = DataConfig(files=sys.argv[1:], tokenize_workers=1)\n"
     "print(tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.2)))\n")
@@ -262,7 +262,7 @@ def test_a_parquet_file_or_datasets_folder_of_a_few_mb_is_cut_by_bytes_and_token
 
 
 def test_progress_says_records_mb_per_second_and_the_time_left(tmp_path, monkeypatch, small_shards):
-    monkeypatch.setattr("ember.train.progress.PROGRESS_SECONDS", 0.0)  # a line after every shard
+    monkeypatch.setattr("ember.data.progress.PROGRESS_SECONDS", 0.0)  # a line after every shard
     files = [jsonl(tmp_path / "a.jsonl", TEXTS), jsonl(tmp_path / "b.jsonl", TEXTS[::-1])]
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
     events, seen = collect()

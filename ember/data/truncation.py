@@ -148,7 +148,7 @@ class Learning:
 
 def learning(tokens_path: Path, seq_len: int, packing: str, rule: str) -> Learning:
     """What the split stored at `tokens_path` learns in rows of seq_len (packing, rule: as
-    ember.train.data.resolve_packing says): one pass over its targets."""
+    ember.data.loader.resolve_packing says): one pass over its targets."""
     folder = Path(tokens_path).parent
     targets = np.load(folder / "targets.npy", mmap_mode="r") if (folder / "targets.npy").is_file() else None
     size = len(np.load(tokens_path, mmap_mode="r"))
