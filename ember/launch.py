@@ -17,25 +17,27 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.ckpt.store import CheckpointStore
-from ember.doctor.preflight import Check, preflight
+from ember.data.sources import data_file_hashes
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
+from ember.launchspec import ENV as LAUNCH_ENV
+from ember.launchspec import LaunchSpec, PlannedMemory
 from ember.ledger.database import Ledger
 from ember.lock import acquire
-from ember.metrics.report import RunReport, build_report, summarize
-from ember.plan.devices import detect_devices
-from ember.plan.memory import GiB
-from ember.plan.planner import UnknownArchitecture, make_plan
-from ember.ranks import PEER_LOST, Topology, launch
 from ember.metrics.compare import Comparison
+from ember.metrics.report import RunReport, build_report, summarize
+from ember.plan.memory import GiB
+from ember.ranks import PEER_LOST, Topology, launch
 from ember.recipe import Recipe, load_recipe, to_toml
+from ember.runfolder import LOCK_FILE, RunDir, inherited_launch_spec, make_folder, write_launch_spec
 from ember.supervise import supervise
-from ember.data.loader import data_file_hashes
-from ember.runfolder import LOCK_FILE, RunDir, make_folder
 from ember.world import launched, lost_peer, tell_launcher
 
+if TYPE_CHECKING:
+    from ember.doctor.preflight import Check
 
 @dataclass
 class RunRequest:
@@ -49,6 +51,7 @@ class RunRequest:
     restart_from_scratch: bool = False
     supervised_child: bool = False         # this process is the child of a supervisor
     topology: Topology = field(default_factory=Topology)  # ranks and nodes (--nproc, --nnodes)
+    recipe: Recipe | None = None           # recipe_file as the command already loaded it
 
     def child_argv(self) -> list[str]:
         """The command line of the supervised child: this request, without supervision."""
@@ -79,8 +82,10 @@ class RunOutcome:
 
 
 def run(req: RunRequest, events: Events) -> RunOutcome:
-    """Train the recipe into the run folder, resuming it; see the module docstring."""
-    recipe = load_recipe(req.recipe_file, req.overrides, events.warn)
+    """Train the recipe into the run folder, resuming it; see the module docstring. Torch is
+    imported only where this process trains (or starts ranks): a supervisor never imports it."""
+    spec = inherited_launch_spec(req.out)  # launched by a supervisor, the service or a rank launcher
+    recipe = spec.build_recipe() if spec else req.recipe or load_recipe(req.recipe_file, req.overrides, events.warn)
     restarts = recipe.train.restarts if req.restarts is None else req.restarts
     if restarts < 0:
         raise EmberError(f"--restarts {restarts}: must be >= 0")
@@ -92,10 +97,12 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
     done = completed_step(req.out, recipe)
     if done is not None:  # nothing is loaded, no attempt is logged, the figures stay as they are
         return RunOutcome(EXIT_OK, completed_step=done)
-    if not launched():  # the launcher checked for all its ranks
-        check_memory(recipe)
+    plan = None
+    if spec is None and not launched():  # planned once per run: by whoever launches it
+        plan = check_memory(recipe)
     outcome = RunOutcome(EXIT_OK)
     if req.preflight and not req.supervised_child:
+        from ember.doctor.preflight import preflight
         outcome.checks = preflight(recipe, req.recipe_file, 3, events)
         failed = [c.name for c in outcome.checks if not (c.ok or c.warn_only)]
         if failed:
@@ -103,20 +110,32 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
     if restarts and not req.supervised_child:
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")  # held across every restart
+        if spec is None:
+            hand_down(req.out, LaunchSpec.create(req.out, recipe, req.recipe_file, req.overrides, plan,
+                                                 restarts=restarts))
         outcome.code = supervise(req.child_argv(), restarts, recipe.train.restart_backoff_seconds, events,
                                  lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock)
         return outcome
     if launcher:
-        return launch_ranks(req, events, outcome)
-    return train_here(req, recipe, events, outcome)
+        return launch_ranks(req, events, outcome, recipe, spec, plan)
+    return train_here(req, recipe, events, outcome, spec)
 
 
-def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOutcome:
+def hand_down(out: Path, spec: LaunchSpec) -> None:
+    """Write this launch's spec into the run folder (whose lock this process holds) and name it
+    for every process started from here on (children inherit the environment)."""
+    os.environ[LAUNCH_ENV] = str(write_launch_spec(out, spec))
+
+
+def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome, recipe: Recipe,
+                 spec: LaunchSpec | None, plan: PlannedMemory | None) -> RunOutcome:
     """Start this node's ranks (ember.ranks) holding the run folder's lock for them."""
     lock = None
     if req.topology.node_rank == 0:  # the node of rank 0, which writes the run folder
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")
+        if spec is None:  # another node's ranks read their own node's recipe file
+            hand_down(req.out, LaunchSpec.create(req.out, recipe, req.recipe_file, req.overrides, plan))
     try:
         outcome.code = launch(req.topology, req.rank_argv(), req.out.name, events,
                               lambda: CheckpointStore.newest_step(req.out / "checkpoints"))
@@ -126,20 +145,23 @@ def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOut
     return outcome
 
 
-def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutcome) -> RunOutcome:
+def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutcome,
+               spec: LaunchSpec | None) -> RunOutcome:
     """Prepare the job and run the loop in this process; record how the attempt ended. A rank
     whose collective failed because another rank died leaves quietly with exit 1: the launcher
     names the rank that died (ember.ranks)."""
     from ember.train.job import prepare
     from ember.train.loop import train
     from ember.train.signals import StopRequest
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     # Before the model loads: a signal then stops it at the first step. A rank says nothing on a
     # signal: the ranks agree at the step boundary, and what they did is said then (it may be
     # the agent tearing the group down after another rank died: no checkpoint then).
     stop = StopRequest(events, quiet=launched()).install()
     try:
         job = prepare(recipe, req.out, req.allow_recipe_change, events, req.recipe_file, req.ledger,
-                      req.restart_from_scratch)
+                      req.restart_from_scratch, spec)
     except BaseException as e:
         stop.restore()
         if launched() and lost_peer(e):
@@ -204,16 +226,19 @@ def completed_step(out: Path, recipe: Recipe) -> int | None:
     return done if done is not None and same and same_data else None
 
 
-def check_memory(recipe: Recipe) -> None:
+def check_memory(recipe: Recipe) -> PlannedMemory | None:
     """Refuse, before anything is built, a recipe whose estimated peak does not fit this
-    machine's free memory, naming the remedy the plan would apply."""
+    machine's free memory, naming the remedy the plan would apply; the plan it checked, or None
+    where there is no estimate for the architecture (the run measures as it goes)."""
+    from ember.plan.planner import UnknownArchitecture, plan_memory
     try:
-        plan = make_plan(recipe, None, None, detect_devices(recipe.train.device))
+        plan = plan_memory(recipe)
     except UnknownArchitecture:
-        return  # no estimate for this architecture: the run measures as it goes
-    if plan.fits:
-        return
+        return None
     dev = plan.devices[0]
+    planned = PlannedMemory(plan.memory.with_margin, dev.name, dev.free, plan.fits)
+    if plan.fits:
+        return planned
     usable = [x for x in plan.remedies if x.fits and x.available]
     fix = (f"{usable[0].name} makes it fit ({usable[0].peak / GiB:.2f} GiB; "
            f"{', '.join(f'{k} = {v}' for k, v in usable[0].changes.items())}): `ember plan RECIPE "

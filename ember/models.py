@@ -4,10 +4,12 @@ read without its weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ember.errors import EmberError
@@ -19,12 +21,44 @@ BYTE_EOS = 256
 GGUF_MAGIC = b"GGUF"
 
 
+TINY = {"model_type": "llama", "vocab_size": BYTE_VOCAB, "hidden_size": 64, "intermediate_size": 176,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
 def tiny_config() -> Any:
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, tie_word_embeddings=False,
-                       bos_token_id=None, eos_token_id=BYTE_EOS, pad_token_id=None)
+    fields = {k: v for k, v in TINY.items() if k != "model_type"}
+    return LlamaConfig(**fields, bos_token_id=None, eos_token_id=BYTE_EOS, pad_token_id=None)
+
+
+class ConfigFields(SimpleNamespace):
+    """A model's config.json as plain fields, read without transformers (nor torch): what
+    planning needs (shapes, context). `full()` is the transformers config, for what needs a
+    model built from it (LoRA's module names)."""
+
+    def __init__(self, spec: str, fields: dict[str, Any]):
+        super().__init__(**fields)
+        self._spec = spec
+
+    def full(self) -> Any:
+        return model_config(self._spec)
+
+
+def config_fields(spec: str, events: Events | None = None) -> ConfigFields:
+    """The model's config as plain fields (see ConfigFields), without loading its weights."""
+    if spec == "builtin:tiny":
+        return ConfigFields(spec, TINY)
+    if spec.startswith("builtin:"):
+        raise EmberError(f"[model] path = {spec!r}: the only builtin model is 'builtin:tiny'")
+    path, _ = model_folder(spec, events)
+    try:
+        fields = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EmberError(f"[model] path = {spec!r}: its config.json cannot be read: {e}") from None
+    if not isinstance(fields, dict):
+        raise EmberError(f"[model] path = {spec!r}: its config.json is not a JSON object")
+    return ConfigFields(spec, fields)
 
 
 def resolve_path(spec: str) -> Path:
@@ -142,6 +176,8 @@ def module_names(config: Any) -> tuple[list[str], list[str]]:
     (meta-device) instance: nothing is allocated."""
     import torch
     from transformers import AutoModelForCausalLM
+    if isinstance(config, ConfigFields):
+        config = config.full()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = [n for n, _ in model.named_modules() if n]

@@ -1,6 +1,9 @@
-"""The run folder: its record (run.json), its attempts, its metrics log, its final weights.
+"""The run folder: its record (run.json), its launch, its attempts, its metrics log, its final
+weights. This module alone reads and writes these files (the checkpoints are ember.ckpt.store's);
+everything else asks it: is the run complete, at what step, which attempt. Torch-free.
 
     OUT/run.json          what it takes to re-run: resolved recipe, hashes, versions, machine
+    OUT/launch.json       what the newest launch decided (ember.launchspec), read by its children
     OUT/attempts.jsonl    one line per process start
     OUT/metrics.jsonl     one line per optimizer step (fsynced before each checkpoint commits)
     OUT/metrics.lost.jsonl  lines of steps computed after the last checkpoint of an attempt that died
@@ -29,6 +32,8 @@ from ember.durable import append_durable, fsync_dir, fsync_file, open_append, wr
 from ember.errors import EmberError
 from ember.events import Events
 from ember.jsonl import read_jsonl
+from ember.launchspec import ENV as LAUNCH_ENV
+from ember.launchspec import LaunchSpec
 from ember.lock import Lock, acquire
 from ember.recipe import OPERATIONAL_KEYS, Recipe, diff_recipes
 from ember.recipe import get_dotted as _get
@@ -37,6 +42,7 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 REMOTE_FILE = "remote.json"
 CONSOLE_LOG = "console.log"
+LAUNCH_FILE = "launch.json"
 
 
 def new_run_id(path: Path) -> str:
@@ -48,7 +54,7 @@ def make_folder(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
     if path.is_dir():
-        if not (path / RUN_FILE).is_file() and any(p.name not in (LOCK_FILE, CONSOLE_LOG) for p in path.iterdir()):
+        if not (path / RUN_FILE).is_file() and any(p.name not in (LOCK_FILE, CONSOLE_LOG, LAUNCH_FILE) for p in path.iterdir()):
             raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
                              f"choose a new folder")
         return
@@ -73,6 +79,47 @@ def remote_job(path: Path) -> dict[str, str] | None:
         return json.loads((path / REMOTE_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """run.json of run folder `path`; EmberError saying why when there is none or it is unreadable."""
+    try:
+        return json.loads((path / RUN_FILE).read_text())
+    except FileNotFoundError:
+        raise EmberError(f"{path}: not an ember run folder (no {RUN_FILE})") from None
+    except (OSError, ValueError) as e:
+        raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
+
+
+def completed(path: Path) -> int | None:
+    """The step run folder `path` completed at (run.json says so and final/ exists), else None."""
+    try:
+        record = read_record(path)
+    except EmberError:
+        return None
+    step = record.get("completed_step")
+    return step if step is not None and (path / "final").is_dir() else None
+
+
+def write_launch_spec(out: Path, spec: LaunchSpec) -> Path:
+    """Write the spec of this launch into the run folder, durably; returns its path."""
+    path = out / LAUNCH_FILE
+    write_durable(path, json.dumps(spec.to_dict(), indent=1))
+    return path
+
+
+def inherited_launch_spec(out: Path) -> LaunchSpec | None:
+    """The spec this process was launched with ($EMBER_LAUNCH_SPEC), if it is run folder `out`'s;
+    None for a process started by hand, which is then the launcher."""
+    where = os.environ.get(LAUNCH_ENV)
+    if not where:
+        return None
+    try:
+        spec = LaunchSpec.from_dict(json.loads(Path(where).read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise EmberError(f"${LAUNCH_ENV}={where}: unreadable launch spec ({e}); unset it to launch "
+                         f"afresh") from None
+    return spec if spec.is_for(out) else None
 
 
 class RunDir:
@@ -107,10 +154,7 @@ class RunDir:
     def read(cls, path: Path) -> RunDir:
         """The run folder's record, read only (no lock, nothing written)."""
         run = cls(path)
-        try:
-            run.record = json.loads((path / RUN_FILE).read_text())
-        except (OSError, ValueError) as e:
-            raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
+        run.record = read_record(path)
         return run
 
     def material_changes(self, recipe: Recipe) -> list[str]:

@@ -1,5 +1,6 @@
 """The processes a run trains on: one (no process group, every call a no-op) or the ranks torchrun
-started (torch.distributed, gloo on CPU, NCCL on CUDA).
+started (torch.distributed, gloo on CPU, NCCL on CUDA). Torch is imported where a rank uses it:
+`launched()` answers a launcher or a supervisor that never trains (ember.launch).
 
 A rank learns its place from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT). The loop talks to `World` alone, so a one-process run and a distributed one
@@ -19,9 +20,10 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -44,6 +46,7 @@ class World:
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks (float64: a loss sum keeps its low bits)."""
+        import torch
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
@@ -59,6 +62,7 @@ class World:
 
     def any(self, *flags: bool) -> list[bool]:
         """Each flag true on some rank: how ranks agree to stop or checkpoint at one step."""
+        import torch
         if not self.distributed:
             return list(flags)
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64)
@@ -66,11 +70,13 @@ class World:
         return [bool(x) for x in t.tolist()]
 
     def barrier(self) -> None:
+        import torch
         if self.distributed:
             torch.distributed.barrier()
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on the main rank (None elsewhere)."""
+        import torch
         if not self.distributed:
             return [obj]
         out = [None] * self.size if self.main else None
@@ -79,6 +85,7 @@ class World:
 
     def broadcast(self, obj: Any) -> Any:
         """The main rank's `obj` on every rank."""
+        import torch
         if not self.distributed:
             return obj
         box = [obj]
@@ -86,6 +93,7 @@ class World:
         return box[0]
 
     def close(self) -> None:
+        import torch
         if self.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -97,6 +105,7 @@ def launched() -> bool:
 
 def join(device: torch.device, timeout_seconds: float) -> World:
     """This process's place: the torchrun group it belongs to (initialised here), or one alone."""
+    import torch
     if not launched():
         return World()
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -112,6 +121,7 @@ def lost_peer(e: BaseException) -> bool:
     """Whether `e` is a collective failing under this rank because another rank went away (it
     died, or its connection did): gloo's connection reset or closed, NCCL's and the store's
     errors (torch.distributed.DistError), or DCP's report of one of those."""
+    import torch
     from torch.distributed.checkpoint.api import CheckpointException
     for _ in range(8):  # the exception and what it was raised from
         if isinstance(e, torch.distributed.DistError):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 LAYERS = [
     {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "control", "world"},  # base
     {"recipe", "models"},
-    {"ckpt", "ledger", "metrics", "runfolder"},
+    {"ckpt", "ledger", "metrics", "runfolder", "launchspec"},
     {"data", "train", "plan", "policy", "infer"},
     {"doctor", "launch", "ranks", "supervise", "sched", "remote"},
     {"cli", "web"},

@@ -221,16 +221,11 @@ RESUME_HINT = "; committed checkpoints are intact: fix the cause and run the sam
 def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub mid-run
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet fork warnings with workers
-    from ember.recipe import load_recipe
-    load_recipe(args.recipe, args.overrides)  # a bad recipe is refused before torch loads (seconds)
-    from transformers.utils import logging as hf_logging
-
     from ember.cli.plan import print_checks
     from ember.cli.render import keep_output_in, stderr_events
     from ember.launch import PreflightFailed, RunRequest, fast_exit, run
     from ember.ranks import Topology
     from ember.runfolder import CONSOLE_LOG
-    hf_logging.disable_progress_bar()
     keep_output_in(args.out / CONSOLE_LOG)  # a closed pipe or a hung-up terminal: training goes on
     req = RunRequest(args.recipe, args.out, args.overrides, args.allow_recipe_change, args.restarts,
                      args.preflight, False if args.no_ledger else args.ledger, args.restart_from_scratch,

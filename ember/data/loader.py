@@ -36,7 +36,7 @@ from ember.proc import die_with_parent
 from ember.recipe import DataConfig, EvalConfig
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
-from ember.data.sources import held_out  # noqa: F401  (re-exported: the split rule)
+from ember.data.sources import data_file_hashes, held_out, source_sha256  # noqa: F401  (re-exported)
 from ember.data.tokenize import build
 from ember.data.truncation import pieces
 
@@ -59,21 +59,6 @@ def data_fingerprint(files: list[str], tokenizer: Tokenizer) -> str:
             raise EmberError(f"[data] files: {path} does not exist")
         h.update(f"{path.name}\0{source_sha256(path)}\0".encode())
     h.update(tokenizer.fingerprint().encode())
-    return h.hexdigest()
-
-
-def data_file_hashes(files: list[str]) -> dict[str, str]:
-    """SHA-256 of each data file that exists (cached by path, size and mtime)."""
-    return {f: source_sha256(Path(f)) for f in files if Path(f).exists()}
-
-
-def source_sha256(path: Path) -> str:
-    """A file's SHA-256; a `datasets` folder's: over its files' names and hashes."""
-    if not path.is_dir():
-        return cached_sha256(path)
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path)}\0{cached_sha256(f)}\0".encode())
     return h.hexdigest()
 
 

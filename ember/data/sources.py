@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.paths import cached_sha256
 from ember.data.formats import detect, read_records
 
 SHARD_BYTES = 4 << 20         # a shard (a 1 GB file: 256 shards to share out)
@@ -384,3 +385,18 @@ def _arrow_plan(folder: Path, f: str, fmt: str, text_field: str, split: str) -> 
         shards += [Shard(f, "arrow", a, b, row + a, found, split, n, part) for a, b, n in _cut(batches)]
         row += sum(rows for rows, _ in batches)
     return found, shards
+
+
+def data_file_hashes(files: list[str]) -> dict[str, str]:
+    """SHA-256 of each data file that exists (cached by path, size and mtime)."""
+    return {f: source_sha256(Path(f)) for f in files if Path(f).exists()}
+
+
+def source_sha256(path: Path) -> str:
+    """A file's SHA-256; a `datasets` folder's: over its files' names and hashes."""
+    if not path.is_dir():
+        return cached_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}\0{cached_sha256(f)}\0".encode())
+    return h.hexdigest()

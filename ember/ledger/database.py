@@ -106,6 +106,10 @@ MIGRATIONS: list[str] = [
         job_id INTEGER NOT NULL, time REAL NOT NULL, from_state TEXT, to_state TEXT NOT NULL, why TEXT
     );
     """,
+    # 6: the service's job that started an attempt (ember.launchspec: the launch spec carries it)
+    """
+    ALTER TABLE attempts ADD COLUMN job INTEGER;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -279,10 +283,11 @@ def register_run(con: sqlite3.Connection, run_id: str, path: Path, name: str, di
 
 
 def start_attempt(con: sqlite3.Connection, run_id: str, attempt: int, start: float, host: str,
-                  pid: int, devices: str, resumed_from: int | None) -> None:
+                  pid: int, devices: str, resumed_from: int | None, job: int | None = None) -> None:
+    """An attempt begins; `job`: the service's job that started it (ember serve), if any."""
     con.execute("INSERT OR REPLACE INTO attempts (run_id, attempt, host, pid, devices, start, "
-                "last_seen, resumed_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, attempt, host, pid, devices, start, start, resumed_from))
+                "last_seen, resumed_from, job) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, attempt, host, pid, devices, start, start, resumed_from, job))
 
 
 def close_dead_attempts(con: sqlite3.Connection, run_id: str, last_step_time: dict[int, float]) -> int:

@@ -7,14 +7,17 @@ peak and a reason, never a guess: a guessed peak is how a tool reports 563% MFU.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from ember.paths import ember_home
 
@@ -49,6 +52,7 @@ class Peak:
 def device_name(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
+    import torch
     module = torch.get_device_module(device.type)
     try:
         return module.get_device_name(device.index or 0)
@@ -162,6 +166,7 @@ def _others_since(first: tuple[int, int], mine: float) -> float | None:
 def time_matmul(threads: int, size: int = 1024, rounds: int = 5) -> CpuPeak:
     """fp32 matmul FLOP/s on this CPU with `threads` threads, the best of `rounds` windows of
     0.1 s, with other processes' share of the cores while it ran."""
+    import torch
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
@@ -214,4 +219,6 @@ def _from_json(value: object) -> CpuPeak | None:
 
 def cpu_peak_key(threads: int) -> str:
     """This machine's entry in the cache of measured CPU peaks."""
-    return f"{os.uname().nodename}:{os.cpu_count()}:{threads}:{torch.__version__}"
+    # torch's version without importing torch (the same string as torch.__version__): planning
+    # from a cached peak stays torch-free
+    return f"{os.uname().nodename}:{os.cpu_count()}:{threads}:{importlib.metadata.version('torch')}"

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
-
-import torch
 
 from ember.errors import EmberError
 from ember.plan.memory import GiB
@@ -20,7 +19,12 @@ class Device:
 
 
 def detect_devices(requested: str) -> list[Device]:
-    """The devices a run of this recipe would use: each accelerator's memory, or host RAM."""
+    """The devices a run of this recipe would use: each accelerator's memory, or host RAM. Torch
+    is imported only where an accelerator may be used: on a CPU machine planning stays torch-free
+    (the supervisor of `ember run --restarts` plans, and never trains)."""
+    if requested == "cpu" or (requested == "auto" and not may_have_accelerator()):
+        return [host_memory()]
+    import torch
     want = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -33,6 +37,12 @@ def detect_devices(requested: str) -> list[Device]:
             out.append(Device(f"{torch.cuda.get_device_name(i)} (cuda:{i})", "cuda", total, free))
         return out
     return [host_memory()]
+
+
+def may_have_accelerator() -> bool:
+    """Whether `device = "auto"` could pick an accelerator here: an NVIDIA driver (its device
+    nodes), or macOS (MPS, which the run does not plan for yet; torch decides there)."""
+    return sys.platform == "darwin" or os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/dxg")
 
 
 def host_memory() -> Device:

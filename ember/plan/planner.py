@@ -17,7 +17,7 @@ from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
 from ember.metrics.peaks import select_peak
 from ember.metrics.report import prices_from
-from ember.models import check_against_model, model_config
+from ember.models import check_against_model, config_fields
 from ember.plan.devices import Device, detect_devices, host_memory
 from ember.plan.advisor import Advice
 from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, trainable_params
@@ -127,15 +127,25 @@ class Plan:
         return d
 
 
-def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Calibration | None = None,
-              devices: list[Device] | None = None) -> Plan:
-    """The whole plan for recipe `r`, from its model's config (and a measurement, if given)."""
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory part of a plan alone: what a launcher checks before anything is built."""
+    model: ModelShape | None
+    memory: Memory
+    fits: bool
+    remedies: list
+    devices: list[Device]
+    notes: list[str]
+
+
+def plan_memory(r: Recipe, calibration: Calibration | None = None,
+                devices: list[Device] | None = None) -> MemoryPlan:
+    """The estimated peak per device for recipe `r`, whether it fits, and the remedies; from the
+    model's config alone, torch-free (no speed estimate: that may measure this CPU's peak)."""
     notes: list[str] = []
-    cfg = model_config(r.model.path)
+    cfg = config_fields(r.model.path)  # plain fields: planning stays torch-free
     check_against_model(r.data.seq_len, r.method, cfg)  # what `ember run` would refuse, refused here
     devices = devices or detect_devices(r.train.device)
-    dev = devices[0]
-    t = train_shape(r)
     try:
         m = ModelShape.from_config(cfg)
     except ValueError as e:
@@ -143,9 +153,19 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Cal
             raise UnknownArchitecture(str(e)) from None
         m = None
         notes.append(f"{e}: the memory figure is measured (calibration), not estimated")
-    memory = _memory(m, t, calibration, r.plan.memory_margin)
-    fits_here = fits(memory.peak, dev.free, r.plan.memory_margin)
-    rems = remedies(m, r, dev.free, r.plan.memory_margin) if m is not None else []
+    memory = _memory(m, train_shape(r), calibration, r.plan.memory_margin)
+    free = devices[0].free
+    rems = remedies(m, r, free, r.plan.memory_margin) if m is not None else []
+    return MemoryPlan(m, memory, fits(memory.peak, free, r.plan.memory_margin), rems, devices, notes)
+
+
+def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Calibration | None = None,
+              devices: list[Device] | None = None) -> Plan:
+    """The whole plan for recipe `r`, from its model's config (and a measurement, if given)."""
+    mp = plan_memory(r, calibration, devices)
+    m, memory, fits_here, rems, devices, notes = mp.model, mp.memory, mp.fits, mp.remedies, mp.devices, mp.notes
+    dev = devices[0]
+    t = train_shape(r)
     time_ = _time(r, m, t, dev, calibration)
 
     # Checkpoint interval (Young/Daly) from the checkpoint's size and this machine's history.

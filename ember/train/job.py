@@ -21,6 +21,7 @@ from ember.ckpt.state import DataCursor, RunState, seed_all
 from ember.ckpt.store import CheckpointStore
 from ember.ckpt.writer import CheckpointWriter
 from ember.device import configure_determinism, pick_device
+from ember.launchspec import LaunchSpec
 from ember.errors import EmberError
 from ember.events import Event, Events
 from ember.jsonl import read_jsonl
@@ -91,11 +92,12 @@ class Job:
 
 def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
             recipe_file: Path | None = None, ledger_path: Path | None | bool = None,
-            from_scratch: bool = False) -> Job:
+            from_scratch: bool = False, launch: LaunchSpec | None = None) -> Job:
     """Open the run folder, build model, data and optimizer, and resume if a checkpoint exists.
 
     `ledger_path`: None for the default ledger, a path, or False for no accounting.
-    `from_scratch`: when no committed checkpoint verifies, set them aside and start at step 0."""
+    `from_scratch`: when no committed checkpoint verifies, set them aside and start at step 0.
+    `launch`: what the launcher decided (ember.launchspec): the service's job and its devices."""
     started = process_start_time()
     device = pick_device(recipe.train.device)
     world = join(device, recipe.distributed.timeout_seconds)
@@ -162,9 +164,10 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     if world.main:
         lost = run.rewind_metrics(job.state.step)
         if isinstance(ledger, Ledger):
+            names = launch.device_names if launch is not None else None
             ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
-                        os.getpid(), os.environ.get("EMBER_JOB_DEVICE_NAMES") or device_label(device, world.size),
-                        resumed_from)
+                        os.getpid(), ",".join(names) if names else device_label(device, world.size),
+                        resumed_from, launch.job if launch is not None else None)
             if resumed:
                 ledger.event("restore", t0, time.time(), step=job.state.step)
         run.start_attempt({"resumed_from_step": resumed_from, "lost_steps": lost,
