@@ -32,7 +32,7 @@ from ember.metrics.report import RunReport, build_report, summarize
 from ember.plan.memory import GiB
 from ember.ranks import PEER_LOST, Topology, launch
 from ember.recipe import Recipe, load_recipe, to_toml
-from ember.runfolder import LOCK_FILE, RunDir, inherited_launch_spec, make_folder, write_launch_spec
+from ember.runfolder import LOCK_FILE, RunDir, inherited_launch_spec, is_run_folder, make_folder, write_launch_spec
 from ember.supervise import supervise
 from ember.world import launched, lost_peer, tell_launcher
 
@@ -213,7 +213,7 @@ def _record_summary(job) -> RunReport:
 def completed_step(out: Path, recipe: Recipe) -> int | None:
     """The step a run folder completed at, if it completed this very recipe (its max_steps, or
     stopped early by its [eval] patience)."""
-    if not (out / "run.json").is_file() or not (out / "final").is_dir():
+    if not is_run_folder(out) or not (out / "final").is_dir():
         return None
     try:
         run = RunDir.read(out)
@@ -275,8 +275,8 @@ def repro(source: Path, out: Path, tolerance: float, ledger: Path | None) -> Com
     import subprocess
 
     from ember.metrics.compare import compare_folders
-    from ember.metrics.report import load_run_record
-    record = load_run_record(source)
+    from ember.runfolder import read_record
+    record = read_record(source)
     if out.exists():
         raise EmberError(f"--out {out}: exists; repro needs a new folder")
     out.mkdir(parents=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from ember.ckpt.store import committed_in
 from ember.durable import append_durable, fsync_dir, fsync_file, open_append, write_durable
-from ember.errors import EmberError
+from ember.errors import EmberError, NotFound
 from ember.events import Events
 from ember.jsonl import read_jsonl
 from ember.launchspec import ENV as LAUNCH_ENV
@@ -54,7 +54,7 @@ def make_folder(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
     if path.is_dir():
-        if not (path / RUN_FILE).is_file() and any(p.name not in (LOCK_FILE, CONSOLE_LOG, LAUNCH_FILE) for p in path.iterdir()):
+        if not is_run_folder(path) and any(p.name not in (LOCK_FILE, CONSOLE_LOG, LAUNCH_FILE) for p in path.iterdir()):
             raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
                              f"choose a new folder")
         return
@@ -81,12 +81,19 @@ def remote_job(path: Path) -> dict[str, str] | None:
         return None
 
 
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run folder (it has its record)."""
+    return (path / RUN_FILE).is_file()
+
+
 def read_record(path: Path) -> dict[str, Any]:
-    """run.json of run folder `path`; EmberError saying why when there is none or it is unreadable."""
+    """run.json of run folder `path`, or a clear error saying why there is none."""
+    if not path.is_dir():
+        raise NotFound(f"{path}: no such run folder (give a run folder or a run id from `ember runs`)")
+    if not is_run_folder(path):
+        raise NotFound(f"{path}: not an ember run folder (no {RUN_FILE})")
     try:
         return json.loads((path / RUN_FILE).read_text())
-    except FileNotFoundError:
-        raise EmberError(f"{path}: not an ember run folder (no {RUN_FILE})") from None
     except (OSError, ValueError) as e:
         raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
 

@@ -31,12 +31,12 @@ from ember import faults
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.events import Events
-from ember.paths import cached_sha256, ember_home
+from ember.paths import ember_home
 from ember.proc import die_with_parent
 from ember.recipe import DataConfig, EvalConfig
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
-from ember.data.sources import data_file_hashes, held_out, source_sha256  # noqa: F401  (re-exported)
+from ember.data.sources import held_out, source_sha256  # noqa: F401  (held_out re-exported: the split rule)
 from ember.data.tokenize import build
 from ember.data.truncation import pieces
 

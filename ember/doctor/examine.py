@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ember.doctor.diagnose import Figures, Finding, Skipped, diagnose
 from ember.durable import write_durable
 from ember.errors import EmberError
+from ember.runfolder import is_run_folder, read_record
 from ember.events import Events
 from ember.recipe import Recipe, build_recipe, load_recipe
 
@@ -63,7 +64,7 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
         raise EmberError(f"--ddp {ddp}: must be >= 1")
     if not target.exists():
         raise EmberError(f"{target}: no such run folder or recipe")
-    if target.is_dir() and not (target / "run.json").is_file():
+    if target.is_dir() and not is_run_folder(target):
         raise EmberError(f"{target}: not a run folder (no run.json); give a run folder or a recipe")
     if target.is_dir() and overrides:
         raise EmberError("--set applies to a recipe file, not to a run folder's recipe")
@@ -75,7 +76,7 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
     run_report = None
     if r is None:
         run_report = build_report(target, ledger_store.connect_or_warn(ledger, events.warn))
-        record = json.loads((target / "run.json").read_text())
+        record = read_record(target)
         r = build_recipe(record["recipe"], f"{target}/run.json")
     clock = Budget(budget, started, RESERVE_SECONDS + (PLOT_SECONDS if plots is not None else 0.0), startup)
     figures, skipped = run_all(r, clock, ddp, events)

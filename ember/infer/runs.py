@@ -6,10 +6,10 @@ run.json is one run, and each folder of such folders holds several.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ember.runfolder import RUN_FILE
+from ember.errors import EmberError
+from ember.runfolder import is_run_folder, read_record
 
 BASE = "base"
 
@@ -18,11 +18,11 @@ def find_runs(roots: list[Path]) -> dict[str, Path]:
     """Model name -> run folder, for every run under `roots` now."""
     found: dict[str, Path] = {}
     for root in roots:
-        if (root / RUN_FILE).is_file():
+        if is_run_folder(root):
             found.setdefault(root.name, root)
         elif root.is_dir():
             for p in sorted(root.iterdir()):
-                if p.name != BASE and (p / RUN_FILE).is_file():
+                if p.name != BASE and is_run_folder(p):
                     found.setdefault(p.name, p)
     return found
 
@@ -34,7 +34,7 @@ def lora_run(roots: list[Path], name: str) -> Path | None:
     if path is None:
         return None
     try:
-        kind = json.loads((path / RUN_FILE).read_text()).get("recipe", {}).get("method", {}).get("kind")
-    except (OSError, ValueError, AttributeError):
+        kind = read_record(path).get("recipe", {}).get("method", {}).get("kind")
+    except (EmberError, AttributeError):
         return None
     return path if kind == "lora" else None

@@ -126,12 +126,12 @@ def _same_bytes(f: BinaryIO, ra: tuple[int, int], g: BinaryIO, rb: tuple[int, in
 def compare_folders(a: Path, b: Path, tolerance: float) -> Comparison:
     """Compare two run folders: their records, per-step losses and final weights."""
     from ember.jsonl import read_jsonl
-    from ember.metrics.report import load_run_record
+    from ember.runfolder import read_record
 
     def losses(path: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in read_jsonl(path / "metrics.jsonl", [])}
     diffs = weight_differences(a / "final", b / "final")
-    c = compare_runs(load_run_record(a), load_run_record(b), losses(a), losses(b), tolerance,
+    c = compare_runs(read_record(a), read_record(b), losses(a), losses(b), tolerance,
                      None if diffs is None else not diffs)
     ea, eb = history(a), history(b)
     if ea and eb:

@@ -32,12 +32,14 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from ember.errors import EmberError
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.goodput import Goodput, Step
 from ember.metrics.flops import mfu
 from ember.metrics.report import goodput_so_far
 from ember.metrics.series import read_records
+from ember.runfolder import read_record
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -160,8 +162,8 @@ class LedgerCollector:
     def _performance(self, run: Path) -> dict:
         if str(run) not in self.performance:
             try:
-                self.performance[str(run)] = json.loads((run / "run.json").read_text()).get("performance", {})
-            except (OSError, ValueError):
+                self.performance[str(run)] = read_record(run).get("performance", {})
+            except EmberError:
                 return {}
         return self.performance[str(run)]
 

@@ -27,6 +27,7 @@ from ember.metrics.heldout import history as held_out_history
 from ember.metrics.rank_times import load as load_ranks
 from ember.metrics.machine import read_machine
 from ember.metrics.stats import Histogram, Spread, Stall, histogram, spread, stalls
+from ember.runfolder import read_record
 
 
 @dataclass
@@ -155,19 +156,6 @@ class RunSummary:
 
 
 
-def load_run_record(run_path: Path) -> dict[str, Any]:
-    """run.json of a run folder, or a clear error saying why there is none."""
-    record_path = run_path / "run.json"
-    if not run_path.is_dir():
-        raise NotFound(f"{run_path}: no such run folder (give a run folder or a run id from `ember runs`)")
-    if not record_path.is_file():
-        raise NotFound(f"{run_path}: not an ember run folder (no run.json)")
-    try:
-        return json.loads(record_path.read_text())
-    except json.JSONDecodeError as e:
-        raise EmberError(f"{record_path}: unreadable ({e})") from None
-
-
 def resolve_run(ref: str, con: sqlite3.Connection | None) -> Path:
     """A run folder from a path or a ledger run id."""
     if Path(ref).exists():
@@ -194,7 +182,7 @@ def pid_alive(pid: int | None, host: str | None) -> bool:
 
 def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
     """Everything `ember report` shows."""
-    record = load_run_record(run_path)
+    record = read_record(run_path)
     notes: list[str] = []
     kept = read_jsonl(run_path / "metrics.jsonl", notes)
     lost = read_jsonl(run_path / "metrics.lost.jsonl", notes)

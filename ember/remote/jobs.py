@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.runfolder import is_run_folder, read_record
 from ember.events import Events
 from ember.ledger import remote_rows as rows
 from ember.ledger import database as ledger_store
@@ -142,8 +143,8 @@ def status(con: sqlite3.Connection, job: RemoteJobRow, seen: SlurmJob | None) ->
     if (out / "metrics.jsonl").is_file():
         steps = sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip())
     max_steps = None
-    if (out / "run.json").is_file():
-        max_steps = json.loads((out / "run.json").read_text())["recipe"]["train"]["max_steps"]
+    if is_run_folder(out):
+        max_steps = read_record(out)["recipe"]["train"]["max_steps"]
     return JobStatus(job, seen, steps, max_steps, rows.transitions(con, job.id))
 
 
@@ -162,7 +163,7 @@ def bring_back(con: sqlite3.Connection, shell: Shell, job: RemoteJobRow, final: 
         if steps:
             newest = steps[-1][1]
             shell.get(f"{remote_run}/checkpoints/{newest}", out / "checkpoints" / newest)
-    run_id = json.loads((out / "run.json").read_text())["id"]
+    run_id = read_record(out)["id"]
     snapshot = f"{job.remote_dir}/.sync"
     shell.run(["sh", "-c", f"mkdir -p {shlex.quote(snapshot)} && rm -f {shlex.quote(snapshot + '/ledger.db')}"])
     shell.run([job.python, "-c", BACKUP, f"{job.remote_dir}/ledger.db", f"{snapshot}/ledger.db"])

@@ -36,7 +36,8 @@ from ember.proc import process_start_time
 from ember.recipe import Recipe
 from ember.train.breakdown import StepTimer
 from ember.train.dropout import DropoutKeys, install as install_dropout
-from ember.data.loader import (PackedBatches, data_file_hashes, data_fingerprint, eval_tokens, resolve_packing,
+from ember.data.sources import data_file_hashes
+from ember.data.loader import (PackedBatches, data_fingerprint, eval_tokens, resolve_packing,
                               store_info, tokenize)
 from ember.train.model import ModelBundle, load_model
 from ember.train.sharding import check_distributed, parallelize, tp_degree, unwrapped

@@ -18,7 +18,8 @@ from ember.ledger import database as ledger_store
 from ember.metrics.capacity import CapacityReport, capacity_report
 from ember.metrics.compare import Comparison, compare_folders
 from ember.metrics.listing import RunEntry, run_folder, run_table
-from ember.metrics.report import RunReport, build_report, load_run_record
+from ember.metrics.report import RunReport, build_report
+from ember.runfolder import read_record
 from ember.metrics.series import CURVE_FIELDS, Curves, curves
 from ember.recipe import to_toml
 from ember.sched.plan_child import plan_json
@@ -110,7 +111,7 @@ class Views:
         return report
 
     def record(self, run_id: str) -> dict[str, Any]:
-        return load_run_record(self.folder(run_id))
+        return read_record(self.folder(run_id))
 
     def diagnosis(self, run_id: str) -> dict[str, Any] | None:
         return saved_diagnosis(self.folder(run_id))
