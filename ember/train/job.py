@@ -166,6 +166,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
         lost = run.rewind_metrics(job.state.step)
         if isinstance(ledger, Ledger):
             names = launch.device_names if launch is not None else None
+            names = names or [n for n in os.environ.get("EMBER_JOB_DEVICE_NAMES", "").split(",") if n]
             ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
                         os.getpid(), ",".join(names) if names else device_label(device, world.size),
                         resumed_from, launch.job if launch is not None else None)

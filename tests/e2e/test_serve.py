@@ -19,6 +19,7 @@ import time
 import pytest
 
 from ember.ledger.database import connect, events as ledger_events, find_run
+from tests.artifacts import shared
 from tests.helpers import assert_same_result, run_ember, wait_until, write_recipe
 from tests.serve_harness import Serve
 
@@ -32,13 +33,19 @@ enabled = false
 """
 
 
+RECIPE = {"train": {"max_steps": 40}, "checkpoint": {"every_steps": 10}}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The recipe every job here trains, and its uninterrupted run."""
+    """The recipe every job here trains, and its uninterrupted run (built once for every worker:
+    each test of this file is a unit of work of its own, conftest.py)."""
+    def build(folder):
+        r = run_ember("run", write_recipe(folder / "recipe", **RECIPE), "--out", folder / "reference", "--no-ledger")
+        assert r.returncode == 0, r.stderr
     root = tmp_path_factory.mktemp("serve")
-    recipe = write_recipe(root / "recipe", train={"max_steps": 40}, checkpoint={"every_steps": 10})
-    r = run_ember("run", recipe, "--out", root / "reference", "--no-ledger")
-    assert r.returncode == 0, r.stderr
+    recipe = write_recipe(root / "recipe", **RECIPE)
+    (root / "reference").symlink_to(shared("serve-reference", RECIPE, build) / "reference")
     return root, recipe
 
 
