@@ -33,9 +33,9 @@ from urllib.parse import parse_qs
 
 from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from ember.errors import NotFound
