@@ -63,6 +63,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def print_report(report: RunReport) -> None:
+    """A run's report as `ember report` prints it: summary lines, and tables where there are rows."""
     r = report.run
     out.print(f"{r.id}  {r.status}  step {r.steps}/{r.max_steps}  attempts {_fmt(r.attempts, 'd')}  ({r.path})",
               highlight=False, markup=False)
@@ -73,13 +74,8 @@ def print_report(report: RunReport) -> None:
         out.print(d.text(), highlight=False, markup=False)
         for w in d.warnings:
             out.print(f"warning: {w}", highlight=False, markup=False)
-    if g := report.goodput:
-        t = Table("where the time went", "seconds", "share", "evidence", title="goodput")
-        t.add_row("productive", f"{g.buckets['productive']:.2f}", f"{g.goodput:.1%}", "")
-        for item in report.where_time_goes:
-            t.add_row(item.bucket, f"{item.seconds:.2f}", f"{item.share:.1%}", escape(item.evidence))
-        t.add_row("[bold]wall-clock[/bold]", f"{g.wall_seconds:.2f}", "100%", "")
-        out.print(t)
+    if report.goodput:
+        out.print(goodput_table(report))
     if report.held_out:
         out.print("held-out loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in report.held_out)
                   + f" (perplexity {report.held_out[-1]['perplexity']:.2f} at step {report.held_out[-1]['step']}, "
@@ -105,28 +101,50 @@ def print_report(report: RunReport) -> None:
         out.print(f"cost {what}: {total}; per million tokens: {_fmt(c.per_million_tokens, '.4f')}; "
                   f"{c.formula}", highlight=False, markup=False)
     if rk := report.ranks:
-        t = Table("rank", "steps", "step p50", "step p99", "tokens/s", "waiting (sync)", "input", "compute",
-                  title=f"ranks (attempt {rk.attempt})")
-        for x in rk.ranks:
-            ph, total = x.phases, x.seconds or 1.0
-            t.add_row(str(x.rank), str(x.steps), f"{x.step_p50 * 1000:.1f} ms", f"{x.step_p99 * 1000:.1f} ms",
-                      f"{x.tokens_per_second:,.0f}", f"{x.sync_share:.1%}", f"{ph.get('data', 0) / total:.1%}",
-                      f"{sum(ph.get(k, 0) for k in ('forward', 'backward', 'optimizer')) / total:.1%}")
-        out.print(t)
+        out.print(ranks_table(report))
         out.print(f"all ranks: {rk.tokens_per_second:,.0f} tokens/s; median steps differ by {rk.spread:.1%} across "
                   f"ranks; the others wait for rank {rk.slowest} ({rk.slowest_cause}); {rk.sync_share:.1%} of a "
                   f"step spent waiting at the step's all-reduce", highlight=False, markup=False)
     if report.attempts:
-        t = Table("attempt", "outcome", "resumed from", "seconds", "lost steps", title="attempts")
-        for a in report.attempts:
-            end = a.end or a.last_seen or a.start
-            t.add_row(str(a.attempt), a.outcome or "-", "-" if a.resumed_from is None else str(a.resumed_from),
-                      f"{end - a.start:.1f}", str(a.lost_steps))
-        out.print(t)
+        out.print(attempts_table(report))
     for note in report.notes:
         out.print(f"note: {note}", highlight=False, markup=False)
     for p in report.plots:
         out.print(f"plot: {p}", highlight=False, markup=False)
+
+
+def goodput_table(report: RunReport) -> Table:
+    """Where a run's wall-clock time went: productive, each loss with its evidence, the whole."""
+    g = report.goodput
+    t = Table("where the time went", "seconds", "share", "evidence", title="goodput")
+    t.add_row("productive", f"{g.buckets['productive']:.2f}", f"{g.goodput:.1%}", "")
+    for item in report.where_time_goes:
+        t.add_row(item.bucket, f"{item.seconds:.2f}", f"{item.share:.1%}", escape(item.evidence))
+    t.add_row("[bold]wall-clock[/bold]", f"{g.wall_seconds:.2f}", "100%", "")
+    return t
+
+
+def ranks_table(report: RunReport) -> Table:
+    """Each rank's steps, step times, throughput and where its step time went (a distributed run)."""
+    rk = report.ranks
+    t = Table("rank", "steps", "step p50", "step p99", "tokens/s", "waiting (sync)", "input", "compute",
+              title=f"ranks (attempt {rk.attempt})")
+    for x in rk.ranks:
+        ph, total = x.phases, x.seconds or 1.0
+        t.add_row(str(x.rank), str(x.steps), f"{x.step_p50 * 1000:.1f} ms", f"{x.step_p99 * 1000:.1f} ms",
+                  f"{x.tokens_per_second:,.0f}", f"{x.sync_share:.1%}", f"{ph.get('data', 0) / total:.1%}",
+                  f"{sum(ph.get(k, 0) for k in ('forward', 'backward', 'optimizer')) / total:.1%}")
+    return t
+
+
+def attempts_table(report: RunReport) -> Table:
+    """A run's attempts: how each ended, where it resumed from, how long, the steps it lost."""
+    t = Table("attempt", "outcome", "resumed from", "seconds", "lost steps", title="attempts")
+    for a in report.attempts:
+        end = a.end or a.last_seen or a.start
+        t.add_row(str(a.attempt), a.outcome or "-", "-" if a.resumed_from is None else str(a.resumed_from),
+                  f"{end - a.start:.1f}", str(a.lost_steps))
+    return t
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -30,11 +30,19 @@ taken from `$EMBER_HOME/machine.toml` (same keys, under `[cost]`).
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ember` command line: one sub-command per function below (and the other cli modules')."""
+    from ember.cli import doctor, owner, plan, remote, serve
     parser = argparse.ArgumentParser(prog="ember", description="Recoverable, reproducible, "
                                      "accountable fine-tuning on machines you control.")
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (add_run, add_runs, add_report, add_compare, add_repro, add_capacity, add_export, plan.add_parsers,
+                doctor.add_parser, serve.add_parsers, remote.add_parsers, owner.add_parsers, add_recipe):
+        add(sub)  # in the order `ember -h` lists them
+    return parser
 
+
+def add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="train from a recipe; run it again to resume",
                          description="Train from a TOML recipe into OUT. Run the same command again "
                          "after any interruption and it resumes from the newest valid checkpoint. "
@@ -63,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-supervise", action="store_true", help=argparse.SUPPRESS)
     add_ledger_args(run, allow_off=True)
 
+
+def add_runs(sub: argparse._SubParsersAction) -> None:
     runs = sub.add_parser("runs", help="a table of the runs in the ledger")
     runs.add_argument("--status", help="only runs in this state (completed, running, interrupted, failed, ...)")
     runs.add_argument("--match", help="only runs whose id, name or folder contains this")
@@ -73,12 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--json", action="store_true")
     add_ledger_args(runs)
 
+
+def add_report(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="throughput, MFU, step-time spread, goodput and cost of a run")
     report.add_argument("run", help="a run folder or a run id from `ember runs`")
     report.add_argument("--json", action="store_true", help="machine-readable output")
     report.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots into DIR")
     add_ledger_args(report)
 
+
+def add_compare(sub: argparse._SubParsersAction) -> None:
     compare = sub.add_parser("compare", help="differences between two runs, and a verdict")
     compare.add_argument("run_a")
     compare.add_argument("run_b")
@@ -87,16 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", action="store_true")
     add_ledger_args(compare)
 
+
+def add_repro(sub: argparse._SubParsersAction) -> None:
     repro = sub.add_parser("repro", help="re-run a run from its record into a new folder, then compare")
     repro.add_argument("run")
     repro.add_argument("--out", type=Path, required=True)
     repro.add_argument("--tolerance", type=float, default=1e-3)
     add_ledger_args(repro)
 
+
+def add_capacity(sub: argparse._SubParsersAction) -> None:
     capacity = sub.add_parser("capacity", help="duty cycle per device; rent, reserve or own")
     capacity.add_argument("--since", help="start of the period (ISO date), default the first attempt")
     add_ledger_args(capacity)
 
+
+def add_export(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="a run's weights for serving engines (hf, peft, gguf)",
                             description="Write a completed run's final weights, or one of its checkpoints' "
                             "(--checkpoint), as a merged Hugging Face folder "
@@ -114,23 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "'last' (the newest) or 'best' (the lowest held-out loss); the run need not "
                         "have completed")
 
-    from ember.cli.doctor import add_parser as add_doctor
-    from ember.cli.owner import add_parsers as add_owner
-    from ember.cli.plan import add_parsers
-    from ember.cli.remote import add_parsers as add_remote
-    from ember.cli.serve import add_parsers as add_serve
-    add_parsers(sub)
-    add_doctor(sub)
-    add_serve(sub)
-    add_remote(sub)
-    add_owner(sub)
 
+def add_recipe(sub: argparse._SubParsersAction) -> None:
     recipe = sub.add_parser("recipe", help="check a recipe, or list every setting")
     recipe.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe to validate and print")
     recipe.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE")
     recipe.add_argument("--markdown", action="store_true", help="list the settings as a Markdown table")
-    return parser
 
 
 def add_ledger_args(parser: argparse.ArgumentParser, allow_off: bool = False) -> None:

@@ -90,6 +90,7 @@ def _gib(n: float) -> str:
 
 
 def render(p: Any, out: Console, show_remedies: bool = False) -> None:
+    """A plan as `ember plan` prints it; the remedies only when it does not fit, or when asked."""
     for d in p.devices:
         out.print(f"device: {d.name} ({d.kind}): {_gib(d.total)} total, {_gib(d.free)} free", markup=False)
     mem = p.memory
@@ -101,28 +102,12 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
     out.print(f"recipe: {rc.method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
               f"{rc.precision}, activation checkpointing {'on' if rc.activation_checkpointing else 'off'}, "
               f"loss chunk {rc.loss_chunk or 'off'}")
-    t = Table(title=f"peak memory per device (at {mem.phase})", title_justify="left")
-    t.add_column("part")
-    t.add_column("bytes", justify="right")
-    for key in ("weights", "gradients", "optimizer", "activations", "loss_buffers", "temporaries"):
-        if getattr(mem, key) is not None:
-            t.add_row(key.replace("_", " "), _gib(getattr(mem, key)))
-    t.add_row("peak", _gib(mem.peak))
-    t.add_row(f"+ margin {mem.margin:.0%}", _gib(mem.with_margin))
-    if mem.measured_peak is not None:
-        t.add_row("measured peak", f"{_gib(mem.measured_peak)} ({mem.error:+.1%})")
-    out.print(t)
+    out.print(memory_table(mem))
     for phase, n in mem.phases.items():
         out.print(f"  {phase}: {_gib(n)}")
     out.print(f"fits: {'yes' if p.fits else 'NO'} ({_gib(mem.with_margin)} needed, {_gib(p.devices[0].free)} free)")
     if p.remedies and (not p.fits or show_remedies):
-        t = Table(title="remedies, ranked (cheapest that fits first)", title_justify="left")
-        for col in ("", "remedy", "peak", "fits", "compute"):
-            t.add_column(col)
-        for i, x in enumerate(p.remedies, 1):
-            t.add_row(str(i), x.name + ("" if x.available else " (not available)"), _gib(x.peak),
-                      "yes" if x.fits else "no", f"{x.flops_factor - 1:+.0%}")
-        out.print(t)
+        out.print(remedies_table(p.remedies))
         for i, x in enumerate(p.remedies, 1):
             changes = ", ".join(f"{k} = {json.dumps(v)}" for k, v in x.changes.items())
             out.print(f"  {i}. {x.how}" + (f" [{changes}]" if changes else ""), markup=False)
@@ -150,6 +135,32 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
                   "and then this plan compares DDP, FSDP, TP and pipeline layouts", markup=False)
     for n in p.notes:
         out.print(f"note: {n}", markup=False)
+
+
+def memory_table(mem: Any) -> Table:
+    """The peak memory per device, part by part, with the margin and (calibrated) the measured peak."""
+    t = Table(title=f"peak memory per device (at {mem.phase})", title_justify="left")
+    t.add_column("part")
+    t.add_column("bytes", justify="right")
+    for key in ("weights", "gradients", "optimizer", "activations", "loss_buffers", "temporaries"):
+        if getattr(mem, key) is not None:
+            t.add_row(key.replace("_", " "), _gib(getattr(mem, key)))
+    t.add_row("peak", _gib(mem.peak))
+    t.add_row(f"+ margin {mem.margin:.0%}", _gib(mem.with_margin))
+    if mem.measured_peak is not None:
+        t.add_row("measured peak", f"{_gib(mem.measured_peak)} ({mem.error:+.1%})")
+    return t
+
+
+def remedies_table(remedies: list[Any]) -> Table:
+    """The remedies, ranked: each one's peak, whether it fits, its compute cost."""
+    t = Table(title="remedies, ranked (cheapest that fits first)", title_justify="left")
+    for col in ("", "remedy", "peak", "fits", "compute"):
+        t.add_column(col)
+    for i, x in enumerate(remedies, 1):
+        t.add_row(str(i), x.name + ("" if x.available else " (not available)"), _gib(x.peak),
+                  "yes" if x.fits else "no", f"{x.flops_factor - 1:+.0%}")
+    return t
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:

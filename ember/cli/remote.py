@@ -21,6 +21,12 @@ COMMANDS = ("data", "policy", "remote")
 
 
 def add_parsers(sub: Any) -> None:
+    """`ember data`, `ember policy` and `ember remote`, with their sub-commands."""
+    for add in (add_data, add_policy, add_remote):
+        add(sub)
+
+
+def add_data(sub: Any) -> None:
     data = sub.add_parser("data", help="the dataset registry: what may leave this machine, and where to")
     dsub = data.add_subparsers(dest="data_command", required=True)
     reg = dsub.add_parser("register", help="add (or renew) a dataset: its files' fingerprint, owner, licence, "
@@ -49,6 +55,8 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--registry", type=Path, help="read this datasets.toml alone")
         p.add_argument("--json", action="store_true")
 
+
+def add_policy(sub: Any) -> None:
     policy = sub.add_parser("policy", help="the gate before remote compute, and its audit log")
     psub = policy.add_subparsers(dest="policy_command", required=True)
     check = psub.add_parser("check", help="dry run: would `ember submit RECIPE --target T` be allowed, and why not")
@@ -61,6 +69,8 @@ def add_parsers(sub: Any) -> None:
     aud.add_argument("--json", action="store_true")
     aud.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
 
+
+def add_remote(sub: Any) -> None:
     remote = sub.add_parser("remote", help="remote jobs: status, logs, cancel, continue")
     rsub = remote.add_subparsers(dest="remote_command", required=True, metavar="{status,logs,cancel,continue}")
     st = rsub.add_parser("status", help="a remote job's state (results brought back), or every job's")

@@ -22,6 +22,12 @@ FINISHED = ("completed", "failed", "cancelled")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """The service's commands, in the order `ember -h` lists them."""
+    for add in (add_serve, add_ui, add_submit, add_queue, add_job_verbs, add_logs, add_yield):
+        add(sub)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="the local service: a queue of training jobs that steps aside "
                        "for the owner and for inference",
                        description="Run the service in the foreground (under systemd: --install-unit). Rules "
@@ -36,6 +42,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--install-unit", action="store_true", help="write the systemd user unit that runs this "
                    "ember's service ($XDG_CONFIG_HOME/systemd/user/ember.service), and exit")
 
+
+def add_ui(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("ui", help="the dashboard alone (runs, machine, plan), when no service runs; with one, "
                        "print where its dashboard is and a link that signs you in",
                        description="Serve the web dashboard and its JSON API, /metrics and /openapi.json over "
@@ -45,6 +53,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, help="port (default [service] port, 8765; 0: any free port)")
     s.add_argument("--ledger", type=Path, help="the ledger database (default $EMBER_HOME/ledger.db)")
 
+
+def add_submit(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("submit", help="queue a training job with the service, or with --target send it "
                        "through the gate to remote compute")
     s.add_argument("recipe", type=Path)
@@ -55,6 +65,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from ember.cli.remote import add_remote_args
     add_remote_args(s, required=False)  # --target: through the gate to remote compute instead
 
+
+def add_queue(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("queue", help="the service's jobs: state, priority, devices, progress, goodput, "
                        "run folder; `ember queue purge` removes finished ones")
     s.add_argument("--json", action="store_true")
@@ -74,6 +86,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="only jobs that ended longer ago than this, e.g. 7d, 12h, 30m")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
 
+
+def add_job_verbs(sub: argparse._SubParsersAction) -> None:
+    """pause, resume, cancel and requeue: each names a job."""
     s = sub.add_parser("pause", help="pause a job: soft (at the next step, keeping the process) or --hard")
     s.add_argument("job")
     s.add_argument("--hard", action="store_true", help="checkpoint and exit, freeing the device; stays "
@@ -83,10 +98,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "checkpoint")):
         sub.add_parser(name, help=text).add_argument("job")
 
+
+def add_logs(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("logs", help="a job's output")
     s.add_argument("job")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing as it grows")
 
+
+def add_yield(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("yield", help="give the devices back now: returns once every job is off them")
     s.add_argument("--for", dest="duration", help="how long, e.g. 30m, 2h, 90s (default: until "
                    "`ember yield --release`)")

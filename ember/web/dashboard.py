@@ -1,5 +1,7 @@
 """The dashboard: HTML pages, the JSON API behind them, live steps (server-sent events) and
-Prometheus metrics, added to the service's app (or to `ember ui`'s).
+Prometheus metrics. One handler per route, each taking the request; `ROUTES` lists them, and
+ember.web.api.create_app mounts them on the service's app (or `ember ui`'s) beside the
+`Dashboard` they share (app.state.dashboard).
 
     GET /runs, /runs/{id}, /queue, /machine, /plan      pages (server-rendered, a little JavaScript)
     GET /api/runs?status=&match=&sort=&desc=            the runs table           (ember runs)
@@ -23,13 +25,15 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, is_dataclass
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -82,10 +86,29 @@ def size(n: float | None) -> str:
 
 
 def reply(value: Any) -> JSONResponse:
+    """A library answer as the JSON route's answer."""
     return JSONResponse(as_json(value))
 
 
-def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
+@dataclass
+class Dashboard:
+    """What the dashboard's handlers share, kept on the app (`app.state.dashboard`): the library
+    calls behind the pages, the token that signs in, the page templates, the metrics registry."""
+    views: Views
+    token: str
+    templates: Environment
+    registry: CollectorRegistry
+
+    @classmethod
+    def over(cls, views: Views, token: str) -> Dashboard:
+        """The dashboard over `views`, signed in to with `token`."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(LedgerCollector(views.con, STATES))
+        return cls(views, token, templates(), registry)
+
+
+def templates() -> Environment:
+    """The pages' templates, with the filters they format numbers with."""
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = lambda v, spec=",.1f": "-" if v is None else format(v, spec)
@@ -94,182 +117,241 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     env.filters["when"] = lambda t: "-" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
     env.filters["gib"] = size
     env.filters["tojson_attr"] = lambda v: json.dumps(v, default=str)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(LedgerCollector(views.con, STATES))
+    return env
 
-    def page(request: Request, template: str, title: str, **data: Any) -> HTMLResponse:
-        signed_in = security.session_ok(request, token)
-        html = env.get_template(template).render(
-            title=title, nav=title, signed_in=signed_in, service=views.service is not None,
-            csrf=security.csrf_value(token) if signed_in else "", **data)
-        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
 
-    def error_page(request: Request, e: Exception) -> HTMLResponse:
-        """A library error as a page, with the status the JSON API gives it (ember.web.error_responses)."""
-        status = status_of(e)
-        r = page(request, "error.html", "Error", status=status, message=str(e))
-        r.status_code = status
+def dashboard(request: Request) -> Dashboard:
+    """The dashboard of the app answering `request`."""
+    return request.app.state.dashboard
+
+
+def views(request: Request) -> Views:
+    """The library calls behind the pages of the app answering `request`."""
+    return request.app.state.dashboard.views
+
+
+def page(request: Request, template: str, title: str, **data: Any) -> HTMLResponse:
+    """`template` rendered for `request`: signed in or not, and the CSRF value its scripts send back."""
+    d = dashboard(request)
+    signed_in = security.session_ok(request, d.token)
+    html = d.templates.get_template(template).render(
+        title=title, nav=title, signed_in=signed_in, service=d.views.service is not None,
+        csrf=security.csrf_value(d.token) if signed_in else "", **data)
+    return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+
+def error_page(request: Request, e: Exception) -> HTMLResponse:
+    """A library error as a page, with the status the JSON API gives it (ember.web.error_responses)."""
+    status = status_of(e)
+    r = page(request, "error.html", "Error", status=status, message=str(e))
+    r.status_code = status
+    return r
+
+
+# ---- pages: one handler each, taking the request ----------------------------------------------
+
+def home(request: Request) -> RedirectResponse:
+    """/ is the Runs page."""
+    return RedirectResponse("/runs", status_code=303)
+
+
+def runs_page(request: Request, status: str | None = None, match: str | None = None, sort: str = "created",
+              desc: bool = True, page_: int = Query(1, alias="page", ge=1)) -> HTMLResponse:
+    """The runs table, sorted and filtered, a page at a time."""
+    try:
+        rows = views(request).runs(status or None, match or None, sort, desc)
+    except LIBRARY as e:
+        return error_page(request, e)
+    # Sorted and filtered over every run; shown a page at a time (a browser lays out 100 rows
+    # in a blink, 1,000 in over a second on a small machine).
+    pages = max(1, -(-len(rows) // PAGE_ROWS))
+    at = min(page_, pages)
+    return page(request, "runs.html", "Runs", rows=rows[(at - 1) * PAGE_ROWS:at * PAGE_ROWS], total=len(rows),
+                first=(at - 1) * PAGE_ROWS + 1, at=at, pages=pages, status=status or "", match=match or "",
+                sort=sort, desc=desc, statuses=STATUSES, sort_keys=SORT_KEYS)
+
+
+def run_page(request: Request, run_id: str, compare: str | None = None) -> HTMLResponse:
+    """One run: its report, record, diagnosis, curves, and a comparison with another."""
+    v = views(request)
+    try:
+        data = v.run_page(run_id, compare or None)
+    except LIBRARY as e:
+        return error_page(request, e)
+    return page(request, "run.html", "Runs", p=data, run_id=run_id, live=run_live(v.con(), run_id))
+
+
+def queue_page(request: Request) -> HTMLResponse:
+    """The service's queue (`ember ui` has none)."""
+    v = views(request)
+    data = v.queue() if v.service is not None else None
+    return page(request, "queue.html", "Queue", q=data, final=FINAL)
+
+
+def machine_page(request: Request, since: str | None = None) -> HTMLResponse:
+    """The devices, their duty cycle, and rent, reserve or own."""
+    try:
+        data = views(request).machine(since or None)
+    except LIBRARY as e:
+        return error_page(request, e)
+    return page(request, "machine.html", "Machine", m=data, since=since or "")
+
+
+def plan_page(request: Request, run: str | None = None, job: str | None = None,
+              device_memory: float | None = None, target_micro_batch: int | None = None) -> HTMLResponse:
+    """The plan of a run's or a queued job's recipe, and the runs and jobs to choose from."""
+    v = views(request)
+    plan, error = None, None
+    if run or job:
+        try:
+            plan = v.plan(run or None, job or None, device_memory, target_micro_batch)
+        except LIBRARY as e:
+            error = str(e)
+    runs = v.runs(None, None, "created", True)
+    jobs = v.service.queue() if v.service is not None else []
+    return page(request, "plan.html", "Plan", plan=plan, error=error, run=run or "", job=job or "",
+                device_memory=device_memory, target_micro_batch=target_micro_batch, runs=runs, jobs=jobs)
+
+
+def login_form(request: Request, token_: str | None = Query(None, alias="token")) -> Response:
+    """The sign-in form, or with ?token= (the link `ember ui` prints) the sign-in itself."""
+    if token_ is not None:
+        return sign_in(request, token_)
+    return page(request, "login.html", "Sign in", failed=False)
+
+
+async def login_post(request: Request) -> Response:
+    """The sign-in form's answer."""
+    form = parse_qs((await request.body()).decode(errors="replace"))
+    return sign_in(request, (form.get("token") or [""])[0])
+
+
+def sign_in(request: Request, given: str) -> Response:
+    """The session cookie and the Runs page for the right token; the form again, 401, for a wrong one."""
+    token = dashboard(request).token
+    if not security._equal(given.strip(), token):
+        r = page(request, "login.html", "Sign in", failed=True)
+        r.status_code = 401
         return r
+    r = RedirectResponse("/runs", status_code=303)
+    r.set_cookie(security.SESSION_COOKIE, security.session_value(token), httponly=True, samesite="strict",
+                 path="/")
+    return r
 
-    # ---- pages ------------------------------------------------------------------------------
 
-    @app.get("/", include_in_schema=False)
-    def home() -> RedirectResponse:
-        return RedirectResponse("/runs", status_code=303)
+def static(name: str) -> Response:
+    """One of the files in static/, and nothing else."""
+    path = STATIC.get(name)
+    if path is None:
+        raise NotFound(f"no static file {name[:200]!r}")
+    return Response(path.read_bytes(), media_type=MEDIA.get(path.suffix, "application/octet-stream"),
+                    headers={"Cache-Control": "max-age=3600"})
 
-    @app.get("/runs", include_in_schema=False)
-    def runs_page(request: Request, status: str | None = None, match: str | None = None, sort: str = "created",
-                  desc: bool = True, page_: int = Query(1, alias="page", ge=1)) -> HTMLResponse:
-        try:
-            rows = views.runs(status or None, match or None, sort, desc)
-        except LIBRARY as e:
-            return error_page(request, e)
-        # Sorted and filtered over every run; shown a page at a time (a browser lays out 100 rows
-        # in a blink, 1,000 in over a second on a small machine).
-        pages = max(1, -(-len(rows) // PAGE_ROWS))
-        at = min(page_, pages)
-        return page(request, "runs.html", "Runs", rows=rows[(at - 1) * PAGE_ROWS:at * PAGE_ROWS], total=len(rows),
-                    first=(at - 1) * PAGE_ROWS + 1, at=at, pages=pages, status=status or "", match=match or "",
-                    sort=sort, desc=desc, statuses=STATUSES, sort_keys=SORT_KEYS)
 
-    @app.get("/runs/{run_id}", include_in_schema=False)
-    def run_page(request: Request, run_id: str, compare: str | None = None) -> HTMLResponse:
-        try:
-            data = views.run_page(run_id, compare or None)
-        except LIBRARY as e:
-            return error_page(request, e)
-        return page(request, "run.html", "Runs", p=data, run_id=run_id, live=run_live(views.con(), run_id))
+# ---- the JSON API ---------------------------------------------------------------------------
+# Without docstrings: FastAPI would publish them in /openapi.json. The module docstring says what each is.
 
-    @app.get("/queue", include_in_schema=False)
-    def queue_page(request: Request) -> HTMLResponse:
-        data = views.queue() if views.service is not None else None
-        return page(request, "queue.html", "Queue", q=data, final=FINAL)
+def api_runs(request: Request, status: str | None = None, match: str | None = None, sort: str = "created",
+             desc: bool = False) -> Any:
+    return reply(views(request).runs(status, match, sort, desc))
 
-    @app.get("/machine", include_in_schema=False)
-    def machine_page(request: Request, since: str | None = None) -> HTMLResponse:
-        try:
-            data = views.machine(since or None)
-        except LIBRARY as e:
-            return error_page(request, e)
-        return page(request, "machine.html", "Machine", m=data, since=since or "")
 
-    @app.get("/plan", include_in_schema=False)
-    def plan_page(request: Request, run: str | None = None, job: str | None = None,
-                  device_memory: float | None = None, target_micro_batch: int | None = None) -> HTMLResponse:
-        plan, error = None, None
-        if run or job:
-            try:
-                plan = views.plan(run or None, job or None, device_memory, target_micro_batch)
-            except LIBRARY as e:
-                error = str(e)
-        runs = views.runs(None, None, "created", True)
-        jobs = views.service.queue() if views.service is not None else []
-        return page(request, "plan.html", "Plan", plan=plan, error=error, run=run or "", job=job or "",
-                    device_memory=device_memory, target_micro_batch=target_micro_batch, runs=runs, jobs=jobs)
+def api_run(request: Request, run_id: str) -> Any:
+    return reply(views(request).report(run_id))
 
-    @app.get("/login", include_in_schema=False)
-    def login_form(request: Request, token_: str | None = Query(None, alias="token")) -> Response:
-        if token_ is not None:
-            return _login(request, token_)
-        return page(request, "login.html", "Sign in", failed=False)
 
-    @app.post("/login", include_in_schema=False)
-    async def login_post(request: Request) -> Response:
-        form = parse_qs((await request.body()).decode(errors="replace"))
-        return _login(request, (form.get("token") or [""])[0])
+def api_record(request: Request, run_id: str) -> Any:
+    return reply(views(request).record(run_id))
 
-    def _login(request: Request, given: str) -> Response:
-        if not security._equal(given.strip(), token):
-            r = page(request, "login.html", "Sign in", failed=True)
-            r.status_code = 401
-            return r
-        r = RedirectResponse("/runs", status_code=303)
-        r.set_cookie(security.SESSION_COOKIE, security.session_value(token), httponly=True, samesite="strict",
-                     path="/")
-        return r
 
-    @app.get("/static/{name}", include_in_schema=False)
-    def static(name: str) -> Response:
-        path = STATIC.get(name)
-        if path is None:
-            raise NotFound(f"no static file {name[:200]!r}")
-        return Response(path.read_bytes(), media_type=MEDIA.get(path.suffix, "application/octet-stream"),
-                        headers={"Cache-Control": "max-age=3600"})
+def api_diagnosis(request: Request, run_id: str) -> Any:
+    found = views(request).diagnosis(run_id)
+    if found is None:
+        raise NotFound(f"run {run_id} has no diagnosis: `ember doctor RUN_FOLDER` makes one")
+    return reply(found)
 
-    # ---- the JSON API -----------------------------------------------------------------------
 
-    @app.get("/api/runs", response_model=list[RunEntry])
-    def api_runs(status: str | None = None, match: str | None = None, sort: str = "created",
-                 desc: bool = False) -> Any:
-        return reply(views.runs(status, match, sort, desc))
+def api_curves(request: Request, run_id: str, fields: str | None = None, start: float | None = None,
+               end: float | None = None, buckets: int = Query(DEFAULT_BUCKETS, ge=1, le=100_000)) -> Any:
+    return reply(views(request).curves(run_id, fields, start, end, buckets))
 
-    @app.get("/api/runs/{run_id}", response_model=RunReport)
-    def api_run(run_id: str) -> Any:
-        return reply(views.report(run_id))
 
-    @app.get("/api/runs/{run_id}/record")
-    def api_record(run_id: str) -> Any:
-        return reply(views.record(run_id))
+async def api_live(run_id: str, request: Request, offset: int = Query(0, ge=0)) -> StreamingResponse:
+    v = views(request)
+    folder = await run_in_threadpool(v.folder, run_id)
+    last = request.headers.get("last-event-id", "")
+    start = int(last) if last.isdigit() else offset
+    return StreamingResponse(live_steps(request, v, run_id, folder, start), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/api/runs/{run_id}/diagnosis")
-    def api_diagnosis(run_id: str) -> Any:
-        found = views.diagnosis(run_id)
-        if found is None:
-            raise NotFound(f"run {run_id} has no diagnosis: `ember doctor RUN_FOLDER` makes one")
-        return reply(found)
 
-    @app.get("/api/runs/{run_id}/curves", response_model=Curves)
-    def api_curves(run_id: str, fields: str | None = None, start: float | None = None, end: float | None = None,
-                   buckets: int = Query(DEFAULT_BUCKETS, ge=1, le=100_000)) -> Any:
-        return reply(views.curves(run_id, fields, start, end, buckets))
+async def live_steps(request: Request, v: Views, run_id: str, folder: Path, position: int) -> AsyncIterator[str]:
+    """A run's steps from byte `position` of its steps file as server-sent events while it runs,
+    then its last steps and `end`; at most LIVE_MAX_SECONDS (the browser reconnects from its offset)."""
+    began = time.monotonic()
+    yield "retry: 2000\n\n"
+    while time.monotonic() - began < LIVE_MAX_SECONDS:
+        steps, position = await run_in_threadpool(follow, folder, position)
+        if steps:
+            yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, allow_nan=False, default=str)}\n\n"
+        elif not await run_in_threadpool(lambda: run_live(v.con(), run_id)):
+            steps, position = await run_in_threadpool(follow, folder, position)  # its last lines
+            if steps:
+                yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, default=str)}\n\n"
+            yield "event: end\ndata: {}\n\n"
+            return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(LIVE_POLL_SECONDS)
 
-    @app.get("/api/runs/{run_id}/live", response_class=StreamingResponse,
+
+def api_compare(request: Request, a: str, b: str, tolerance: float = Query(1e-3, ge=0)) -> Any:
+    return reply(views(request).compare(a, b, tolerance))
+
+
+def api_machine(request: Request, since: str | None = None) -> Any:
+    return reply(views(request).machine(since))
+
+
+def api_capacity(request: Request, since: str | None = None) -> Any:
+    return reply(views(request).machine(since).capacity)
+
+
+def api_plan(request: Request, run: str | None = None, job: str | None = None,
+             device_memory: float | None = Query(None, gt=0, le=1e6),
+             target_micro_batch: int | None = Query(None, ge=1, le=1_000_000)) -> Any:
+    return reply(views(request).plan(run, job, device_memory, target_micro_batch))
+
+
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(dashboard(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# The dashboard's routes, mounted by ember.web.api.create_app. FastAPI's own kind of Starlette
+# route: it validates the query (a bad one is a 400) and documents the route in /openapi.json.
+PAGE = {"methods": ["GET"], "include_in_schema": False}
+ROUTES = [
+    APIRoute("/", home, **PAGE),
+    APIRoute("/runs", runs_page, **PAGE),
+    APIRoute("/runs/{run_id}", run_page, **PAGE),
+    APIRoute("/queue", queue_page, **PAGE),
+    APIRoute("/machine", machine_page, **PAGE),
+    APIRoute("/plan", plan_page, **PAGE),
+    APIRoute("/login", login_form, **PAGE),
+    APIRoute("/login", login_post, methods=["POST"], include_in_schema=False),
+    APIRoute("/static/{name}", static, **PAGE),
+    APIRoute("/api/runs", api_runs, methods=["GET"], response_model=list[RunEntry]),
+    APIRoute("/api/runs/{run_id}", api_run, methods=["GET"], response_model=RunReport),
+    APIRoute("/api/runs/{run_id}/record", api_record, methods=["GET"]),
+    APIRoute("/api/runs/{run_id}/diagnosis", api_diagnosis, methods=["GET"]),
+    APIRoute("/api/runs/{run_id}/curves", api_curves, methods=["GET"], response_model=Curves),
+    APIRoute("/api/runs/{run_id}/live", api_live, methods=["GET"], response_class=StreamingResponse,
              responses={200: {"content": {"text/event-stream": {}},
-                              "description": "`steps` events (JSON lists of new steps), then `end`"}})
-    async def api_live(run_id: str, request: Request, offset: int = Query(0, ge=0)) -> StreamingResponse:
-        folder = await run_in_threadpool(views.folder, run_id)
-        last = request.headers.get("last-event-id", "")
-        start = int(last) if last.isdigit() else offset
-
-        async def stream() -> Any:
-            position, began = start, time.monotonic()
-            yield "retry: 2000\n\n"
-            while time.monotonic() - began < LIVE_MAX_SECONDS:
-                steps, position = await run_in_threadpool(follow, folder, position)
-                if steps:
-                    yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, allow_nan=False, default=str)}\n\n"
-                elif not await run_in_threadpool(lambda: run_live(views.con(), run_id)):
-                    steps, position = await run_in_threadpool(follow, folder, position)  # its last lines
-                    if steps:
-                        yield f"id: {position}\nevent: steps\ndata: {json.dumps(steps, default=str)}\n\n"
-                    yield "event: end\ndata: {}\n\n"
-                    return
-                if await request.is_disconnected():
-                    return
-                await asyncio.sleep(LIVE_POLL_SECONDS)
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-
-    @app.get("/api/compare", response_model=Comparison)
-    def api_compare(a: str, b: str, tolerance: float = Query(1e-3, ge=0)) -> Any:
-        return reply(views.compare(a, b, tolerance))
-
-    @app.get("/api/machine", response_model=MachinePage)
-    def api_machine(since: str | None = None) -> Any:
-        return reply(views.machine(since))
-
-    @app.get("/api/capacity", response_model=CapacityReport)
-    def api_capacity(since: str | None = None) -> Any:
-        return reply(views.machine(since).capacity)
-
-    @app.get("/api/plan")
-    def api_plan(run: str | None = None, job: str | None = None,
-                 device_memory: float | None = Query(None, gt=0, le=1e6),
-                 target_micro_batch: int | None = Query(None, ge=1, le=1_000_000)) -> Any:
-        return reply(views.plan(run, job, device_memory, target_micro_batch))
-
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
+                              "description": "`steps` events (JSON lists of new steps), then `end`"}}),
+    APIRoute("/api/compare", api_compare, methods=["GET"], response_model=Comparison),
+    APIRoute("/api/machine", api_machine, methods=["GET"], response_model=MachinePage),
+    APIRoute("/api/capacity", api_capacity, methods=["GET"], response_model=CapacityReport),
+    APIRoute("/api/plan", api_plan, methods=["GET"]),
+    APIRoute("/metrics", metrics, methods=["GET"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}}),
+]

@@ -1,4 +1,6 @@
-"""The inference worker: an OpenAI-compatible HTTP server over one ember.infer.Engine.
+"""The inference worker: an OpenAI-compatible HTTP server over one ember.infer.Engine. This is
+the HTTP glue (the app, the body, server-sent events, the process); the requests' and answers'
+shapes are ember.infer.openai's.
 
 `ember serve` runs it as a child process and forwards requests to it, as it would to llama.cpp:
 
@@ -34,9 +36,7 @@ import json
 import os
 import sys
 import threading
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ from starlette.exceptions import HTTPException
 
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
-from ember.infer.engine import BASE, Engine, Generation, RequestError, Sampling
+from ember.infer.engine import Engine, Generation, RequestError
+from ember.infer.openai import OpenAIRequest, chat_request, chunks, completion_request, whole
 from ember.web.error_responses import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
@@ -69,7 +70,6 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
         yield
 
     app = FastAPI(title="ember inference worker", lifespan=lifespan)
-
     if token:
         @app.middleware("http")
         async def only_with_the_token(request: Request, call_next: Callable) -> Any:
@@ -77,18 +77,9 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
                 return error_response(401, "this worker answers the ember service only: "
                                            "Authorization: Bearer <its token> is missing or wrong")
             return await call_next(request)
-
-    @app.exception_handler(EmberError)
-    async def ember_error(request: Request, e: EmberError) -> JSONResponse:
-        return error_response(getattr(e, "status", 400), str(e))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def crash(request: Request, e: Exception) -> JSONResponse:  # Starlette logs the traceback too
-        return error_response(500, f"{type(e).__name__}: {e}")
+    app.add_exception_handler(EmberError, ember_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, crash)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -105,27 +96,28 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await read_json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise RequestError("prompt: required, a string")
-        if body.get("echo") or body.get("logprobs") or body.get("suffix"):
-            raise RequestError("echo, logprobs and suffix are not supported by ember's engine")
-        return await respond(engine, body, prompt, sampling(body, 16), completion_chunk)
+        return await respond(engine, completion_request(await read_json(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await read_json(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise RequestError("messages: required, a list of {\"role\": str, \"content\": str}")
-        if body.get("logprobs") or body.get("tools"):
-            raise RequestError("logprobs and tools are not supported by ember's engine")
-        return await respond(engine, body, messages, sampling(body, None), chat_chunk)
+        return await respond(engine, chat_request(await read_json(request)))
 
     return app
+
+
+async def ember_error(request: Request, e: EmberError) -> JSONResponse:
+    """A request the engine refuses, with its status (RequestError's; 400 for another EmberError)."""
+    return error_response(getattr(e, "status", 400), str(e))
+
+
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown route, a method not allowed) in the one shape."""
+    return error_response(e.status_code, str(e.detail))
+
+
+async def crash(request: Request, e: Exception) -> JSONResponse:
+    """A defect: 500 with what it was (Starlette logs the traceback too)."""
+    return error_response(500, f"{type(e).__name__}: {e}")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -148,62 +140,28 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
-def sampling(body: dict[str, Any], default_max: int | None) -> Sampling:
-    """The sampling settings of an OpenAI request, type-checked (Sampling.check does ranges)."""
-    def number(key: str, kind: type, default: Any) -> Any:
-        value = body.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-            what = "a number" if kind is float else "an integer"
-            raise RequestError(f"{key}: expected {what}, got {value!r:.40}")
-        return kind(value)
-    if number("n", int, 1) != 1:
-        raise RequestError("n: only 1 is supported")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("stop: a string or a list of strings")
-    max_tokens = number("max_tokens", int, None)
-    if max_tokens is None:  # the chat API's newer name for it
-        max_tokens = number("max_completion_tokens", int, default_max)
-    return Sampling(max_tokens=max_tokens, temperature=number("temperature", float, 1.0),
-                    top_p=number("top_p", float, 1.0), stop=tuple(stop), seed=number("seed", int, None))
-
-
-async def respond(engine: Engine, body: dict[str, Any], prompt: Any, how: Sampling,
-                  chunk: Callable[..., dict[str, Any]]) -> Any:
+async def respond(engine: Engine, asked: OpenAIRequest) -> Any:
     """Run one generation and answer with it whole, or as server-sent events."""
-    model = body.get("model") or BASE
-    if not isinstance(model, str):
-        raise RequestError("model: a string")
-    gen = engine.generate(model, prompt, how)  # refuses a bad request before anything runs
+    gen = engine.generate(asked.model, asked.prompt, asked.sampling)  # refuses a bad request before anything runs
     try:
         await anyio.to_thread.run_sync(next, gen)  # waits its turn, activates the adapter (may refuse)
     except BaseException:  # cancelled while waiting: release the engine now, not at garbage collection
         gen.close()
         raise
-    head = {"id": f"{'chatcmpl' if chunk is chat_chunk else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "created": int(time.time()), "model": model}
-    if not body.get("stream"):
+    head = asked.head()
+    if not asked.stream:
         text = await anyio.to_thread.run_sync(gen.text)
-        return {**chunk(head, text, gen.usage.finish_reason, whole=True), "usage": usage(gen)}
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return StreamingResponse(events(gen, head, chunk, include_usage), media_type="text/event-stream",
+        return whole(asked, head, text, gen.usage)
+    return StreamingResponse(events(gen, chunks(asked, head, gen)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def events(gen: Generation, head: dict[str, Any], chunk: Callable[..., dict[str, Any]],
-                 include_usage: bool) -> AsyncIterator[str]:
-    """The generation as OpenAI stream chunks; the engine is released however the stream ends."""
+async def events(gen: Generation, stream: Iterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The chunks of `stream` (which iterates `gen`) as server-sent events, each made in a thread;
+    the engine is released however the stream ends."""
     try:
-        yield sse(chunk(head, "", None, first=True))
-        while (piece := await anyio.to_thread.run_sync(next, gen, _END)) is not _END:
-            if piece:
-                yield sse(chunk(head, piece, None))
-        yield sse(chunk(head, "", gen.usage.finish_reason))
-        if include_usage:
-            yield sse({**chunk(head, "", None), "choices": [], "usage": usage(gen)})
+        while (chunk := await anyio.to_thread.run_sync(next, stream, _END)) is not _END:
+            yield sse(chunk)
         yield "data: [DONE]\n\n"
     except Exception as e:  # after the 200 header: the stream carries the error, and ends
         yield sse({"error": {"message": str(e) if isinstance(e, EmberError) else f"{type(e).__name__}: {e}",
@@ -213,29 +171,8 @@ async def events(gen: Generation, head: dict[str, Any], chunk: Callable[..., dic
             await anyio.to_thread.run_sync(gen.close)
 
 
-def completion_chunk(head: dict[str, Any], text: str, finish: str | None, whole: bool = False,
-                     first: bool = False) -> dict[str, Any]:
-    return {**head, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-
-def chat_chunk(head: dict[str, Any], text: str, finish: str | None, whole: bool = False,
-               first: bool = False) -> dict[str, Any]:
-    if whole:
-        return {**head, "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
-    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-    return {**head, "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-
-def usage(gen: Generation) -> dict[str, int]:
-    u = gen.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
 def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying `data`."""
     return f"data: {json.dumps(data)}\n\n"
 
 

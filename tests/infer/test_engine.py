@@ -233,6 +233,8 @@ def test_a_stop_string_ends_the_text_before_it(client: TestClient):
     ("/v1/completions", {"json": {"prompt": "x" * (1 << 20)}}, 413, "bytes"),
     ("/v1/chat/completions", {"json": {"model": "a"}}, 400, "messages"),
     ("/v1/chat/completions", {"json": {"messages": [{"role": "user"}]}}, 400, "messages"),
+    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                       "stream_options": [True]}}, 400, "stream_options"),
     ("/v1/nothing", {"json": {}}, 404, "Not Found"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(client: TestClient, engine: Engine, path, request_kw,
