@@ -25,7 +25,7 @@ from ember.events import Events
 from ember.ledger.database import Ledger
 from ember.lock import acquire
 from ember.metrics.report import RunReport, build_report, summarize
-from ember.plan.devices import detect_devices
+from ember.hardware import for_run
 from ember.plan.memory import GiB
 from ember.plan.planner import UnknownArchitecture, make_plan
 from ember.ranks import PEER_LOST, Topology, launch
@@ -208,7 +208,7 @@ def check_memory(recipe: Recipe) -> None:
     """Refuse, before anything is built, a recipe whose estimated peak does not fit this
     machine's free memory, naming the remedy the plan would apply."""
     try:
-        plan = make_plan(recipe, None, None, detect_devices(recipe.train.device))
+        plan = make_plan(recipe, None, None, for_run(recipe.train.device))
     except UnknownArchitecture:
         return  # no estimate for this architecture: the run measures as it goes
     if plan.fits:

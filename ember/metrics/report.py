@@ -316,7 +316,7 @@ def _mfu(perf: dict[str, Any], per_device: float | None) -> Mfu:
 
 def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
     """Recipe [cost] over $EMBER_HOME/machine.toml [cost]; a 0 or '' in the recipe means unset."""
-    machine = read_machine("cost")
+    machine = asdict(read_machine().cost)
 
     def pick(key: str, default: Any) -> Any:
         return cfg.get(key) or machine.get(key) or default

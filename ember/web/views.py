@@ -22,7 +22,7 @@ from ember.metrics.report import RunReport, build_report, load_run_record
 from ember.metrics.series import CURVE_FIELDS, Curves, curves
 from ember.recipe import to_toml
 from ember.sched.plan_child import plan_json
-from ember.sched.resources import Device, detect
+from ember.hardware import Device, detect
 from ember.sched.service import JobView, Service
 
 
