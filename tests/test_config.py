@@ -54,7 +54,8 @@ def test_key_lines_follow_tables_dotted_and_quoted_names():
 
 
 BAD = [  # (file name, text, the message's start)
-    ("recipe.toml", '[data]\nfiles = ["d.jsonl"]\n\n[train]\nmax_steps = 0\n', ":5: [train] max_steps = 0: must be >= 1"),
+    ("recipe.toml", '[data]\nfiles = ["d.jsonl"]\n\n[train]\nmax_steps = 0\n',
+     ":5: [train] max_steps = 0: must be >= 1"),
     ("owner.toml", "[cpu]\n\nmax_other_load = 2\n", ":3: [cpu] max_other_load = 2.0: must be <= 1"),
     ("targets.toml", "[targets.hpc]\nkind = 'slurm'\nmax_nodes = 0\n", ":3: [targets.hpc] max_nodes = 0: must be >= 1"),
     ("datasets.toml", "[datasets.c]\n\nowner = 3\n", ":3: [datasets.c] owner = 3: must be a string"),

@@ -1,7 +1,7 @@
 """The owner's rules: `$EMBER_HOME/owner.toml`, validated like a recipe (the same config engine,
-ember.config, and the same errors), and one pure function saying which rules hold training right now. The dataclasses below
-are the one definition of the file: docs/owner.md is generated from them (ember.sched.owner_reference),
-and `ember owner check` prints them resolved. A running service reads the file again when it
+ember.config, and the same errors), and one pure function saying which rules hold training right
+now. The dataclasses below are the one definition of the file: docs/owner.md is generated from
+them (ember.sched.owner_reference), and `ember owner check` prints them resolved. A running service reads the file again when it
 changes: RESTART_KEYS wait for a restart, the rest hold at once, and a file that does not validate
 leaves the rules in force as they were (`merge`, `RulesStatus`).
 
