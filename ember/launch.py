@@ -22,10 +22,10 @@ from ember.ckpt.store import CheckpointStore
 from ember.doctor.preflight import Check, preflight
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
+from ember.hardware import for_run
 from ember.ledger.database import Ledger
 from ember.lock import acquire
 from ember.metrics.report import RunReport, build_report, summarize
-from ember.hardware import for_run
 from ember.plan.memory import GiB
 from ember.plan.planner import UnknownArchitecture, make_plan
 from ember.ranks import PEER_LOST, Topology, launch

@@ -15,9 +15,9 @@ from ember.doctor.measure import calibrate
 from ember.errors import EmberError
 from ember.events import Events
 from ember.doctor.comm import to_interconnect
+from ember.hardware import for_run
 from ember.ledger import comm_rows as comm
 from ember.ledger import database as ledger_store
-from ember.hardware import for_run
 from ember.plan.memory import GiB, estimate
 from ember.plan.advisor import Advice, advise
 from ember.plan.planner import Plan, UnknownArchitecture, make_plan

@@ -69,12 +69,12 @@ from ember.doctor.diagnose import (
 from ember.doctor.measure import synthetic
 from ember.errors import EmberError
 from ember.events import Event, Events
+from ember.hardware import for_run
 from ember.ledger.history import mtbf_seconds
 from ember.metrics.flops import mfu
 from ember.metrics.stats import percentile
 from ember.models import model_config
 from ember.paths import scratch_dir
-from ember.hardware import for_run
 from ember.plan.memory import ModelShape, estimate
 from ember.plan.remedies import fits, train_shape
 from ember.recipe import Recipe

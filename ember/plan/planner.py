@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 from ember.ckpt.interval import Interval, recommend
 from ember.errors import EmberError
+from ember.hardware import Device, for_run, host_device
 from ember.ledger import history
 from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
 from ember.metrics.peaks import select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, model_config
-from ember.hardware import Device, for_run, host_device
 from ember.plan.advisor import Advice
 from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, trainable_params
 from ember.plan.remedies import Remedy, architecture, fits, remedies, train_shape

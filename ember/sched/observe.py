@@ -18,8 +18,8 @@ from collections import deque
 
 import psutil
 
-from ember.sched.owner_rules import Observation, OwnerRules
 from ember.hardware import foreign_accelerator_pids
+from ember.sched.owner_rules import Observation, OwnerRules
 
 
 def idle_seconds() -> tuple[float | None, str]:

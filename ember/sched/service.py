@@ -31,6 +31,7 @@ from ember import control
 from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
 from ember.events import Events
+from ember.hardware import Machine, detect
 from ember.infer.runs import BASE, lora_run
 from ember.ledger import job_rows as rows
 from ember.ledger.job_rows import JobRow
@@ -41,7 +42,6 @@ from ember.sched.inference import Gate
 from ember.sched.jobs import FINAL, LIVE, move, remove
 from ember.sched.observe import Observer
 from ember.sched.plan_child import plan_json
-from ember.hardware import Machine, detect
 
 TICK_SECONDS = 0.1
 OBSERVE_SECONDS = 0.5

@@ -23,13 +23,13 @@ from ember.ckpt.writer import CheckpointWriter
 from ember.device import configure_determinism, pick_device
 from ember.errors import EmberError
 from ember.events import Event, Events
+from ember.hardware import name_of
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.history import mtbf_seconds
 from ember.ledger.manifest import build_manifest
 from ember.ledger.database import Ledger, NullLedger
 from ember.metrics.flops import architecture_of, flops_per_token
-from ember.hardware import name_of
 from ember.metrics.peaks import select_peak
 from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
