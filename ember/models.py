@@ -14,7 +14,7 @@ from typing import Any
 
 from ember.errors import EmberError
 from ember.events import Events
-from ember.paths import cached_sha256, ember_home
+from ember.paths import cached_sha256, home
 
 BYTE_VOCAB = 257  # builtin:tiny's byte-level tokenizer: UTF-8 bytes 0-255, and 256 ends a document
 BYTE_EOS = 256
@@ -119,7 +119,7 @@ def convert_gguf(gguf: Path, sha256: str, events: Events, spec: str = "") -> Pat
         if f.read(4) != GGUF_MAGIC:
             raise EmberError(f"{where}: {gguf} is not a GGUF file (it does not start with the GGUF "
                              f"magic bytes); give a real .gguf file or a model folder")
-    target = ember_home() / "models" / f"{gguf.stem}-{sha256[:16]}"
+    target = home().models / f"{gguf.stem}-{sha256[:16]}"
     if (target / "config.json").is_file():
         return target
     events.stage(f"converting {gguf.name} once into {target} (dequantized, float32)", path=str(target))

@@ -1,4 +1,22 @@
-"""Where ember keeps state outside a run folder, and content hashes of large files."""
+"""Where ember keeps state outside a run folder (`Home`: the one map of $EMBER_HOME), and content
+hashes of large files.
+
+    $EMBER_HOME (default ~/.ember)
+      ledger.db                 runs, attempts, events, jobs, the audit log (ember.ledger)
+      owner.toml                the owner's rules `ember serve` follows (docs/owner.md)
+      targets.toml              remote targets and their caps (docs/targets.md)
+      datasets.toml             the dataset registry (docs/datasets.md)
+      machine.toml              this machine's prices and power (docs/machine.md)
+      runs/NAME/                default run folders of jobs
+      models/                   GGUF files dequantized into model folders
+      scratch/                  private working folders (the doctor's jobs)
+      cache/tokens/KEY/         token caches of training data
+      cache/sha256.json         content hashes by (path, size, mtime)
+      cache/cpu_peak.json       measured CPU peaks, per machine
+      logs/libraries.log        what libraries said below the commands
+      serve/                    the service: serve.lock, token, serve.json, ui.json, engine.json,
+                                engine.log, yield.json, control/JOB/, jobs/JOB.log
+"""
 
 from __future__ import annotations
 
@@ -6,6 +24,7 @@ import json
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ember.durable import sha256_file
@@ -17,9 +36,90 @@ NAME_GRAMMAR = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME = re.compile(NAME_GRAMMAR)
 
 
+@dataclass(frozen=True)
+class Home:
+    """Every file and folder ember keeps under $EMBER_HOME, by name (the layout in the module
+    docstring): callers ask for `home().ledger`, never join paths under the root themselves."""
+    root: Path
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.db"
+
+    @property
+    def owner_toml(self) -> Path:
+        return self.root / "owner.toml"
+
+    @property
+    def targets_toml(self) -> Path:
+        return self.root / "targets.toml"
+
+    @property
+    def datasets_toml(self) -> Path:
+        return self.root / "datasets.toml"
+
+    @property
+    def machine_toml(self) -> Path:
+        return self.root / "machine.toml"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def scratch(self) -> Path:
+        return self.root / "scratch"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    def token_cache(self, key: str) -> Path:
+        """The token cache of one tokenization (its key names the files, tokenizer and settings)."""
+        return self.cache / "tokens" / key
+
+    @property
+    def sha256_cache(self) -> Path:
+        return self.cache / "sha256.json"
+
+    @property
+    def cpu_peak_cache(self) -> Path:
+        return self.cache / "cpu_peak.json"
+
+    @property
+    def libraries_log(self) -> Path:
+        return self.root / "logs" / "libraries.log"
+
+    @property
+    def serve(self) -> Path:
+        """The service's folder: its lock, token, address files, engine, yield and per-job files."""
+        return self.root / "serve"
+
+    @property
+    def serve_token(self) -> Path:
+        return self.serve / "token"
+
+    def job_control(self, job: int) -> Path:
+        """The folder of one job's control files (ember.control)."""
+        return self.serve / "control" / str(job)
+
+    def job_log(self, job: int) -> Path:
+        """One job's output (`ember logs`)."""
+        return self.serve / "jobs" / f"{job}.log"
+
+
+def home() -> Home:
+    """$EMBER_HOME (default ~/.ember), read now: a test or a child may set it."""
+    return Home(Path(os.environ.get("EMBER_HOME") or Path.home() / ".ember"))
+
+
 def ember_home() -> Path:
-    """$EMBER_HOME, default ~/.ember: converted models, token caches, the hash cache."""
-    return Path(os.environ.get("EMBER_HOME") or Path.home() / ".ember")
+    """$EMBER_HOME's root itself (for a child's environment); a file under it is `home().NAME`."""
+    return home().root
 
 
 def check_name(name: str, what: str = "job name") -> str:
@@ -39,7 +139,7 @@ def name_from(stem: str, suffix: str) -> str:
 
 def default_run_folder(name: str) -> Path:
     """$EMBER_HOME/runs/NAME, resolved; refused when it resolves elsewhere (a link put there)."""
-    root = (ember_home() / "runs").resolve()
+    root = home().runs.resolve()
     folder = (root / check_name(name)).resolve()
     if folder.parent != root:
         raise Refused(f"run folder {root / name} resolves to {folder}, outside {root}; remove "
@@ -49,7 +149,7 @@ def default_run_folder(name: str) -> Path:
 
 def scratch_dir(prefix: str) -> Path:
     """A new private folder under $EMBER_HOME/scratch (on the same disk as the runs' caches)."""
-    root = ember_home() / "scratch"
+    root = home().scratch
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
@@ -59,7 +159,7 @@ def cached_sha256(path: Path) -> str:
     path = path.resolve()
     st = path.stat()
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
-    cache_file = ember_home() / "cache" / "sha256.json"
+    cache_file = home().sha256_cache
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):

@@ -1,34 +1,23 @@
 """Recipes: a TOML file mapped to typed dataclasses, one per section, validated before anything runs.
 
-Every field carries its documentation and its allowed range in `field(metadata=...)`, so the
-validator, `ember recipe --explain` and the docs test all read the same source.
+Every field carries its documentation and its allowed range in `setting(...)`, so the validator
+(the config engine, ember.config), `ember recipe` and docs/recipe.md all read the same source.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ember.config import Source, build_file, read_toml, reference, rows, setting, to_toml, toml_key
 from ember.errors import EmberError
-
-
-def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-            exclusive_min: bool = False, factory: bool = False, key: str | None = None) -> Any:
-    """A recipe field with its help text and allowed range; `key` when the TOML name is not a
-    Python identifier (checkpoint.async)."""
-    meta = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "key": key}
-    if factory:
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -304,7 +293,7 @@ class Recipe:
             if section not in raw or not key:
                 raise EmberError(f"{source}: {dotted!r} is not a recipe setting (section.key)")
             raw[section][key] = value
-        return build_recipe(raw, source)
+        return build_recipe(raw, Source(source))
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
@@ -329,34 +318,8 @@ OPERATIONAL_KEYS = frozenset({
 })
 
 
-def to_toml(recipe: dict[str, dict[str, Any]]) -> str:
-    """{section: {key: value}} as TOML. JSON's literals for strings, numbers, booleans and lists
-    of strings are valid TOML, and validation admits no other values."""
-    lines = []
-    for section, values in recipe.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def toml_key(f: dataclasses.Field) -> str:
-    return f.metadata.get("key") or f.name
-
-
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    """A TOML file's contents (recipes, machine.toml, owner.toml, datasets.toml, targets.toml);
-    one that is not TOML, or not UTF-8 text, is an EmberError naming it."""
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise EmberError(f"{path}: not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise EmberError(f"{path}: not a UTF-8 text file") from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (),
@@ -366,16 +329,19 @@ def load_recipe(path: str | Path, overrides: list[str] = (),
     path = Path(path)
     if not path.is_file():
         raise EmberError(f"{path}: recipe file not found")
-    raw = read_toml(path)
+    raw, source = read_toml(path)
+    given = set()
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise EmberError(f"{path}: '{section}' must be a [section] table")
         raw[section][key] = value
-    recipe = build_recipe(raw, source=str(path))
+        given.add((section, key))
+    source = dataclasses.replace(source, overridden=frozenset(given))
+    recipe = build_recipe(raw, source)
     if warn is not None:
-        for message in lint(raw, recipe, str(path)):
+        for message in lint(raw, recipe, source):
             warn(message)
     base = path.resolve().parent
     recipe.data.files = [str((base / f).resolve()) for f in recipe.data.files]
@@ -399,124 +365,53 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def build_recipe(raw: dict[str, Any], source: str) -> Recipe:
-    """Map a raw TOML dict onto the dataclasses; reject unknown keys, wrong types, bad ranges."""
-    sections = {}
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            raise EmberError(f"{source}: unknown section [{name}]{did_you_mean(name, SECTIONS)}; "
-                             f"sections are {', '.join(SECTIONS)}")
-        if not isinstance(value, dict):
-            raise EmberError(f"{source}: '{name}' must be a [{name}] table, got {value!r}")
-        sections[name] = build_section(SECTIONS[name], name, value, source)
-    recipe = Recipe(**sections)
+def build_recipe(raw: dict[str, Any], source: str | Source) -> Recipe:
+    """Map a raw TOML dict onto the dataclasses (ember.config); reject unknown keys, wrong types,
+    bad ranges and settings that contradict each other."""
+    source = source if isinstance(source, Source) else Source(source)
+    recipe = build_file(Recipe, raw, source)
     check_recipe(recipe, source)
     return recipe
 
 
-def build_section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
-    fields = {toml_key(f): f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in values.items():
-        where = f"{source}: [{section}] {key}"
-        if key not in fields:
-            raise EmberError(f"{source}: unknown key '{key}' in [{section}]"
-                             f"{did_you_mean(key, fields)}; known keys: {', '.join(fields)}")
-        f = fields[key]
-        kwargs[f.name] = check_value(where, value, hints[f.name], f.metadata)
-    return cls(**kwargs)
-
-
-def check_value(where: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
-    """Type- and range-check one value against its annotation; return it normalised."""
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):  # a number or a named value, e.g. float | Literal["auto"]
-        named = [a for a in typing.get_args(hint) if typing.get_origin(a) is Literal]
-        if isinstance(value, str) and named:
-            return check_value(where, value, named[0], {"or_number": True})
-        return check_value(where, value, next(a for a in typing.get_args(hint) if a not in named), meta)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        if value not in allowed:
-            also = " or a number" if meta.get("or_number") else ""
-            raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}{also}")
-        return value
-    if origin is list:
-        (item_type,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise EmberError(f"{where} = {value!r}: must be a list of {item_type.__name__}")
-        return [check_value(f"{where}[{i}]", v, item_type, {}) for i, v in enumerate(value)]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise EmberError(f"{where} = {value!r}: must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise EmberError(f"{where} = {value!r}: must be an integer")
-        if not -2**63 <= value < 2**63:
-            raise EmberError(f"{where} = {value!r}: too large; integers must fit in 64 bits")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise EmberError(f"{where} = {value!r}: must be a number")
-        value = float(value)
-        if value != value or value in (float("inf"), float("-inf")):
-            raise EmberError(f"{where} = {value!r}: must be a finite number")
-    elif hint is str:
-        if not isinstance(value, str):
-            raise EmberError(f"{where} = {value!r}: must be a string")
-        return value
-    low, high = meta.get("min"), meta.get("max")
-    if low is not None and (value < low or (meta.get("exclusive_min") and value == low)):
-        bound = f"> {low}" if meta.get("exclusive_min") else f">= {low}"
-        raise EmberError(f"{where} = {value!r}: must be {bound}")
-    if high is not None and value > high:
-        raise EmberError(f"{where} = {value!r}: must be <= {high}")
-    return value
-
-
-def check_recipe(recipe: Recipe, source: str) -> None:
+def check_recipe(recipe: Recipe, source: Source) -> None:
     """Cross-field rules that no single field's range can express."""
+    at = source.where
     if not recipe.data.files:
-        raise EmberError(f"{source}: [data] files is empty: name at least one .txt or .jsonl file")
+        raise EmberError(f"{at('data', 'files')} is empty: name at least one .txt or .jsonl file")
     if recipe.eval.prompts and not (recipe.eval.holdout or recipe.eval.files):
-        raise EmberError(f"{source}: [eval] prompts are generated at each evaluation, and there is none: "
+        raise EmberError(f"{at('eval', 'prompts')} are generated at each evaluation, and there is none: "
                          f"set [eval] holdout or [eval] files")
     if recipe.eval.patience and not (recipe.eval.holdout or recipe.eval.files):
-        raise EmberError(f"{source}: [eval] patience = {recipe.eval.patience} stops the run when the held-out "
+        raise EmberError(f"{at('eval', 'patience')} = {recipe.eval.patience} stops the run when the held-out "
                          f"loss stops improving, and there is no held-out set: set [eval] holdout or [eval] files")
     if recipe.eval.patience and not recipe.eval.every_steps:
-        raise EmberError(f"{source}: [eval] patience = {recipe.eval.patience} needs evaluations during the run, "
+        raise EmberError(f"{at('eval', 'patience')} = {recipe.eval.patience} needs evaluations during the run, "
                          f"and [eval] every_steps = 0 evaluates only at the end: set [eval] every_steps")
     if recipe.method.kind == "lora" and not recipe.method.target_modules:
-        raise EmberError(f"{source}: [method] target_modules is empty: name the modules LoRA "
+        raise EmberError(f"{at('method', 'target_modules')} is empty: name the modules LoRA "
                          f"adapts, or use ['all-linear']")
 
 
 LORA_ONLY = ("rank", "alpha", "dropout", "target_modules", "export_merged")
 
 
-def lint(raw: dict[str, Any], recipe: Recipe, source: str) -> list[str]:
+def lint(raw: dict[str, Any], recipe: Recipe, source: Source) -> list[str]:
     """Settings that validate but that users get wrong, each with the reason."""
     out = []
     t, s = recipe.train, recipe.schedule
     if s.warmup_steps >= t.max_steps:
-        out.append(f"{source}: [schedule] warmup_steps = {s.warmup_steps} is not shorter than the run "
+        out.append(f"{source.where('schedule', 'warmup_steps')} = {s.warmup_steps} is not shorter than the run "
                    f"([train] max_steps = {t.max_steps}): the learning rate never reaches its peak")
     given = [k for k in raw.get("method", {}) if k in LORA_ONLY]
     if recipe.method.kind == "full" and given:
-        out.append(f"{source}: [method] {', '.join(given)} set, but kind = 'full': LoRA settings have no "
-                   f"effect on full fine-tuning; set kind = 'lora' to train adapters")
+        out.append(f"{source.at('method', given[0])}: [method] {', '.join(given)} set, but kind = 'full': LoRA "
+                   f"settings have no effect on full fine-tuning; set kind = 'lora' to train adapters")
     cores = os.cpu_count() or 1
     if t.threads > cores:
-        out.append(f"{source}: [train] threads = {t.threads} is more than this machine's {cores} cores: "
+        out.append(f"{source.where('train', 'threads')} = {t.threads} is more than this machine's {cores} cores: "
                    f"threads would contend for them and every step slows down; use {cores} or fewer")
     return out
-
-
-def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -530,16 +425,6 @@ def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(keys)
 
 
-def type_label(hint: Any) -> str:
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        return " | ".join(type_label(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) is Literal:
-        return " | ".join(map(repr, typing.get_args(hint)))
-    if typing.get_origin(hint) is list:
-        return f"list[{typing.get_args(hint)[0].__name__}]"
-    return hint.__name__
-
-
 def get_dotted(d: dict[str, Any], dotted: str) -> Any:
     """d["section"]["key"] for "section.key", None if absent."""
     section, key = dotted.split(".", 1)
@@ -548,11 +433,21 @@ def get_dotted(d: dict[str, Any], dotted: str) -> Any:
 
 def explain() -> list[tuple[str, str, str, str]]:
     """(key, type, default, help) for every setting, in recipe order."""
-    rows = []
-    for name, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            rows.append((f"{name}.{toml_key(f)}", type_label(hints[f.name]), json.dumps(default),
-                         f.metadata["help"]))
-    return rows
+    return [(row.key, row.type, row.default, row.help) for row in rows(SECTIONS)]
+
+
+MARKDOWN_HEADER = """# Recipe settings
+
+Generated by `ember recipe --markdown > docs/recipe.md` from `ember/recipe.py`; `ember recipe`
+prints the same in the terminal, and `ember recipe FILE` validates a recipe and prints it
+resolved, or says what is wrong, on which line, and what to do. Paths in `data.files` and
+`model.path` are relative to the recipe file. Operational keys (`data.workers`, `checkpoint.*`,
+`method.export_merged`, `cost.*`) may change between attempts of one run; any other change needs
+`--allow-recipe-change`. `[cost]` values left at 0 are taken from `$EMBER_HOME/machine.toml`
+(docs/machine.md).
+"""
+
+
+def recipe_reference() -> str:
+    """docs/recipe.md: every setting with its type, default, range and meaning."""
+    return reference(MARKDOWN_HEADER, rows(SECTIONS))

@@ -13,8 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ember"
 
 LAYERS = [
-    {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "control", "world"},  # base
-    {"recipe", "models"},
+    {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "hardware", "control",
+     "world"},  # base
+    {"config", "recipe", "models"},
     {"ckpt", "ledger", "metrics", "runfolder", "launchspec"},
     {"data", "train", "plan", "policy", "infer"},
     {"doctor", "launch", "ranks", "supervise", "sched", "remote"},

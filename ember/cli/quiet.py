@@ -19,14 +19,14 @@ import sys
 import warnings
 from pathlib import Path
 
-from ember.paths import ember_home
+from ember.paths import home
 
 
 class LibraryLog(logging.FileHandler):
     """$EMBER_HOME/logs/libraries.log, opened (and its folder made) at the first record."""
 
     def __init__(self) -> None:
-        super().__init__(ember_home() / "logs" / "libraries.log", delay=True)
+        super().__init__(home().libraries_log, delay=True)
         self.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(name)s %(levelname)s: %(message)s"))
 
     def _open(self):

@@ -31,7 +31,7 @@ from ember import faults
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.events import Events
-from ember.paths import ember_home
+from ember.paths import home
 from ember.proc import die_with_parent
 from ember.recipe import DataConfig, EvalConfig
 from ember.data.formats import _field, read_records
@@ -74,7 +74,7 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
     eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
     key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
                          f"{ev.holdout}\0{ev.seed}\0{eval_ids}".encode()).hexdigest()[:32]
-    store = ember_home() / "cache" / "tokens" / key
+    store = home().token_cache(key)
     if (store / "info.json").is_file():
         return store / "train" / "tokens.npy"
     if events is not None:

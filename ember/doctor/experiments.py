@@ -69,12 +69,12 @@ from ember.doctor.diagnose import (
 from ember.doctor.measure import synthetic
 from ember.errors import EmberError
 from ember.events import Event, Events
+from ember.hardware import for_run
 from ember.ledger.history import mtbf_seconds
 from ember.metrics.flops import mfu
 from ember.metrics.stats import percentile
 from ember.models import model_config
 from ember.paths import scratch_dir
-from ember.plan.devices import detect_devices
 from ember.plan.memory import ModelShape, estimate
 from ember.plan.remedies import fits, train_shape
 from ember.recipe import Recipe
@@ -643,7 +643,7 @@ def fitting_micro_batches(r: Recipe) -> dict[int, int]:
         m = ModelShape.from_config(model_config(r.model.path))
     except ValueError:  # an architecture the plan does not know: only the recipe's own size
         return {r.train.micro_batch: 0}
-    free = detect_devices(r.train.device)[0].free
+    free = for_run(r.train.device)[0].free
     out = {}
     mb = 1
     while mb <= max(8, 4 * r.train.micro_batch):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
-from ember.paths import ember_home
+from ember.paths import home
 
 MIGRATIONS: list[str] = [
     # 1: the first schema
@@ -115,7 +115,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def default_path() -> Path:
-    return ember_home() / "ledger.db"
+    return home().ledger
 
 
 def connect(path: Path | None = None, shared: bool = False) -> sqlite3.Connection:

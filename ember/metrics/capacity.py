@@ -21,20 +21,9 @@ from pathlib import Path
 
 from ember.errors import EmberError
 from ember.ledger import database as ledger_store
-from ember.metrics.machine import machine_file, read_machine
+from ember.metrics.machine import MachinePrices, machine_file, read_machine
 
 HOURS_PER_YEAR = 365.25 * 24
-
-
-@dataclass(frozen=True)
-class MachinePrices:
-    on_demand_hour: float = 0.0
-    reserved_hour: float = 0.0
-    hardware_price: float = 0.0
-    lifetime_years: float = 4.0
-    watts: float = 0.0
-    energy_price_kwh: float = 0.0
-    currency: str = "USD"
 
 
 @dataclass(frozen=True)
@@ -139,10 +128,7 @@ def capacity_report(con: sqlite3.Connection, since_text: str | None, now: float 
     for key, intervals in held.items():
         busy = union_seconds(intervals)
         use[key] = [min(busy, productive[key]), busy - min(busy, productive[key])]
-    try:
-        prices = MachinePrices(**read_machine("capacity"))
-    except TypeError as e:
-        raise EmberError(f"{machine_file()}: [capacity] {e}") from None
+    prices = read_machine().capacity
     if not use:
         return CapacityReport(0.0, since_text, [], prices, str(machine_file()))
     period = now - (since if since is not None else min(starts))

@@ -14,12 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-from ember.paths import ember_home
+from ember.paths import home
 
 TERA = 1e12
 
@@ -47,17 +43,6 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 class Peak:
     flops: float | None   # FLOP/s, or None when unknown
     source: str           # "table: h100", "recipe override", "measured: ...", or why unknown
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
-    import torch
-    module = torch.get_device_module(device.type)
-    try:
-        return module.get_device_name(device.index or 0)
-    except (AttributeError, RuntimeError):
-        return device.type
 
 
 def lookup_peak(name: str, dtype: str) -> Peak:
@@ -188,7 +173,7 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
     """fp32 matmul FLOP/s measured on this CPU with `threads` threads (see time_matmul), cached
     per machine with its date and load and measured again when stale (see choose_cpu_peak).
     `again`: measure anew, keeping the higher of the two."""
-    cache = ember_home() / "cache" / "cpu_peak.json"
+    cache = home().cpu_peak_cache
     key = cpu_peak_key(threads)
     try:
         known = json.loads(cache.read_text())

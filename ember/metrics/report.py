@@ -212,20 +212,10 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
                   if not good or e["step"] <= good[-1]["step"]],
         generations=generations(run_path, good[-1]["step"] if good else None))
     devices = perf.get("devices", 1)
-    if learned:
-        seconds = sum(r["step_seconds"] for r in learned)
-        tokens = sum(r["tokens"] for r in learned)
-        per_device = tokens / seconds / devices
-        seq_len = recipe["data"]["seq_len"]
-        report.throughput = Throughput(tokens / seconds, per_device, tokens / seq_len / seconds, devices, tokens)
+    report.throughput = _throughput(learned, devices, recipe["data"]["seq_len"])
     if good:
         report.mfu = _mfu(perf, report.throughput.tokens_per_second_per_device if report.throughput else None)
-        sp = spread([r["step_seconds"] for r in good])
-        first_steps = {a.resumed_from + 1 if a.resumed_from is not None else 1 for a in rows} or {1}
-        ck_steps = {e["step"] for e in events if e["kind"] == "checkpoint" and e["step"] is not None}
-        report.step_time = sp
-        report.step_histogram = histogram([r["step_seconds"] for r in good])
-        report.stalls = stalls(good, sp.p50, ck_steps, first_steps)
+        _add_step_times(report, good, rows, events)
     if spans:
         # Only this run's attempts: a copied folder's metrics carry the original run's steps too.
         known = {a.attempt for a in rows}
@@ -244,6 +234,27 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
     if con is not None and "id" in record:
         report.checkpoints = [dict(r) for r in ledger_store.checkpoints(con, record["id"])]
     return report
+
+
+def _throughput(learned: list[dict[str, Any]], devices: int, seq_len: int) -> Throughput | None:
+    """Tokens and sequences per second over the steps that learned a token (None: no such step)."""
+    if not learned:
+        return None
+    seconds = sum(r["step_seconds"] for r in learned)
+    tokens = sum(r["tokens"] for r in learned)
+    return Throughput(tokens / seconds, tokens / seconds / devices, tokens / seq_len / seconds, devices, tokens)
+
+
+def _add_step_times(report: RunReport, good: list[dict[str, Any]], rows: list[AttemptRow],
+                    events: list[sqlite3.Row]) -> None:
+    """The step-time spread, its histogram and the stalls of the surviving steps, each stall with
+    what coincided (an attempt's first step, a checkpoint just before it)."""
+    sp = spread([r["step_seconds"] for r in good])
+    first_steps = {a.resumed_from + 1 if a.resumed_from is not None else 1 for a in rows} or {1}
+    ck_steps = {e["step"] for e in events if e["kind"] == "checkpoint" and e["step"] is not None}
+    report.step_time = sp
+    report.step_histogram = histogram([r["step_seconds"] for r in good])
+    report.stalls = stalls(good, sp.p50, ck_steps, first_steps)
 
 
 def data_info(record: dict[str, Any]) -> DataInfo | None:
@@ -304,7 +315,7 @@ def _mfu(perf: dict[str, Any], per_device: float | None) -> Mfu:
 
 def prices_from(cfg: dict[str, Any], devices: int) -> Prices:
     """Recipe [cost] over $EMBER_HOME/machine.toml [cost]; a 0 or '' in the recipe means unset."""
-    machine = read_machine("cost")
+    machine = asdict(read_machine().cost)
 
     def pick(key: str, default: Any) -> Any:
         return cfg.get(key) or machine.get(key) or default

@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 from ember.ckpt.interval import Interval, recommend
 from ember.errors import EmberError
+from ember.hardware import Device, for_run, host_device
 from ember.ledger import history
 from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
 from ember.metrics.peaks import select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
-from ember.plan.devices import Device, detect_devices, host_memory
 from ember.plan.advisor import Advice
 from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, trainable_params
 from ember.plan.remedies import Remedy, architecture, fits, remedies, train_shape
@@ -145,7 +145,7 @@ def plan_memory(r: Recipe, calibration: Calibration | None = None,
     notes: list[str] = []
     cfg = config_fields(r.model.path)  # plain fields: planning stays torch-free
     check_against_model(r.data.seq_len, r.method, cfg)  # what `ember run` would refuse, refused here
-    devices = devices or detect_devices(r.train.device)
+    devices = devices or for_run(r.train.device)
     try:
         m = ModelShape.from_config(cfg)
     except ValueError as e:
@@ -183,14 +183,14 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Cal
     mtbf, mtbf_src = history.mtbf_seconds(r.checkpoint.interruption_hours, con, host)
     iv = recommend(delta, mtbf, restart=STARTUP_SECONDS)
     time_.wall_seconds = STARTUP_SECONDS + time_.compute_seconds / max(1e-9, 1 - iv.checkpoint_share - iv.lost_share)
-    prices = prices_from(asdict(r.cost), len(devices) if dev.kind != "cpu" else 1)
+    prices = prices_from(asdict(r.cost), len(devices) if dev.accelerator else 1)
     c = cost(prices, time_.wall_seconds, time_.tokens)
 
     verdict, reasons = _verdict(fits_here, rems, time_.wall_seconds, r, devices)
     return Plan(
         recipe=PlanRecipe(r.model.path, r.method.kind, r.train.micro_batch, r.data.seq_len, r.train.grad_accum,
                           r.precision.mode, r.train.activation_checkpointing, r.train.loss_chunk, r.train.max_steps),
-        devices=devices + ([host_memory()] if dev.kind != "cpu" else []),
+        devices=devices + ([host_device()] if dev.accelerator else []),
         model=ModelInfo(m, m.params(), trainable_params(m, t)) if m else None,
         memory=memory, fits=fits_here, remedies=rems, time=time_, cost=c,
         checkpoint=CheckpointPlan(ck_bytes, delta, rate_src, mtbf, mtbf_src, iv, r.checkpoint.async_),

@@ -31,37 +31,37 @@ import getpass
 import hashlib
 import json
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from ember.config import NAME, build_entries, derived, did_you_mean, read_toml, reference, rows, setting
 from ember.durable import sha256_file
 from ember.errors import EmberError
 from ember.ledger import audit
 from ember.ledger import database as ledger_store
-from ember.paths import cached_sha256, ember_home
-from ember.recipe import build_section, did_you_mean, read_toml, setting
+from ember.paths import cached_sha256, home
 
 CLASSIFICATIONS = ("public", "internal", "restricted", "personal")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-REQUIRED = ("paths", "fingerprint", "owner", "licence", "classification")
 
 
 @dataclass
 class Dataset:
-    paths: list[str] = setting(list, "Absolute paths of the dataset's files or folders.", factory=True)
-    fingerprint: str = setting("", "sha256:HEX over the files (ember data register computes it).")
-    owner: str = setting("", "Who answers for the dataset.")
-    licence: str = setting("", "The licence it is used under (an SPDX name, or the contract's).")
-    classification: str = setting("", "public, internal, restricted or personal.")
+    paths: list[str] = setting(list, "Absolute paths of the dataset's files or folders.", factory=True,
+                               required=True)
+    fingerprint: str = setting("", "sha256:HEX over the files (ember data register computes it).",
+                               required=True)
+    owner: str = setting("", "Who answers for the dataset.", required=True)
+    licence: str = setting("", "The licence it is used under (an SPDX name, or the contract's).",
+                           required=True)
+    classification: str = setting("", "public, internal, restricted or personal.", required=True)
     allowed_targets: list[str] = setting(list, "Targets (targets.toml) it may be staged to; none: "
                                          "local only.", factory=True)
     expires: str = setting("", "Last day (YYYY-MM-DD, UTC) the permission holds; '' never ends.")
-    name: str = field(default="", metadata={"help": "set from the table name"})
-    source: str = field(default="", metadata={"help": "the file it was read from"})
+    name: str = derived("set from the table name")
+    source: str = derived("the file it was read from")
 
     def expiry(self) -> float | None:
         """The end of the permission as a UTC timestamp (the end of its last day), or None."""
@@ -78,7 +78,7 @@ def registry_files(explicit: Path | None = None) -> list[Path]:
     """The files a registry is read from: `explicit` alone, else the project's and the machine's."""
     if explicit is not None:
         return [explicit]
-    return [Path("datasets.toml"), ember_home() / "datasets.toml"]
+    return [Path("datasets.toml"), home().datasets_toml]
 
 
 def load_registry(explicit: Path | None = None) -> Registry:
@@ -96,55 +96,47 @@ def load_registry(explicit: Path | None = None) -> Registry:
     return out
 
 
-def named_tables(path: Path, section: str, reserved: tuple[str, ...]) -> list[tuple[str, str, dict]]:
-    """(name, where, values) of each [SECTION.NAME] table of a TOML file ([] if absent): the one
-    reader of datasets.toml and targets.toml, refusing other sections, bad names and the keys
-    ember sets itself (`reserved`)."""
-    if not path.is_file():
-        return []
-    raw = read_toml(path)
-    unknown = [k for k in raw if k != section]
-    if unknown:
-        raise EmberError(f"{path}: unknown section [{unknown[0]}]{did_you_mean(unknown[0], [section])}; "
-                         f"write each entry as [{section}.NAME]")
-    out = []
-    for name, values in raw.get(section, {}).items():
-        where = f"{path}: [{section}.{name}]"
-        if not isinstance(values, dict):
-            raise EmberError(f"{where} must be a table")
-        if not NAME.match(name):
-            raise EmberError(f"{where}: a name is letters, digits, '_', '.' and '-'")
-        for key in reserved:
-            if key in values:
-                raise EmberError(f"{where}: unknown key '{key}'")
-        out.append((name, where, values))
-    return out
-
-
 def _read(path: Path) -> Registry:
-    out = {}
-    for name, where, values in named_tables(path, "datasets", ("name", "source")):
-        ds = build_section(Dataset, f"datasets.{name}", values, str(path))
-        missing = [k for k in REQUIRED if not getattr(ds, k)]
-        if missing:
-            raise EmberError(f"{where}: {', '.join(missing)} missing; `ember data register` writes a "
-                             f"complete entry")
+    if not path.is_file():
+        return {}
+    raw, source = read_toml(path)
+    out = build_entries(Dataset, raw, "datasets", source,
+                        "`ember data register` writes a complete entry")
+    for name, ds in out.items():
+        at = source.where
         if ds.classification not in CLASSIFICATIONS:
-            raise EmberError(f"{where} classification = {ds.classification!r}: one of "
+            raise EmberError(f"{at('datasets', name, 'classification')} = {ds.classification!r}: one of "
                              f"{', '.join(CLASSIFICATIONS)}")
         if not ds.fingerprint.startswith("sha256:") or len(ds.fingerprint) != 71:
-            raise EmberError(f"{where} fingerprint = {ds.fingerprint!r}: expected sha256:<64 hex digits>; "
-                             f"run `ember data register` again")
+            raise EmberError(f"{at('datasets', name, 'fingerprint')} = {ds.fingerprint!r}: expected "
+                             f"sha256:<64 hex digits>; run `ember data register` again")
         if any(not os.path.isabs(p) for p in ds.paths):
-            raise EmberError(f"{where} paths: each must be absolute")
+            raise EmberError(f"{at('datasets', name, 'paths')}: each must be absolute")
         if ds.expires:
             try:
                 dt.date.fromisoformat(ds.expires)
             except ValueError:
-                raise EmberError(f"{where} expires = {ds.expires!r}: write a date, YYYY-MM-DD") from None
+                raise EmberError(f"{at('datasets', name, 'expires')} = {ds.expires!r}: write a date, "
+                                 f"YYYY-MM-DD") from None
         ds.name, ds.source = name, str(path)
-        out[name] = ds
     return out
+
+
+HEADER = """# The dataset registry (`datasets.toml`)
+
+Generated by `ember settings datasets --markdown > docs/datasets.md` from `ember/policy/registry.py`.
+What each dataset is, whose, under which licence and classification, and which remote targets it
+may go to. `ember data register` writes complete entries; the gate (`ember policy check`,
+`ember submit --target`) reads `./datasets.toml` and `$EMBER_HOME/datasets.toml` (a name in both is
+refused), or `--registry FILE` alone. Each dataset is a table `[datasets.NAME]` (NAME: letters,
+digits, '_', '.', '-'). A key marked `required` must be stated. An error names the file, the line
+and the key.
+"""
+
+
+def datasets_reference() -> str:
+    """docs/datasets.md: every key of a dataset entry with its type, default and meaning."""
+    return reference(HEADER, rows({"datasets.NAME": Dataset}))
 
 
 def members(paths: list[str]) -> list[tuple[str, Path]]:

@@ -23,9 +23,10 @@ one job, and one month of jobs, may spend.
     allocation_minutes = 240         # the partition's longest allocation: a longer job is requeued
     signal_seconds = 300             # warn the job this long before an allocation ends
 
-Read like the registry: `./targets.toml` and `$EMBER_HOME/targets.toml` (a name in both is
-refused), or `--targets FILE` alone. Every cap is required: a target without one is refused, never
-given a default.
+Read like the registry, by the config engine (ember.config): `./targets.toml` and
+`$EMBER_HOME/targets.toml` (a name in both is refused), or `--targets FILE` alone. Every cap is
+required: a target without one is refused, never given a default. docs/targets.md is generated
+from the fields below (`ember settings targets --markdown`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ember.config import build_entries, derived, read_toml, reference, rows, setting
 from ember.errors import EmberError
-from ember.paths import ember_home
-from ember.policy.registry import CLASSIFICATIONS, named_tables
-from ember.recipe import build_section, setting
+from ember.paths import home
+from ember.policy.registry import CLASSIFICATIONS
 
 CAPS = ("max_nodes", "max_wall_hours", "max_device_hours", "max_cost_per_job", "max_cost_per_month")
 
@@ -58,19 +59,20 @@ class Target:
     devices_per_node: int = setting(1, "Devices a job uses on each node (its ranks per node).", min=1)
     peak_tflops: float = setting(0.0, "One device's peak TFLOP/s at the recipe's precision, for the plan "
                                  "(0: ember's table, or this machine's measured CPU peak).", min=0)
-    device_hour_price: float | None = setting(None, "Price of one device for one hour.", min=0)
+    device_hour_price: float | None = setting(None, "Price of one device for one hour.", min=0, required=True)
     currency: str = setting("USD", "Currency of the price and the cost caps.")
-    max_nodes: int | None = setting(None, "Cap: nodes one job may take.", min=1)
+    max_nodes: int | None = setting(None, "Cap: nodes one job may take.", min=1, required=True)
     max_wall_hours: float | None = setting(None, "Cap: wall-clock hours one job may hold.", min=0,
-                                           exclusive_min=True)
+                                           exclusive_min=True, required=True)
     max_device_hours: float | None = setting(None, "Cap: device-hours one job may use.", min=0,
-                                             exclusive_min=True)
-    max_cost_per_job: float | None = setting(None, "Cap: what one job may cost.", min=0)
+                                             exclusive_min=True, required=True)
+    max_cost_per_job: float | None = setting(None, "Cap: what one job may cost.", min=0, required=True)
     max_cost_per_month: float | None = setting(None, "Cap: what this month's jobs here may cost together.",
-                                               min=0)
+                                               min=0, required=True)
     allowed_classifications: list[str] = setting(list, "Dataset classifications allowed here; none: "
                                                  "no dataset may go.", factory=True)
-    stage_dir: str = setting("", "Absolute folder on the cluster for staged data and run folders.")
+    stage_dir: str = setting("", "Absolute folder on the cluster for staged data and run folders.",
+                             required=True)
     python: str = setting("", "The Python with ember installed on the cluster ('' = this one; local "
                           "controller only).")
     allocation_minutes: int = setting(0, "Longest allocation the partition grants; a longer job runs as "
@@ -79,7 +81,7 @@ class Target:
                                   "checkpoints (arrives up to 60 s earlier).", min=10, max=65535)
     gres: str = setting("", "Generic resources per node, e.g. 'gpu:4' ('' = none).")
     sbatch_args: list[str] = setting(list, "Further sbatch options, e.g. ['--qos=high'].", factory=True)
-    name: str = field(default="", metadata={"help": "set from the table name"})
+    name: str = derived("set from the table name")
 
     def interpreter(self) -> str:
         return self.python or sys.executable
@@ -96,7 +98,7 @@ def load_targets(explicit: Path | None = None) -> Targets:
     """Every target, validated; missing files are none (unless named explicitly)."""
     if explicit is not None and not explicit.is_file():
         raise EmberError(f"--targets {explicit}: no such file")
-    files = [explicit] if explicit is not None else [Path("targets.toml"), ember_home() / "targets.toml"]
+    files = [explicit] if explicit is not None else [Path("targets.toml"), home().targets_toml]
     out: Targets = {}
     sources: dict[str, Path] = {}
     for path in files:
@@ -108,23 +110,41 @@ def load_targets(explicit: Path | None = None) -> Targets:
 
 
 def _read(path: Path) -> Targets:
-    out = {}
-    for name, where, values in named_tables(path, "targets", ("name",)):
-        t = build_section(Target, f"targets.{name}", values, str(path))
-        missing = [k for k in (*CAPS, "device_hour_price") if getattr(t, k) is None]
-        if missing:
-            raise EmberError(f"{where}: {', '.join(missing)} missing: every cap and the price must be "
-                             f"stated (a missing limit is a refusal, never a default)")
+    if not path.is_file():
+        return {}
+    raw, source = read_toml(path)
+    out = build_entries(Target, raw, "targets", source,
+                        "every cap, the price and stage_dir must be stated (a missing limit is a refusal, "
+                        "never a default)")
+    for name, t in out.items():
+        at = source.where
         bad = [c for c in t.allowed_classifications if c not in CLASSIFICATIONS]
         if bad:
-            raise EmberError(f"{where} allowed_classifications: {bad[0]!r} is not one of "
+            raise EmberError(f"{at('targets', name, 'allowed_classifications')}: {bad[0]!r} is not one of "
                              f"{', '.join(CLASSIFICATIONS)}")
-        if not t.stage_dir or not os.path.isabs(t.stage_dir):
-            raise EmberError(f"{where} stage_dir = {t.stage_dir!r}: an absolute folder on the cluster")
+        if not os.path.isabs(t.stage_dir):
+            raise EmberError(f"{at('targets', name, 'stage_dir')} = {t.stage_dir!r}: write an absolute folder "
+                             f"on the cluster")
         if t.host and not t.python:
-            raise EmberError(f"{where}: python is required with an SSH host (the Python with ember there)")
+            raise EmberError(f"{at('targets', name, 'host')} = {t.host!r}: python is required with an SSH host "
+                             f"(set python to the Python with ember there)")
         if t.host and not re.fullmatch(r"[A-Za-z0-9_.@:-]+", t.host):
-            raise EmberError(f"{where} host = {t.host!r}: write an SSH destination, user@host")
+            raise EmberError(f"{at('targets', name, 'host')} = {t.host!r}: write an SSH destination, user@host")
         t.name = name
-        out[name] = t
     return out
+
+
+HEADER = """# Remote targets (`targets.toml`)
+
+Generated by `ember settings targets --markdown > docs/targets.md` from `ember/policy/targets.py`.
+Where a job may go with `ember submit --target NAME`, what it costs there, and the caps on what
+one job, and one month of jobs, may spend. Read from `./targets.toml` and
+`$EMBER_HOME/targets.toml` (a name in both is refused), or `--targets FILE` alone. Each target is
+a table `[targets.NAME]` (NAME: letters, digits, '_', '.', '-'). A key marked `required` must be
+stated: a missing cap is a refusal, never a default. An error names the file, the line and the key.
+"""
+
+
+def targets_reference() -> str:
+    """docs/targets.md: every key of a target with its type, default, range and meaning."""
+    return reference(HEADER, rows({"targets.NAME": Target}))

@@ -18,8 +18,8 @@ from collections import deque
 
 import psutil
 
+from ember.hardware import foreign_accelerator_pids
 from ember.sched.owner_rules import Observation, OwnerRules
-from ember.sched.resources import foreign_accelerator_pids
 
 
 def idle_seconds() -> tuple[float | None, str]:

@@ -1,7 +1,7 @@
-"""The owner's rules: `$EMBER_HOME/owner.toml`, validated like a recipe (same validator, same
-errors), and one pure function saying which rules hold training right now. The dataclasses below
-are the one definition of the file: docs/owner.md is generated from them (ember.sched.owner_reference),
-and `ember owner check` prints them resolved. A running service reads the file again when it
+"""The owner's rules: `$EMBER_HOME/owner.toml`, validated like a recipe (the same config engine,
+ember.config, and the same errors), and one pure function saying which rules hold training right
+now. The dataclasses below are the one definition of the file: docs/owner.md is generated from
+them (ember.sched.owner_reference), and `ember owner check` prints them resolved. A running service reads the file again when it
 changes: RESTART_KEYS wait for a restart, the rest hold at once, and a file that does not validate
 leaves the rules in force as they were (`merge`, `RulesStatus`).
 
@@ -30,12 +30,13 @@ import copy
 import datetime as dt
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.config import build_file, read_toml, setting
 from ember.errors import EmberError
-from ember.paths import ember_home
-from ember.recipe import build_section, did_you_mean, read_toml, setting
+from ember.paths import home
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
@@ -169,9 +170,7 @@ class OwnerRules:
     inference: InferenceRules = field(default_factory=InferenceRules)
 
 
-SECTIONS = {"service": ServiceRules, "activity": ActivityRules, "cpu": CpuRules, "memory": MemoryRules,
-            "power": PowerRules, "programs": ProgramRules, "accelerators": AcceleratorRules,
-            "schedule": ScheduleRules, "pause": PauseRules, "inference": InferenceRules}
+SECTIONS: dict[str, type] = typing.get_type_hints(OwnerRules)
 
 
 # Read once when the service starts: the address it binds, its HTTP app's limit and access, the
@@ -180,62 +179,31 @@ SECTIONS = {"service": ServiceRules, "activity": ActivityRules, "cpu": CpuRules,
 RESTART_KEYS = ("service.host", "service.port", "service.max_body_bytes", "service.open_on_loopback",
                 "inference.upstream", "inference.model", "inference.runs", "inference.seed",
                 "inference.device", "inference.enabled")
-HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_-]+)\s*\]")
-KEY = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*=")
 
 
 def owner_file() -> Path:
     """$EMBER_HOME/owner.toml, the file `ember serve` reads."""
-    return ember_home() / "owner.toml"
-
-
-def key_lines(text: str) -> dict[tuple[str, str | None], int]:
-    """The line (from 1) where each [section] (key None) and each of its keys first appears."""
-    out: dict[tuple[str, str | None], int] = {}
-    section = None
-    for n, line in enumerate(text.splitlines(), 1):
-        if m := HEADER.match(line):
-            section = m.group(1)
-            out.setdefault((section, None), n)
-        elif section is not None and (m := KEY.match(line)):
-            out.setdefault((section, m.group(1)), n)
-    return out
+    return home().owner_toml
 
 
 def load_rules(path: Path | None = None) -> OwnerRules:
-    """owner.toml (absent: every default), with unknown keys, wrong types and bad ranges refused;
-    the error names the file, the line and the key."""
-    from ember.sched.resources import parse_size
+    """owner.toml (absent: every default), parsed by the config engine (ember.config): unknown keys,
+    wrong types, bad ranges and bad windows, sizes and URLs are refused naming the file, the line
+    and the key."""
+    from ember.hardware import parse_size
     path = path or owner_file()
     if not path.is_file():
         return OwnerRules()
-    raw = read_toml(path)
-    lines = key_lines(path.read_text())
-
-    def at(section: str, key: str | None = None) -> str:
-        n = lines.get((section, key)) or lines.get((section, None))
-        return f"{path}:{n}" if n else str(path)
-
-    sections = {}
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            raise EmberError(f"{at(name)}: unknown section [{name}]{did_you_mean(name, SECTIONS)}; sections "
-                             f"are {', '.join(SECTIONS)}")
-        if not isinstance(value, dict):
-            raise EmberError(f"{at(name)}: '{name}' must be a [{name}] table")
-        for key, item in value.items():  # one key at a time: the error names its line
-            build_section(SECTIONS[name], name, {key: item}, at(name, key))
-        sections[name] = build_section(SECTIONS[name], name, value, str(path))
-    rules = OwnerRules(**sections)
+    raw, source = read_toml(path)
+    rules = build_file(OwnerRules, raw, source)
     for day in DAYS:
         for w in getattr(rules.schedule, day) or []:
             if not WINDOW.match(w) or minutes(w.split("-")[0]) >= minutes(w.split("-")[1]):
-                raise EmberError(f"{at('schedule', day)}: [schedule] {day}: window {w!r}: write HH:MM-HH:MM "
+                raise EmberError(f"{source.where('schedule', day)}: window {w!r}: write HH:MM-HH:MM "
                                  f"with the start before the end, e.g. '18:00-24:00'")
-    parse_size(rules.accelerators.foreign_memory_max, f"{at('accelerators', 'foreign_memory_max')}: "
-                                                      f"[accelerators] foreign_memory_max")
+    parse_size(rules.accelerators.foreign_memory_max, source.where("accelerators", "foreign_memory_max"))
     if rules.inference.upstream and not re.match(r"^https?://[^/\s]+", rules.inference.upstream):
-        raise EmberError(f"{at('inference', 'upstream')}: [inference] upstream = {rules.inference.upstream!r}: "
+        raise EmberError(f"{source.where('inference', 'upstream')} = {rules.inference.upstream!r}: "
                          f"write a URL like 'http://127.0.0.1:8080'")
     return rules
 
@@ -320,7 +288,7 @@ def active(rules: OwnerRules, obs: Observation) -> bool:
 
 def holds(rules: OwnerRules, obs: Observation, now: dt.datetime) -> list[Hold]:
     """The owner's rules that hold training now (see the module docstring)."""
-    from ember.sched.resources import parse_size
+    from ember.hardware import parse_size
     out = []
     if active(rules, obs):
         idle = f"input {obs.idle_seconds:.0f} s ago ({obs.idle_source}), within idle_minutes = " \

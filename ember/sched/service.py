@@ -31,17 +31,17 @@ from ember import control
 from ember.durable import fsync_dir, write_durable
 from ember.errors import EXIT_INTERRUPTED, BadInput, Conflict, EmberError, NotFound, Refused, Unavailable
 from ember.events import Events
+from ember.hardware import Machine, detect
 from ember.infer.runs import BASE, lora_run
 from ember.ledger import job_rows as rows
 from ember.ledger.job_rows import JobRow
 from ember.ledger.database import connect, default_path, latest_run_at
-from ember.paths import check_name, default_run_folder, ember_home, name_from
+from ember.paths import check_name, default_run_folder, home, name_from
 from ember.sched import admission, owner_rules as owner, process
 from ember.sched.inference import Gate
 from ember.sched.jobs import FINAL, LIVE, move, remove
 from ember.sched.observe import Observer
 from ember.sched.plan_child import plan_json
-from ember.sched.resources import Machine, detect
 
 TICK_SECONDS = 0.1
 OBSERVE_SECONDS = 0.5
@@ -78,7 +78,8 @@ class Service:
     def __init__(self, rules: owner.OwnerRules, devices: str | None, events: Events,
                  ledger: Path | None = None):
         self.rules, self.events = rules, events
-        self.dir = ember_home() / "serve"
+        self.home = home()
+        self.dir = self.home.serve
         self.ledger_path = ledger or default_path()
         self.con = connect(self.ledger_path, shared=True)
         self.lock = threading.RLock()
@@ -335,12 +336,12 @@ class Service:
 
     def ctl(self, job: JobRow) -> Path:
         """The job's soft-pause control folder (ember.control), outside its run folder."""
-        folder = self.dir / "control" / str(job.id)
+        folder = self.home.job_control(job.id)
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
     def log_path(self, job: JobRow) -> Path:
-        return self.dir / "jobs" / f"{job.id}.log"
+        return self.home.job_log(job.id)
 
     def logs(self, ref: str, offset: int) -> tuple[bytes, int]:
         job = self.find(ref)
@@ -658,7 +659,7 @@ class Service:
 
     def inference_roots(self) -> list[Path]:
         """The run folders whose adapters inference serves: [inference] runs and the jobs' own."""
-        return [Path(r) for r in self.rules.inference.runs] + [ember_home() / "runs"]
+        return [Path(r) for r in self.rules.inference.runs] + [self.home.runs]
 
     def adapter_elsewhere(self, model: object) -> str | None:
         """Why a /v1 request for `model` cannot go to the upstream engine ([inference] upstream):

@@ -24,13 +24,14 @@ from ember.device import configure_determinism, pick_device
 from ember.launchspec import LaunchSpec
 from ember.errors import EmberError
 from ember.events import Event, Events
+from ember.hardware import name_of
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.history import mtbf_seconds
 from ember.ledger.manifest import build_manifest
 from ember.ledger.database import Ledger, NullLedger
 from ember.metrics.flops import architecture_of, flops_per_token
-from ember.metrics.peaks import device_name, select_peak
+from ember.metrics.peaks import select_peak
 from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
 from ember.recipe import Recipe
@@ -268,7 +269,7 @@ def performance(bundle: ModelBundle, recipe: Recipe, device: torch.device, threa
                 devices: int = 1) -> dict[str, Any]:
     """FLOPs per token and the peak to divide by: what MFU needs, recorded once per attempt."""
     flops = flops_per_token(architecture_of(bundle.model, recipe.data.seq_len))
-    name = device_name(device)
+    name = name_of(device)
     peak = select_peak(recipe.cost.peak_tflops, device.type, name, recipe.precision.mode, threads)
     return {"flops_per_token": flops.total, "flops_formula": flops.formula, "peak_flops": peak.flops,
             "peak_source": peak.source, "device_name": name, "devices": devices}
@@ -294,7 +295,7 @@ def remeasure_peak(job: Job, share: float) -> bool:
 
 
 def device_label(device: torch.device, devices: int = 1) -> str:
-    return f"{device_name(device)} x{devices}"
+    return f"{name_of(device)} x{devices}"
 
 
 def restore(job: Job, from_scratch: bool = False) -> bool:

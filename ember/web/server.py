@@ -33,7 +33,7 @@ from ember.durable import write_durable
 from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
-from ember.paths import ember_home
+from ember.paths import home
 from ember.proc import dies_with_us
 from ember.sched.owner_rules import OwnerRules, load_rules
 from ember.sched.process import signal_job, start_time
@@ -56,11 +56,11 @@ class ServeOptions:
 
 
 def serve_dir() -> Path:
-    return ember_home() / "serve"
+    return home().serve
 
 
 def token_path() -> Path:
-    return serve_dir() / "token"
+    return home().serve_token
 
 
 def ensure_token() -> str:

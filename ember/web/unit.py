@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ember
 from ember.errors import EmberError
-from ember.paths import ember_home
+from ember.paths import home
 
 UNIT = """\
 # ember serve as a systemd user service (the machine's owner runs it, not root), written by
@@ -68,10 +68,10 @@ def found_by_default(folder: Path) -> bool:
 def unit_text() -> str:
     """The unit for the ember running this function."""
     source = source_folder()
-    env = [f"EMBER_HOME={ember_home().absolute()}", "HF_HUB_OFFLINE=1"]
+    env = [f"EMBER_HOME={home().root.absolute()}", "HF_HUB_OFFLINE=1"]
     if not found_by_default(source):
         env.insert(0, f"PYTHONPATH={source}")
-    return UNIT.format(source=source, docs=quoted((ember_home().absolute() / "owner.toml").as_uri()),
+    return UNIT.format(source=source, docs=quoted(home().owner_toml.absolute().as_uri()),
                        python=quoted(os.path.abspath(sys.executable)),
                        environment="\n".join(f"Environment={quoted(e)}" for e in env))
 

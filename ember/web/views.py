@@ -13,6 +13,7 @@ from typing import Any
 
 from ember.doctor.examine import saved_diagnosis
 from ember.errors import BadInput, NotFound, Unavailable
+from ember.hardware import Device, detect
 from ember.ledger import job_rows as job_rows
 from ember.ledger import database as ledger_store
 from ember.metrics.capacity import CapacityReport, capacity_report
@@ -23,7 +24,6 @@ from ember.runfolder import read_record
 from ember.metrics.series import CURVE_FIELDS, Curves, curves
 from ember.recipe import to_toml
 from ember.sched.plan_child import plan_json
-from ember.sched.resources import Device, detect
 from ember.sched.service import JobView, Service
 
 

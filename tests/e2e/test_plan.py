@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ember.doctor.measure import calibrate
-from ember.plan.devices import Device
+from ember.hardware import Device, Kind
 from ember.plan.planner import make_plan
 from ember.recipe import load_recipe
 from ember.train.model import ByteTokenizer
@@ -38,7 +38,7 @@ def test_remedies_make_it_fit_under_a_memory_cap(tmp_path):
     measured peak fits the cap."""
     r = load_recipe(write_recipe(tmp_path, train={"micro_batch": 64}, data={"seq_len": 512}))
     cap = 200 * 2**20
-    plan = make_plan(r, None, None, [Device("capped", "cpu", cap, cap)])
+    plan = make_plan(r, None, None, [Device(0, "capped", Kind.CPU, cap, cap)])
     assert not plan.fits and plan.verdict == "local with remedies"
     best = next(x for x in plan.remedies if x.fits and x.available)
     fixed = r.with_changes(best.changes)
