@@ -41,7 +41,7 @@ from ember.metrics.exposition import LedgerCollector
 from ember.metrics.listing import SORT_KEYS, RunEntry, run_live
 from ember.metrics.report import RunReport
 from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
-from ember.sched.jobs import FINAL, STATES
+from ember.ledger.job_states import LOCAL, LOCAL_FINAL as FINAL
 from ember.web import security
 from ember.web.error_responses import LIBRARY, status_of
 from ember.web.views import MachinePage, Views
@@ -95,7 +95,7 @@ def add_dashboard(app: FastAPI, views: Views, token: str) -> None:
     env.filters["gib"] = size
     env.filters["tojson_attr"] = lambda v: json.dumps(v, default=str)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LedgerCollector(views.con, STATES))
+    registry.register(LedgerCollector(views.con, LOCAL.states))
 
     def page(request: Request, template: str, title: str, **data: Any) -> HTMLResponse:
         signed_in = security.session_ok(request, token)
