@@ -161,7 +161,7 @@ class Submitted:
 
 
 def submit(req: RemoteRequest, events: Events) -> Submitted:
-    """Plan, gate, audit; then stage, write the batch script and sbatch it. Raises GateRefused."""
+    """Plan, gate, audit; then the target's backend stages and queues the job. Raises GateRefused."""
     name = check_name(req.name, "--name") if req.name else \
         name_from(req.recipe_file.stem, f"{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
     out = req.out.resolve() if req.out else default_run_folder(name)
