@@ -74,7 +74,7 @@ def add_remote(sub: Any) -> None:
     remote = sub.add_parser("remote", help="remote jobs: status, logs, cancel, continue")
     rsub = remote.add_subparsers(dest="remote_command", required=True, metavar="{status,logs,cancel,continue}")
     st = rsub.add_parser("status", help="a remote job's state (results brought back), or every job's")
-    st.add_argument("job", nargs="?", help="its Slurm job id or name (default: list every job)")
+    st.add_argument("job", nargs="?", help="its job id (its backend's: Slurm's) or name (default: list every job)")
     st.add_argument("--wait", action="store_true", help="wait until it has ended")
     st.add_argument("--timeout", type=float, default=3600, help="with --wait: give up after this many seconds")
     lg = rsub.add_parser("logs", help="a remote job's output, every allocation's")
@@ -82,14 +82,14 @@ def add_remote(sub: Any) -> None:
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     cn = rsub.add_parser("cancel", help="cancel a remote job (it checkpoints first) and bring its results back")
     cn.add_argument("job")
-    cn.add_argument("--timeout", type=float, default=300, help="wait at most this long for Slurm to end it")
+    cn.add_argument("--timeout", type=float, default=300, help="wait at most this long for its backend to end it")
     for p in (st, lg, cn):
-        p.add_argument("--target", help="the target, when a Slurm job id is known on several")
+        p.add_argument("--target", help="the target, when a job id is known on several")
         p.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
         p.add_argument("--json", action="store_true") if p is not lg else None
     co = rsub.add_parser("continue", help="resume a stopped, cancelled or failed job from its last checkpoint, "
                          "through the gate again with new limits")
-    co.add_argument("job", help="its Slurm job id or name")
+    co.add_argument("job", help="its job id or name")
     add_limits(co)
     co.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="the --set the job was submitted with (the recipe must resolve as it did then)")
@@ -233,45 +233,48 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_submit_remote(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
+    from ember.remote.backends import title
     from ember.remote.submit import submit
     done = submit(remote_request(args, args.out, args.name), stderr_events())
     j = done.job
-    print(f"remote job {j.name}: Slurm job {j.slurm_id} on '{j.target}' ({j.state}); results come back to {j.out}; "
-          f"`ember remote status {j.slurm_id}`")
+    print(f"remote job {j.name}: {title(j.backend)} job {j.backend_id} on '{j.target}' ({j.state}); results come "
+          f"back to {j.out}; `ember remote status {j.backend_id}`")
     return EXIT_OK
 
 
 def cmd_continue(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
+    from ember.remote.backends import title
     from ember.remote.submit import continue_job
     done = continue_job(args.job, remote_request(args), stderr_events())
     j = done.job
-    print(f"remote job {j.name}: continued as Slurm job {j.slurm_id} on '{j.target}' ({j.state}), from its last "
-          f"checkpoint; results come back to {j.out}; `ember remote status {j.name}`")
+    print(f"remote job {j.name}: continued as {title(j.backend)} job {j.backend_id} on '{j.target}' ({j.state}), "
+          f"from its last checkpoint; results come back to {j.out}; `ember remote status {j.name}`")
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
-    from ember.remote.jobs import job_status
+    from ember.ledger.job_states import REMOTE_FINAL
+    from ember.remote.tracking import job_status
     found = job_status(args.ledger, args.job, args.target, args.wait, args.timeout, stderr_events())
     if args.json:
         print(json.dumps([asdict(s) for s in found], indent=1, default=str))
         return EXIT_OK
-    table = Table("slurm id", "name", "target", "state", "progress", "cost", "note")
+    table = Table("job id", "name", "target", "state", "progress", "cost", "note")
     for s in found:
         j = s.job
         progress = f"{s.steps}/{s.max_steps}" if s.max_steps else "-"
-        table.add_row(j.slurm_id or "-", j.name, j.target, j.state, progress,
+        table.add_row(j.backend_id or "-", j.name, j.target, j.state, progress,
                       "-" if j.cost is None else f"{j.cost:.4g}", j.detail or "")
     Console(soft_wrap=True).print(table)
-    if len(found) == 1 and found[0].job.state in ("completed", "stopped", "failed", "cancelled"):
+    if len(found) == 1 and found[0].job.state in REMOTE_FINAL:
         _print(f"results: {found[0].job.out} (`ember report {found[0].job.out}`)")
     return EXIT_OK
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from ember.remote.jobs import job_logs
+    from ember.remote.tracking import job_logs
     offset = 0
     deadline = time.monotonic() + 24 * 3600
     while True:
@@ -286,10 +289,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ember.cli.render import stderr_events
-    from ember.remote.jobs import cancel_job
+    from ember.remote.backends import title
+    from ember.remote.tracking import cancel_job
     s = cancel_job(args.ledger, args.job, args.target, args.timeout, stderr_events())
-    print(f"remote job {s.job.name} (Slurm job {s.job.slurm_id}): {s.job.state}; {s.steps} steps brought back "
-          f"to {s.job.out}")
+    print(f"remote job {s.job.name} ({title(s.job.backend)} job {s.job.backend_id}): {s.job.state}; {s.steps} steps "
+          f"brought back to {s.job.out}")
     return EXIT_OK if s.job.state == "cancelled" else EXIT_ERROR
 
 

@@ -60,7 +60,7 @@ MIGRATIONS: list[str] = [
         up_to_step INTEGER NOT NULL, PRIMARY KEY (run_id, attempt, phase)
     );
     """,
-    # 3: the service's jobs (ember.sched.jobs declares their state machine) and their transitions
+    # 3: the service's jobs (ember.ledger.job_states declares their state machine) and their transitions
     """
     CREATE TABLE jobs (
         id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, recipe TEXT NOT NULL, out TEXT NOT NULL,
@@ -82,7 +82,7 @@ MIGRATIONS: list[str] = [
     );
     """,
     # 5: the remote gate's audit log (ember.ledger.audit: append-only, hash-chained) and the remote
-    # jobs (ember.remote.jobs declares their state machine; SQL in ember.ledger.remote_rows)
+    # jobs (ember.ledger.job_states declares their state machine; SQL in ember.ledger.remote_rows)
     """
     CREATE TABLE audit (
         id INTEGER PRIMARY KEY, time REAL NOT NULL, who TEXT NOT NULL, action TEXT NOT NULL,
@@ -109,6 +109,12 @@ MIGRATIONS: list[str] = [
     # 6: the service's job that started an attempt (ember.launchspec: the launch spec carries it)
     """
     ALTER TABLE attempts ADD COLUMN job INTEGER;
+    """,
+    # 7: remote jobs name their backend (ember.remote.backends); the id it gave the job is no
+    # longer Slurm's by name. Every remote job before this one was Slurm's.
+    """
+    ALTER TABLE remote_jobs RENAME COLUMN slurm_id TO backend_id;
+    ALTER TABLE remote_jobs ADD COLUMN backend TEXT NOT NULL DEFAULT 'slurm';
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

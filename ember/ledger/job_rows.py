@@ -1,5 +1,5 @@
 """The service's jobs in the ledger: rows and their transitions. Only SQL lives here; which state
-may follow which, and who may change it, is ember.sched.jobs."""
+may follow which, and who may change it, is ember.ledger.job_states."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class JobRow:
     out: str
     overrides: list[str]
     priority: int
-    state: str
+    state: str                       # a JobState of ember.ledger.job_states' LOCAL machine
     submitted: float
     updated: float
     request: dict[str, Any]

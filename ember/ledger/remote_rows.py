@@ -1,6 +1,6 @@
 """Remote jobs in the ledger: their rows and transitions, the month's spend per target, and a
 remote run's accounting copied into this ledger. Only SQL lives here; which state may follow
-which, and who may change it, is ember.remote.jobs."""
+which, and who may change it, is ember.ledger.job_states."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ class RemoteJobRow:
     id: int
     name: str
     target: str
-    slurm_id: str | None
-    state: str
+    backend_id: str | None       # the id its backend gave it (Slurm's job id); None before it was submitted
+    state: str                   # a JobState of ember.ledger.job_states' REMOTE machine
     submitted: float
     updated: float
     audit_id: int
     audit_hash: str
-    host: str                    # where the Slurm client runs ('' this machine, else an SSH host)
+    host: str                    # where the backend's client runs ('' this machine, else an SSH host)
     ssh_options: list[str]       # options for ssh to reach it (the target's)
     python: str                  # the Python with ember there
     recipe: str
@@ -38,6 +38,7 @@ class RemoteJobRow:
     run_id: str | None = None
     cost: float | None = None    # as of the last results brought back
     detail: str | None = None    # the last thing that happened to it
+    backend: str = "slurm"       # the kind of its target when submitted (ember.remote.backends)
 
 
 @contextmanager
@@ -60,7 +61,7 @@ def _row(r: sqlite3.Row) -> RemoteJobRow:
 
 
 def insert(con: sqlite3.Connection, job: dict[str, Any], state: str) -> RemoteJobRow:
-    """A new job: `job` has RemoteJobRow's fields from name to prediction."""
+    """A new job: `job` has RemoteJobRow's fields from name to prediction, and its backend."""
     now = time.time()
     row = {**job, "state": state, "submitted": now, "updated": now,
            **{k: json.dumps(job[k]) for k in ("limits", "prediction", "ssh_options")}}
@@ -77,8 +78,8 @@ def get(con: sqlite3.Connection, job_id: int) -> RemoteJobRow | None:
 
 
 def find(con: sqlite3.Connection, ref: str, target: str | None = None) -> list[RemoteJobRow]:
-    """Jobs whose Slurm id or name is `ref` (on `target`, when given)."""
-    sql = "SELECT * FROM remote_jobs WHERE (slurm_id = ? OR name = ?)" + (" AND target = ?" if target else "")
+    """Jobs whose backend id or name is `ref` (on `target`, when given)."""
+    sql = "SELECT * FROM remote_jobs WHERE (backend_id = ? OR name = ?)" + (" AND target = ?" if target else "")
     return [_row(r) for r in con.execute(sql + " ORDER BY id", (ref, ref, target) if target else (ref, ref))]
 
 

@@ -2,7 +2,7 @@
 one job, and one month of jobs, may spend.
 
     [targets.cluster]
-    kind = "slurm"
+    kind = "slurm"                   # the backend (ember.remote.backends: a kind it does not know is refused)
     host = ""                        # "": the Slurm client runs on this machine; else an SSH host
     ssh_options = []                 # e.g. ["-p", "2222", "-i", "/home/alice/.ssh/cluster"]
     partition = "gpu"
@@ -27,6 +27,7 @@ Read like the registry, by the config engine (ember.config): `./targets.toml` an
 `$EMBER_HOME/targets.toml` (a name in both is refused), or `--targets FILE` alone. Every cap is
 required: a target without one is refused, never given a default. docs/targets.md is generated
 from the fields below (`ember settings targets --markdown`).
+The caller names the kinds it can run (the remote layer's backends: policy sits below it).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from ember.config import build_entries, derived, read_toml, reference, rows, setting
 from ember.errors import EmberError
@@ -48,9 +49,9 @@ CAPS = ("max_nodes", "max_wall_hours", "max_device_hours", "max_cost_per_job", "
 
 @dataclass
 class Target:
-    kind: Literal["slurm"] = setting("slurm", "The remote engine (Slurm).")
-    host: str = setting("", "'' when the Slurm client (sbatch) runs on this machine; else the SSH "
-                        "host (user@login-node) where it does.")
+    kind: str = setting("slurm", "The remote backend that runs its jobs (ember.remote.backends: 'slurm').")
+    host: str = setting("", "'' when the backend's client (Slurm's sbatch) runs on this machine; else the "
+                        "SSH host (user@login-node) where it does.")
     ssh_options: list[str] = setting(list, "Options for ssh to that host, e.g. ['-p', '2222', '-i', "
                                      "'/home/me/.ssh/cluster'] (BatchMode is always on).", factory=True)
     partition: str = setting("", "Slurm partition ('' = the cluster's default).")
@@ -94,22 +95,23 @@ class Target:
 Targets = dict[str, Target]
 
 
-def load_targets(explicit: Path | None = None) -> Targets:
-    """Every target, validated; missing files are none (unless named explicitly)."""
+def load_targets(kinds: Collection[str], explicit: Path | None = None) -> Targets:
+    """Every target, validated, each of a backend `kinds` names; missing files are none (unless
+    named explicitly)."""
     if explicit is not None and not explicit.is_file():
         raise EmberError(f"--targets {explicit}: no such file")
     files = [explicit] if explicit is not None else [Path("targets.toml"), home().targets_toml]
     out: Targets = {}
     sources: dict[str, Path] = {}
     for path in files:
-        for name, t in _read(path).items():
+        for name, t in _read(path, kinds).items():
             if name in out:
                 raise EmberError(f"{path}: target '{name}' is also defined in {sources[name]}; keep one")
             out[name], sources[name] = t, path
     return out
 
 
-def _read(path: Path) -> Targets:
+def _read(path: Path, kinds: Collection[str]) -> Targets:
     if not path.is_file():
         return {}
     raw, source = read_toml(path)
@@ -118,6 +120,9 @@ def _read(path: Path) -> Targets:
                         "never a default)")
     for name, t in out.items():
         at = source.where
+        if t.kind not in kinds:
+            raise EmberError(f"{at('targets', name, 'kind')} = {t.kind!r}: not a remote backend ember knows; "
+                             f"known kinds: {', '.join(map(repr, kinds))}")
         bad = [c for c in t.allowed_classifications if c not in CLASSIFICATIONS]
         if bad:
             raise EmberError(f"{at('targets', name, 'allowed_classifications')}: {bad[0]!r} is not one of "

@@ -1,6 +1,7 @@
-"""Where the Slurm client runs: this machine, or an SSH host. Commands run there, and folders move
-there and back as tar streams (`tar c | ssh HOST tar x`), so the local controller and an SSH host
-take the same path, the SSH one with `ssh HOST` in front of the remote side."""
+"""Where a remote backend's client (Slurm's sbatch, ...) runs: this machine, or an SSH host.
+Commands run there, and folders move there and back as tar streams (`tar c | ssh HOST tar x`), so
+the local controller and an SSH host take the same path, the SSH one with `ssh HOST` in front of
+the remote side."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Shell:
         return self.host or "this machine"
 
     def argv(self, argv: list[str]) -> list[str]:
-        """`argv` as run where the Slurm client is."""
+        """`argv` as run where the backend's client is."""
         if not self.host:
             return list(argv)
         return ["ssh", "-o", "BatchMode=yes", *self.ssh_options, self.host, "--", shlex.join(argv)]
@@ -33,7 +34,7 @@ class Shell:
         try:
             done = subprocess.run(self.argv(argv), input=stdin, capture_output=True, timeout=timeout)
         except FileNotFoundError as e:
-            raise EmberError(f"{argv[0]}: not found on {self.where()} ({e.strerror}); is the Slurm client "
+            raise EmberError(f"{argv[0]}: not found on {self.where()} ({e.strerror}); is the backend's client "
                              f"installed and on PATH?") from None
         except subprocess.TimeoutExpired:
             raise EmberError(f"`{shlex.join(argv)}` on {self.where()} did not finish within {timeout:.0f} s") from None

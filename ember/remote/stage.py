@@ -1,5 +1,6 @@
 """Staging: the datasets a job was allowed to take, copied into its folder on the cluster and
-verified there, and its recipe rewritten to read the copies.
+verified there, and its recipe rewritten to read the copies. A backend whose jobs live in a folder
+its Shell reaches (Slurm's) stages with `new_folder`, `upload` and `put_files`.
 
     JOB/data/NAME/PLACE      each file of dataset NAME at its place (ember.policy.registry.members:
                              '0/genesis.jsonl'), so the copy's fingerprint is computed over the
@@ -11,9 +12,13 @@ verified there, and its recipe rewritten to read the copies.
 from __future__ import annotations
 
 import shlex
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ember.errors import EmberError
+from ember.errors import Conflict, EmberError
+from ember.events import Events
 from ember.policy.registry import Dataset, fingerprint
 from ember.remote.shell import Shell
 
@@ -65,3 +70,39 @@ def verify_arrival(shell: Shell, job_dir: str, datasets: list[Dataset]) -> str:
                              f"refused; the job was not submitted")
     return "".join(sorted(lines))
 
+
+
+@contextmanager
+def new_folder(shell: Shell, folder: str) -> Iterator[None]:
+    """A job's new folder there: Conflict when it exists already; removed when what runs inside
+    the block fails (nothing runs from it: no staged data is left behind)."""
+    if shell.run(["test", "-e", folder], check=False).returncode == 0:
+        raise Conflict(f"{shell.where()}:{folder} exists: another job's folder; choose another --name")
+    try:
+        yield
+    except BaseException as e:
+        gone = shell.run(["rm", "-rf", folder], check=False)
+        if gone.returncode != 0 and isinstance(e, EmberError):
+            raise EmberError(f"{e}\nthe staged folder {shell.where()}:{folder} could not be removed "
+                             f"({gone.stderr.decode(errors='replace').strip()}); remove it") from None
+        raise
+
+
+def upload(shell: Shell, folder: str, datasets: list[Dataset], events: Events) -> str:
+    """Copy the datasets into `folder` there and verify them on arrival; data.sha256's text."""
+    with tempfile.TemporaryDirectory(prefix="ember-stage-") as tmp:
+        bundle = Path(tmp)
+        link_datasets(bundle, datasets)
+        events.stage(f"staging {len(datasets)} dataset(s) to {shell.where()}:{folder}")
+        shell.put(bundle, folder)
+    sums = verify_arrival(shell, folder, datasets)
+    events.info(f"verified on arrival: {', '.join(d.name for d in datasets)} (fingerprints match)")
+    return sums
+
+
+def put_files(shell: Shell, folder: str, files: dict[str, str]) -> None:
+    """Write `files` ({name: text}) into `folder` there."""
+    with tempfile.TemporaryDirectory(prefix="ember-control-") as tmp:
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text)
+        shell.put(Path(tmp), folder)

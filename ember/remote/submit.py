@@ -1,20 +1,20 @@
 """`ember policy check` and `ember submit --target` as library calls: the plan's prediction for
-the target, the gate's decision, the audit row, and only for an allowed submission the staging,
-the batch script and `sbatch`.
+the target, the gate's decision, the audit row, and only for an allowed submission the target's
+backend (ember.remote.backends: Slurm's stages the data, writes the batch script and sbatch's it).
 
     decide     load the recipe, the registry and the targets; resolve the data paths (realpath) and
                hash them, the datasets they are staged from (every byte) and every registered
                dataset's files (the hash cache: content identity); predict device-hours, cost and
                wall time (ember plan, for the target's device and price); the month's committed
                spend from the ledger; check(); append the audit row
-    submit     decide; refused: stop here (nothing is staged, sbatch is never called)
-               allowed: a remote job row (staging), the datasets copied and verified on arrival,
-               recipe, job.json and job.sh written, `sbatch --parsable`, the job pending; a
+    submit     decide; refused: stop here (nothing is staged, the backend is never asked)
+               allowed: a remote job row (staging), the backend's submit (the datasets copied
+               and verified on arrival, the recipe written, the job queued), the job pending; a
                failure on the way removes the job's folder on the cluster, and the job is failed
     continue   (ember remote continue) a stopped, cancelled or failed job: decide again for the
-               recipe it was submitted with and new limits; allowed: job.json and job.sh rewritten
-               in its folder (the staged data and recipe stay), `sbatch` again; its run resumes
-               from its newest checkpoint
+               recipe it was submitted with and new limits; allowed: the backend's resubmit in
+               its folder (the staged data and recipe stay); its run resumes from its newest
+               checkpoint
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import getpass
 import math
 import os
 import secrets
-import shlex
 import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -35,17 +33,18 @@ from ember.durable import sha256_file
 from ember.errors import Conflict, EmberError, Refused
 from ember.events import Events
 from ember.ledger import audit
-from ember.ledger import remote_rows as rows
 from ember.ledger import database as ledger_store
+from ember.ledger import remote_rows as rows
+from ember.ledger.job_states import CONTINUABLE, REMOTE_FINAL, JobState
 from ember.paths import check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
 from ember.policy.registry import Registry, contents_of, fingerprint_files, holdings, load_registry
 from ember.policy.targets import Target, load_targets
 from ember.recipe import LORA_ONLY, Recipe, load_recipe, to_toml
-from ember.remote import jobs, slurm, stage
-from ember.remote.script import (ALLOCATIONS_FILE, DATA_SUMS, OUTCOME_FILE, SCRIPT_FILE, SPEC_FILE, JobSpec,
-                                 batch_script, time_minutes)
-from ember.remote.shell import Shell
+from ember.remote import stage
+from ember.remote.backend import Launch
+from ember.remote.backends import BACKENDS, backend_for, title
+from ember.remote.tracking import find_job, move, status
 from ember.runfolder import mark_remote, remote_job
 
 
@@ -87,7 +86,7 @@ class GateRefused(Refused):
 def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
     """The gate's decision for this request, appended to the audit log."""
     recipe = load_recipe(req.recipe_file, req.overrides, events.warn)
-    registry, targets = load_registry(req.registry), load_targets(req.targets)
+    registry, targets = load_registry(req.registry), load_targets(BACKENDS, req.targets)
     target = targets.get(req.target)
     files = resolved(recipe.data.files + recipe.eval.files)
     read: dict[Path, str] = {}  # every byte of a file the job may take is read once in this decision
@@ -111,7 +110,7 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
     con = ledger_store.connect(req.ledger)
     try:
         month, since = month_of(now)
-        view = LedgerView(month, rows.month_spend(con, req.target, since, jobs.FINAL))
+        view = LedgerView(month, rows.month_spend(con, req.target, since, REMOTE_FINAL))
         decision = check(Request(recipe.digest(), files, observed, req.target, req.limits, req.nodes,
                                  prediction, now, contents, registered, req.continues), registry, targets, view)
         row = audit.append(con, {
@@ -162,7 +161,7 @@ class Submitted:
 
 
 def submit(req: RemoteRequest, events: Events) -> Submitted:
-    """Plan, gate, audit; then stage, write the batch script and sbatch it. Raises GateRefused."""
+    """Plan, gate, audit; then the target's backend stages and queues the job. Raises GateRefused."""
     name = check_name(req.name, "--name") if req.name else \
         name_from(req.recipe_file.stem, f"{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
     out = req.out.resolve() if req.out else default_run_folder(name)
@@ -175,7 +174,7 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
         if known:
             raise EmberError(f"a remote job named '{name}' is in the ledger already ({known[0].state}); choose "
                              f"another --name" + (f", or `ember remote continue {name}` with new limits to "
-                                                  f"resume it" if known[0].state in jobs.CONTINUABLE else ""))
+                                                  f"resume it" if known[0].state in CONTINUABLE else ""))
     finally:
         con.close()
     decided = decide(req, "submit", events)
@@ -184,6 +183,12 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
     target = decided.target
     job_dir = f"{target.stage_dir.rstrip('/')}/{name}"
     limits = asdict(req.limits) | {"nodes": req.nodes}
+    datasets = tuple(decided.registry[u.name] for u in decided.decision.datasets if u.staged)
+    devices = req.nodes * target.devices_per_node
+    launch = Launch(name, job_dir, target.interpreter(), req.nodes,
+                    wall_budget_seconds(req.limits, devices, target.price),
+                    staged_recipe(decided.recipe, list(datasets), job_dir, target, devices), datasets)
+    backend = backend_for(target.kind, target.host, target.ssh_options)
     con = ledger_store.connect(req.ledger)
     try:
         if rows.find(con, name):
@@ -192,19 +197,20 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
                                 "audit_hash": decided.audit.hash, "host": target.host,
                                 "ssh_options": target.ssh_options, "python": target.interpreter(),
                                 "recipe": str(req.recipe_file.resolve()), "out": str(out), "remote_dir": job_dir,
-                                "limits": limits, "prediction": decided.audit.prediction}, "staging")
+                                "limits": limits, "prediction": decided.audit.prediction,
+                                "backend": target.kind}, JobState.STAGING)
         try:
-            slurm_id = _stage_and_sbatch(req, decided, name, job_dir, events)
+            backend_id = backend.submit(launch, target, events)
         except EmberError as e:
-            jobs.move(con, job, "failed", f"staging or sbatch failed: {e}", detail=str(e))
+            move(con, job, JobState.FAILED, f"staging or submitting to {backend.title} failed: {e}", detail=str(e))
             raise
-        job = jobs.move(con, job, "pending", f"sbatch: Slurm job {slurm_id}", slurm_id=slurm_id,
-                        detail="submitted")
+        job = move(con, job, JobState.PENDING, f"submitted: {backend.title} job {backend_id}", backend_id=backend_id,
+                   detail="submitted")
     finally:
         con.close()
     out.mkdir(parents=True, exist_ok=True)
     mark_remote(out, name, target.name)
-    events.info(f"submitted {name} to '{target.name}' as Slurm job {slurm_id}; results come back to {out}")
+    events.info(f"submitted {name} to '{target.name}' as {backend.title} job {backend_id}; results come back to {out}")
     return Submitted(job, decided)
 
 
@@ -214,47 +220,6 @@ def _continue_hint(out: Path) -> str:
         return ""
     return (f"; it holds remote job {origin['job']}'s results: `ember remote continue {origin['job']}` with new "
             f"limits resumes it")
-
-
-def _stage_and_sbatch(req: RemoteRequest, decided: Decided, name: str, job_dir: str, events: Events) -> str:
-    target, recipe = decided.target, decided.recipe
-    shell = Shell(target.host, target.ssh_options)
-    datasets = [decided.registry[u.name] for u in decided.decision.datasets if u.staged]
-    devices = req.nodes * target.devices_per_node
-    budget = wall_budget_seconds(req.limits, devices, target.price)
-    minutes = time_minutes(budget, target.signal_seconds, target.allocation_minutes)
-    spec = JobSpec(name, job_dir, target.interpreter(), req.nodes, target.devices_per_node, budget, minutes,
-                   target.signal_seconds, target.partition, target.account, target.gres, list(target.sbatch_args))
-    if shell.run(["test", "-e", job_dir], check=False).returncode == 0:
-        raise Conflict(f"{shell.where()}:{job_dir} exists: another job's folder; choose another --name")
-    try:
-        return _stage(shell, decided, datasets, spec, devices, events)
-    except BaseException as e:  # nothing runs from the folder: leave no staged data behind
-        gone = shell.run(["rm", "-rf", job_dir], check=False)
-        if gone.returncode != 0 and isinstance(e, EmberError):
-            raise EmberError(f"{e}\nthe staged folder {shell.where()}:{job_dir} could not be removed "
-                             f"({gone.stderr.decode(errors='replace').strip()}); remove it") from None
-        raise
-
-
-def _stage(shell: Shell, decided: Decided, datasets: list, spec: JobSpec, devices: int, events: Events) -> str:
-    target, recipe, job_dir = decided.target, decided.recipe, spec.dir
-    with tempfile.TemporaryDirectory(prefix="ember-stage-") as tmp:
-        bundle = Path(tmp) / "data-bundle"
-        bundle.mkdir()
-        stage.link_datasets(bundle, datasets)
-        events.stage(f"staging {len(datasets)} dataset(s) to {shell.where()}:{job_dir}")
-        shell.put(bundle, job_dir)
-        sums = stage.verify_arrival(shell, job_dir, datasets)
-        events.info(f"verified on arrival: {', '.join(d.name for d in datasets)} (fingerprints match)")
-        control = Path(tmp) / "control"
-        control.mkdir()
-        (control / "recipe.toml").write_text(staged_recipe(recipe, datasets, job_dir, target, devices))
-        (control / SPEC_FILE).write_text(spec.to_json())
-        (control / SCRIPT_FILE).write_text(batch_script(spec))
-        (control / DATA_SUMS).write_text(sums)
-        shell.put(control, job_dir)
-    return slurm.sbatch(shell, f"{job_dir}/{SCRIPT_FILE}")
 
 
 def staged_recipe(recipe: Recipe, datasets: list, job_dir: str, target: Target, devices: int) -> str:
@@ -270,21 +235,22 @@ def staged_recipe(recipe: Recipe, datasets: list, job_dir: str, target: Target, 
 
 def continue_job(ref: str, req: RemoteRequest, events: Events) -> Submitted:
     """`ember remote continue`: a stopped, cancelled or failed job through the gate again, for the
-    recipe it was submitted with and `req`'s new limits; allowed, sbatch'd again in its folder,
+    recipe it was submitted with and `req`'s new limits; allowed, submitted again in its folder,
     where its run resumes from its newest checkpoint. Raises Refused."""
     con = ledger_store.connect(req.ledger)
     try:
-        job = jobs.find_job(con, ref, None)
-        steps = jobs.status(con, job, None).steps
+        job = find_job(con, ref, None)
+        steps = status(con, job, None).steps
         let_go = audit.get(con, job.audit_id)
     finally:
         con.close()
-    if job.state not in jobs.CONTINUABLE:
+    if job.state not in CONTINUABLE:
         raise EmberError(f"remote job {job.name} is {job.state}: " + (
-            "it has completed; there is nothing to continue" if job.state == "completed" else
+            "it has completed; there is nothing to continue" if job.state == JobState.COMPLETED else
             f"it has not ended; `ember remote status {job.name} --wait` follows it"))
-    if job.slurm_id is None:
-        raise EmberError(f"remote job {job.name} never reached Slurm ({job.detail}): nothing ran; submit it again")
+    if job.backend_id is None:
+        raise EmberError(f"remote job {job.name} never reached {title(job.backend)} ({job.detail}): nothing ran; "
+                         f"submit it again")
     if let_go is None or let_go.hash != job.audit_hash:
         raise EmberError(f"remote job {job.name}: the audit row that let it go ({job.audit_id}) is missing or "
                          f"changed; `ember policy audit --verify` says more")
@@ -295,46 +261,32 @@ def continue_job(ref: str, req: RemoteRequest, events: Events) -> Submitted:
     if not decided.decision.allowed:
         raise GateRefused(decided)
     target = decided.target
-    if target.host != job.host:
-        raise EmberError(f"target '{target.name}' now reaches {target.host or 'this machine'}, and job {job.name}'s "
-                         f"folder is on {job.host or 'this machine'}: it continues only there")
-    devices = nodes * target.devices_per_node
-    budget = wall_budget_seconds(req.limits, devices, target.price)
-    spec = JobSpec(job.name, job.remote_dir, job.python, nodes, target.devices_per_node, budget,
-                   time_minutes(budget, target.signal_seconds, target.allocation_minutes), target.signal_seconds,
-                   target.partition, target.account, target.gres, list(target.sbatch_args))
+    if (target.kind, target.host) != (job.backend, job.host):
+        raise EmberError(f"target '{target.name}' now reaches {target.kind} on {target.host or 'this machine'}, and "
+                         f"job {job.name}'s folder is {job.backend}'s on {job.host or 'this machine'}: it continues "
+                         f"only there")
+    budget = wall_budget_seconds(req.limits, nodes * target.devices_per_node, target.price)
+    launch = Launch(job.name, job.remote_dir, job.python, nodes, budget)
+    backend = backend_for(job.backend, target.host, target.ssh_options)
     limits = asdict(req.limits) | {"nodes": nodes, "spent_before": job.cost or 0.0}
-    earlier = job.slurm_id
+    earlier = job.backend_id
     con = ledger_store.connect(req.ledger)
     try:
-        # Claimed first (compare-and-set): a second `continue` of the same job stops here. No Slurm
+        # Claimed first (compare-and-set): a second `continue` of the same job stops here. No backend
         # id while staging: a status poll meanwhile does not read the earlier job's end as this one's.
-        job = jobs.move(con, job, "staging", f"ember remote continue: audit row {decided.audit.id}", slurm_id=None,
-                        audit_id=decided.audit.id, audit_hash=decided.audit.hash, limits=limits,
-                        prediction=decided.audit.prediction, ssh_options=target.ssh_options, detail="continuing")
+        job = move(con, job, JobState.STAGING, f"ember remote continue: audit row {decided.audit.id}",
+                   backend_id=None, audit_id=decided.audit.id, audit_hash=decided.audit.hash, limits=limits,
+                   prediction=decided.audit.prediction, ssh_options=target.ssh_options, detail="continuing")
         try:
-            slurm_id = _resubmit(Shell(target.host, target.ssh_options), spec, f"before-{time.time():.0f}")
+            backend_id = backend.resubmit(launch, target, events)
         except EmberError as e:  # it ran before: failed again, it may be continued again
-            jobs.move(con, job, "failed", f"continue: sbatch failed: {e}", slurm_id=earlier, detail=str(e))
+            move(con, job, JobState.FAILED, f"continue: submitting to {backend.title} failed: {e}",
+                 backend_id=earlier, detail=str(e))
             raise
-        job = jobs.move(con, job, "pending", f"sbatch: Slurm job {slurm_id} (continued from step {steps})",
-                        slurm_id=slurm_id, detail=f"continued from step {steps}")
+        job = move(con, job, JobState.PENDING, f"submitted: {backend.title} job {backend_id} (continued from step "
+                   f"{steps})", backend_id=backend_id, detail=f"continued from step {steps}")
     finally:
         con.close()
-    events.info(f"continued {job.name} on '{target.name}' as Slurm job {slurm_id}: it resumes from its newest "
-                f"checkpoint; results come back to {job.out}")
+    events.info(f"continued {job.name} on '{target.name}' as {backend.title} job {backend_id}: it resumes from its "
+                f"newest checkpoint; results come back to {job.out}")
     return Submitted(job, decided)
-
-
-def _resubmit(shell: Shell, spec: JobSpec, earlier: str) -> str:
-    """Write the job's new spec and script in its folder, set its allocations' clock back to zero
-    (the earlier ones kept aside: the new limits are for what follows) and sbatch it."""
-    folder = shlex.quote(spec.dir)
-    shell.run(["sh", "-c", f"cd {folder} && rm -f {OUTCOME_FILE} && if [ -e {ALLOCATIONS_FILE} ]; then "
-                           f"mv {ALLOCATIONS_FILE} allocations-{earlier}.json; fi"])
-    with tempfile.TemporaryDirectory(prefix="ember-continue-") as tmp:
-        control = Path(tmp)
-        (control / SPEC_FILE).write_text(spec.to_json())
-        (control / SCRIPT_FILE).write_text(batch_script(spec))
-        shell.put(control, spec.dir)
-    return slurm.sbatch(shell, f"{spec.dir}/{SCRIPT_FILE}")

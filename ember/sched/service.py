@@ -39,7 +39,7 @@ from ember.ledger.database import connect, default_path, latest_run_at
 from ember.paths import check_name, default_run_folder, home, name_from
 from ember.sched import admission, owner_rules as owner, process
 from ember.sched.inference import Gate
-from ember.sched.jobs import FINAL, LIVE, move, remove
+from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL, move, remove
 from ember.sched.observe import Observer
 from ember.sched.plan_child import plan_json
 

@@ -45,7 +45,7 @@ from ember.metrics.exposition import LedgerCollector
 from ember.metrics.listing import SORT_KEYS, RunEntry, run_live
 from ember.metrics.report import RunReport
 from ember.metrics.series import DEFAULT_BUCKETS, Curves, follow
-from ember.sched.jobs import FINAL, STATES
+from ember.ledger.job_states import LOCAL, LOCAL_FINAL as FINAL
 from ember.web import security
 from ember.web.error_responses import LIBRARY, status_of
 from ember.web.views import MachinePage, Views
@@ -103,7 +103,7 @@ class Dashboard:
     def over(cls, views: Views, token: str) -> Dashboard:
         """The dashboard over `views`, signed in to with `token`."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(LedgerCollector(views.con, STATES))
+        registry.register(LedgerCollector(views.con, LOCAL.states))
         return cls(views, token, templates(), registry)
 
 

@@ -13,6 +13,7 @@ from ember.ledger import audit, database as store
 from ember.policy.registry import (Holding, covering, fingerprint, fingerprint_files, holdings, load_registry, members,
                                    register, verify)
 from ember.policy.targets import load_targets
+from ember.remote.backends import BACKENDS
 
 TARGET = """
 [targets.hpc]
@@ -113,21 +114,21 @@ def test_a_dataset_in_both_registries_is_refused(tmp_path, monkeypatch):
 def test_targets_read_back_and_every_cap_is_required(tmp_path):
     f = tmp_path / "targets.toml"
     f.write_text(TARGET)
-    t = load_targets(f)["hpc"]
+    t = load_targets(BACKENDS, f)["hpc"]
     assert (t.max_nodes, t.max_wall_hours, t.price, t.allowed_classifications) == (2, 4.0, 1.5, ["public"])
     for cap in ("max_nodes", "max_cost_per_month", "device_hour_price"):
         f.write_text("\n".join(line for line in TARGET.splitlines() if not line.startswith(cap)))
         with pytest.raises(EmberError, match=f"{cap} missing"):
-            load_targets(f)
+            load_targets(BACKENDS, f)
     f.write_text(TARGET.replace('stage_dir = "/scratch/ember"', 'stage_dir = "scratch"'))
     with pytest.raises(EmberError, match="absolute folder"):
-        load_targets(f)
+        load_targets(BACKENDS, f)
     f.write_text(TARGET + 'host = "login.hpc"\n')
     with pytest.raises(EmberError, match="python is required with an SSH host"):
-        load_targets(f)
+        load_targets(BACKENDS, f)
     f.write_text(TARGET.replace("max_nodes = 2", "max_nodes = 0"))
     with pytest.raises(EmberError, match="max_nodes = 0: must be >= 1"):
-        load_targets(f)
+        load_targets(BACKENDS, f)
 
 
 def test_registering_an_overlap_of_another_classification_is_refused_with_both_names(tmp_path, monkeypatch):

@@ -1,14 +1,16 @@
 """The Slurm backend's pure parts: the batch script, each node's command, the --time rule, the
-parsers of Slurm's parsable output, and the remote job state machine's reading of them."""
+parsers of Slurm's parsable output, and the Slurm backend's reading of them as states of the remote
+job state machine (ember.ledger.job_states)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ember.remote.jobs import CONTINUABLE, FINAL, TRANSITIONS, state_from
+from ember.ledger.job_states import CONTINUABLE, REMOTE, REMOTE_FINAL as FINAL
 from ember.remote.script import JobSpec, batch_script, node_command, time_minutes
-from ember.remote.slurm import SlurmJob, parse_sacct, parse_sbatch, parse_scontrol, parse_squeue
-from tests.helpers import callers_of
+from ember.remote.slurm import SlurmJob, parse_sacct, parse_sbatch, parse_scontrol, parse_squeue, state_from
+
+TRANSITIONS = REMOTE.transitions
 
 SPEC = JobSpec("lora-1", "/scratch/ember/lora-1", "/opt/ember/bin/python", nodes=1, nproc=1, budget_seconds=3600,
                time_minutes=63, signal_seconds=120, partition="gpu", account="proj", gres="gpu:4",
@@ -86,9 +88,3 @@ def test_ended_states_leave_only_through_continue():
     assert TRANSITIONS["completed"] == ()
     assert set(CONTINUABLE) | {"completed"} == set(FINAL)
     assert all(TRANSITIONS[s] == ("staging",) for s in CONTINUABLE)
-
-
-def test_only_the_state_machine_module_changes_a_remote_jobs_state():
-    """Nothing but ember/remote/jobs.py calls ember.ledger.remote_rows.set_state (however imported)."""
-    callers = callers_of("ember.ledger.remote_rows", "set_state")
-    assert callers == ["remote/jobs.py"], callers

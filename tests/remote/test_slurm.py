@@ -146,16 +146,16 @@ def test_requeued_then_time_limited_job_resumes_and_ends_bit_identical(site):
     assert len(site.sbatch_calls()) == 1  # the wrapper sees an allowed submission
     job = site.job("requeue")
     wait_until("step 3 on the cluster", lambda: site.remote_steps("requeue") >= 3, 120)
-    subprocess.run(["scontrol", "requeue", job.slurm_id], check=True, capture_output=True)
-    status = site.ember("remote", "status", job.slurm_id, "--wait", "--timeout", "500", "--json", *site.files()[4:],
+    subprocess.run(["scontrol", "requeue", job.backend_id], check=True, capture_output=True)
+    status = site.ember("remote", "status", job.backend_id, "--wait", "--timeout", "500", "--json", *site.files()[4:],
                         timeout=600)
     assert status.returncode == 0, status.stderr
     (st,) = json.loads(status.stdout)
     assert st["job"]["state"] == "completed", st
     out = Path(st["job"]["out"])
     assert_same_result(out, site.baseline)
-    assert int(slurm_field(job.slurm_id, "Restarts")) >= 2  # ours, then the time limit's
-    log = site.ember("remote", "logs", job.slurm_id, *site.files()[4:]).stdout
+    assert int(slurm_field(job.backend_id, "Restarts")) >= 2  # ours, then the time limit's
+    log = site.ember("remote", "logs", job.backend_id, *site.files()[4:]).stdout
     assert "checkpointed before the allocation's end; requeueing job" in log
     assert len(site.sbatch_calls()) == 1  # requeues are Slurm's, never a second sbatch
     report = json.loads(site.ember("report", str(out), "--json", "--ledger", str(site.root / "ledger.db")).stdout)
@@ -176,7 +176,7 @@ def test_remote_cancel_checkpoints_and_brings_the_run_back_and_continue_resumes_
     assert done.returncode == 0, done.stderr
     job = site.job("cancel")
     wait_until("step 2 on the cluster", lambda: site.remote_steps("cancel") >= 2, 120)
-    done = site.ember("remote", "cancel", job.slurm_id, *site.files()[4:])
+    done = site.ember("remote", "cancel", job.backend_id, *site.files()[4:])
     assert done.returncode == 0, done.stderr
     assert "cancelled" in done.stdout
     assert site.job("cancel").state == "cancelled"
@@ -239,11 +239,11 @@ def test_a_job_stops_itself_at_its_own_limit(site):
     done = site.submit("limit", "local", *limits, delay=2.0)
     assert done.returncode == 0, done.stderr
     job = site.job("limit")
-    status = site.ember("remote", "status", job.slurm_id, "--wait", "--timeout", "240", "--json", *site.files()[4:])
+    status = site.ember("remote", "status", job.backend_id, "--wait", "--timeout", "240", "--json", *site.files()[4:])
     (st,) = json.loads(status.stdout)
     assert st["job"]["state"] == "stopped", st
     assert "its limits reached" in st["job"]["detail"]
-    assert int(slurm_field(job.slurm_id, "Restarts")) == 0
+    assert int(slurm_field(job.backend_id, "Restarts")) == 0
     out = site.root / "results" / "limit"
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert 0 < steps[-1] < 24

@@ -1,18 +1,21 @@
-"""The job state machine: one declared table, one module that changes states, and a service
-that never imports torch (each job is its own process)."""
+"""The job state machine (ember.ledger.job_states): one declared table per kind of job, one module
+that changes states, local and remote, and a service that never imports torch (each job is its
+own process)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-from ember.sched.jobs import FINAL, STATES, TRANSITIONS, allowed
+from ember.ledger.job_states import LOCAL
 from tests.helpers import callers_of
+
+FINAL, STATES, TRANSITIONS, allowed = LOCAL.final, LOCAL.states, LOCAL.transitions, LOCAL.allowed
 
 EMBER = Path(__file__).resolve().parents[2] / "ember"
 
 
 def test_every_state_is_declared_with_its_transitions_in_the_docstring():
-    import ember.sched.jobs as jobs
+    import ember.ledger.job_states as jobs
     assert set(TRANSITIONS) == set(STATES)
     for src, dsts in TRANSITIONS.items():
         assert src in jobs.__doc__
@@ -25,11 +28,12 @@ def test_every_state_is_declared_with_its_transitions_in_the_docstring():
 
 
 def test_only_the_state_machine_module_changes_a_jobs_state():
-    """Nothing but ember/sched/jobs.py calls ember.ledger.job_rows.set_state or removes a job's row
-    (however imported)."""
-    for function in ("set_state", "remove"):
-        callers = callers_of("ember.ledger.job_rows", function)
-        assert callers == ["sched/jobs.py"], (function, callers)
+    """Nothing but ember/ledger/job_states.py calls ember.ledger.job_rows.set_state or removes a
+    job's row, or calls ember.ledger.remote_rows.set_state (however imported)."""
+    for module, function in (("ember.ledger.job_rows", "set_state"), ("ember.ledger.job_rows", "remove"),
+                             ("ember.ledger.remote_rows", "set_state")):
+        callers = callers_of(module, function)
+        assert callers == ["ledger/job_states.py"], (module, function, callers)
 
 
 def test_the_service_does_not_import_torch():

@@ -238,7 +238,7 @@ def finished_jobs(ledger: Path, recipe: Path, root: Path) -> dict[str, int]:
     """A job that failed while a hand's soft pause was on it, and one that completed, in the ledger
     as the service records them (a real failure takes four supervised attempts: minutes here)."""
     from ember.ledger import job_rows as rows
-    from ember.sched.jobs import move
+    from ember.ledger.job_states import move
     con = store.connect(ledger)
     try:
         failed = rows.insert(con, "broken", str(recipe), str(root / "broken"), [], 0, {"memory": 1, "max_steps": 24},
