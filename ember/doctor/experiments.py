@@ -36,7 +36,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -69,7 +68,6 @@ from ember.doctor.diagnose import (
 from ember.doctor.measure import synthetic
 from ember.errors import EmberError
 from ember.events import Event, Events
-from ember.ledger.history import mtbf_seconds
 from ember.metrics.flops import mfu
 from ember.metrics.stats import percentile
 from ember.models import model_config
@@ -225,9 +223,9 @@ def interleave(arms: list[tuple[Callable[[], Any], int, int]], until: float, rou
     return out
 
 
-def run_all(r: Recipe, budget: Budget, ddp: int, events: Events) -> tuple[Figures, list[Skipped]]:
+def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) -> tuple[Figures, list[Skipped]]:
     """Every experiment of the module docstring that fits in `budget`; their figures, and what
-    was skipped and why."""
+    was skipped and why. `mtbf`: seconds between interruptions of this machine (Young/Daly)."""
     skipped: list[Skipped] = []
     pending = ["baseline", "checkpoint", "contention", "input", "sweep", "loader", "profile"]
     pending += ["ddp"] if ddp > 1 else []
@@ -253,7 +251,7 @@ def run_all(r: Recipe, budget: Budget, ddp: int, events: Events) -> tuple[Figure
                       r.checkpoint.every_steps, r.checkpoint.every_seconds)
 
         before = cpu_snapshot()
-        base, ck = loop_experiments(loop, long, budget, pending, est, events, skipped)
+        base, ck = loop_experiments(loop, long, budget, pending, est, events, skipped, mtbf)
         cpu = cpu_since(before)
         pending = [p for p in pending if p not in ("baseline", "checkpoint")]
         f = Figures(shape, baseline_figures(job, r, base, ck), checkpoint=ck)
@@ -333,7 +331,7 @@ def prioritise(f: Figures, cpu: dict[str, float], pending: list[str], budget: Bu
 
 
 def loop_experiments(loop: RealLoop, r: Recipe, budget: Budget, pending: list[str], est: float,
-                     events: Events, skipped: list[Skipped]) -> tuple[tuple, CheckpointFigures | None]:
+                     events: Events, skipped: list[Skipped], mtbf: float) -> tuple[tuple, CheckpointFigures | None]:
     """Stretches of the real loop as written, alternating with stretches without checkpoints:
     what the recipe's checkpoints cost, all included. When the recipe's period is longer than a
     stretch, one checkpoint per stretch against none, its cost amortised over the period.
@@ -407,7 +405,6 @@ def loop_experiments(loop: RealLoop, r: Recipe, budget: Budget, pending: list[st
     every = float(ck.every_steps or math.inf)
     if timed:
         every = min(every, ck.every_seconds / statistics.mean(walls[0]))
-    mtbf, _ = mtbf_seconds(ck.interruption_hours, None, socket.gethostname())
     return walls, CheckpointFigures(variant, rows - 1, walls[0], [w for w, _, _ in other],
                                     statistics.mean(blocked) if blocked else 0.0, snap, every, mtbf)
 
