@@ -70,7 +70,8 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
         raise EmberError("--set applies to a recipe file, not to a run folder's recipe")
     r = load_recipe(target, overrides) if target.is_file() else None
     # Only now torch and the rest (seconds on a busy machine): a mistyped argument fails at once.
-    from ember.doctor.experiments import Budget, run_all
+    from ember.doctor.experiments.budget import Budget
+    from ember.doctor.experiments.runner import run_all
     from ember.ledger import database as ledger_store
     from ember.ledger.history import mtbf_seconds
     from ember.metrics.report import build_report

@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ember.cli.doctor import render
 from ember.doctor.diagnose import THRESHOLD, Figures, InputFigures, Skipped, diagnose
 from ember.doctor.examine import DoctorReport, Headline, examine
-from ember.doctor.experiments import measure_baselines
+from ember.doctor.experiments.real_loop import measure_baselines
 from ember.events import Events
 from ember.ledger import database as ledger_store
 from ember.recipe import load_recipe
