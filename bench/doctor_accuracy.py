@@ -1,7 +1,7 @@
 """How good the doctor's predictions are: for each injected bottleneck of the doctor's tests,
 run `ember doctor`, take its top remedy (the first cause other than contention from the rest of
 the machine), then measure the recipe and the remedied recipe with the doctor's own baseline
-(the real loop, ember.doctor.experiments.measure_baselines), their stretches in turn, and
+(the real loop, ember.doctor.experiments.real_loop.measure_baselines), their stretches in turn, and
 compare the predicted step with the measured one. Both per the original step's tokens: a
 remedy that grows the optimizer step is scaled back to the old step's tokens.
 
@@ -48,7 +48,7 @@ def main() -> None:
     os.environ["EMBER_HOME"] = str(work / "home")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ember.doctor.experiments import measure_baselines
+    from ember.doctor.experiments.real_loop import measure_baselines
     from ember.events import Events
     from ember.recipe import load_recipe
     from ember.train.model import ByteTokenizer

@@ -7,6 +7,7 @@ parsing its arguments), so loading the model and preparing the job count against
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,16 +71,21 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
         raise EmberError("--set applies to a recipe file, not to a run folder's recipe")
     r = load_recipe(target, overrides) if target.is_file() else None
     # Only now torch and the rest (seconds on a busy machine): a mistyped argument fails at once.
-    from ember.doctor.experiments import Budget, run_all
+    from ember.doctor.experiments.budget import Budget
+    from ember.doctor.experiments.runner import run_all
     from ember.ledger import database as ledger_store
+    from ember.ledger.history import mtbf_seconds
     from ember.metrics.report import build_report
     run_report = None
+    con = ledger_store.connect_or_warn(ledger, events.warn)
     if r is None:
-        run_report = build_report(target, ledger_store.connect_or_warn(ledger, events.warn))
+        run_report = build_report(target, con)
         record = read_record(target)
         r = build_recipe(record["recipe"], f"{target}/run.json")
+    # This machine's interruptions, as `ember plan` and the loop's every_seconds = "auto" count them.
+    mtbf = mtbf_seconds(r.checkpoint.interruption_hours, con, socket.gethostname())
     clock = Budget(budget, started, RESERVE_SECONDS + (PLOT_SECONDS if plots is not None else 0.0), startup)
-    figures, skipped = run_all(r, clock, ddp, events)
+    figures, skipped = run_all(r, clock, ddp, events, mtbf.seconds)
     for s in skipped:
         events.info(f"doctor: skipped {s.experiment}: {s.reason}")
     findings = diagnose(figures)

@@ -14,7 +14,7 @@ Attempt outcomes, and who sets them (this module's functions, called by ember.la
                        | crashed        an unexpected exception
       --close_dead_attempts (next start of the same run)--> killed   (died without saying:
                          SIGKILL, the OOM killer, a power cut; the only outcome that counts as
-                         an interruption of the machine, see ledger/history.py)
+                         an interruption of the machine, see ledger/mtbf.py)
 """
 
 from __future__ import annotations

@@ -1,41 +1,26 @@
-"""What the ledger knows about this machine: how often runs on it are interrupted, and how fast
-its checkpoints are. Read by the training loop (every_seconds = "auto") and by `ember plan`.
-
-Only attempts that died without saying ("killed": SIGKILL, the OOM killer, a power cut) count as
-interruptions: a stop on request checkpoints first and loses nothing, and an error ("failed",
-"crashed") says nothing about the machine."""
+"""What the ledger knows about this machine: its attempts, for how often runs on it are
+interrupted (the arithmetic is ledger/mtbf.py's), and how fast its checkpoints are. Read by the
+training loop (every_seconds = "auto"), `ember plan` and `ember doctor`."""
 
 from __future__ import annotations
 
 import sqlite3
 
-DEFAULT_MTBF_HOURS = 24.0
-INTERRUPTIONS = ("killed",)
+from ember.ledger.mtbf import AttemptTime, Mtbf, mtbf
 
 
-def mtbf_from_ledger(con: sqlite3.Connection | None, host: str) -> tuple[float, str] | None:
-    """Mean seconds between interruptions on `host`: attempt time over attempts that were
-    interrupted. None without one interruption on record."""
+def attempt_times(con: sqlite3.Connection | None, host: str) -> list[AttemptTime]:
+    """Every attempt on `host` in the ledger: its seconds (to its end, else its last sign of life) and outcome."""
     if con is None:
-        return None
+        return []
     rows = con.execute("SELECT start, COALESCE(end, last_seen, start), outcome FROM attempts "
                        "WHERE host = ?", (host,)).fetchall()
-    seconds = sum(max(0.0, end - start) for start, end, _ in rows)
-    failures = sum(1 for _, _, outcome in rows if outcome in INTERRUPTIONS)
-    if failures == 0:
-        return None
-    return seconds / failures, (f"{failures} interruption{'' if failures == 1 else 's'} in "
-                                f"{seconds / 3600:.1f} h of attempts on {host}")
+    return [AttemptTime(end - start, outcome) for start, end, outcome in rows]
 
 
-def mtbf_seconds(setting_hours: float, con: sqlite3.Connection | None, host: str) -> tuple[float, str]:
-    """M for a recipe: its setting, else the ledger's history of this machine, else a default."""
-    if setting_hours > 0:
-        return setting_hours * 3600, "[checkpoint] interruption_hours"
-    found = mtbf_from_ledger(con, host)
-    if found is not None and found[0] > 0:
-        return found
-    return DEFAULT_MTBF_HOURS * 3600, f"default {DEFAULT_MTBF_HOURS:g} h (no interruption on record)"
+def mtbf_seconds(setting_hours: float, con: sqlite3.Connection | None, host: str) -> Mtbf:
+    """M for a recipe on `host`: its setting, else the ledger's history of `host`, else a default."""
+    return mtbf(setting_hours, attempt_times(con, host), host)
 
 
 def checkpoint_rates(con: sqlite3.Connection | None, host: str) -> tuple[float, float, int] | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ember.metrics.flops import Architecture, flops_per_token
-from ember.plan.memory import LINEARS, GiB, ModelShape, TrainShape, estimate, trainable_params
+from ember.plan.memory import LINEARS, GiB, Breakdown, ModelShape, TrainShape, estimate, trainable_params
 from ember.recipe import Recipe
 
 
@@ -47,20 +47,16 @@ class Remedy:
 def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remedy]:
     """Each remedy alone, then the cheapest combination that fits; ranked by compute cost."""
     t = train_shape(r)
-    f = flops_per_token(architecture(m, t)).total
+    out = _applicable(m, r, t, budget, margin) + _not_applicable(estimate(m, t), budget, margin)
+    if not any(x.fits and x.available for x in out):
+        out += _combined(m, r, out, budget, margin)
+    return sorted(out, key=lambda x: (not x.fits, not x.available, x.flops_factor))
 
-    out: list[Remedy] = []
-    mb = r.train.micro_batch
-    for smaller in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
-        b = estimate(m, replace(t, micro_batch=smaller))
-        if fits(b.peak, budget, margin) or smaller == 1:
-            out.append(Remedy("gradient accumulation", {"train.micro_batch": smaller,
-                                                        "train.grad_accum": r.train.grad_accum * mb // smaller},
-                              b.peak, 1.0, fits(b.peak, budget, margin),
-                              f"micro batch {mb} -> {smaller} x {mb // smaller} accumulated: same tokens per "
-                              f"optimizer step and FLOPs; activations and loss buffers shrink {mb // smaller}x; "
-                              f"smaller matmuls may run less efficiently (measure with `ember doctor`)"))
-            break
+
+def _applicable(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: float) -> list[Remedy]:
+    """The remedies ember applies, each alone, for the changes the recipe does not have yet."""
+    f = flops_per_token(architecture(m, t)).total
+    out = _accumulation(m, r, t, budget, margin)
     if not t.activation_checkpointing:
         b = estimate(m, replace(t, activation_checkpointing=True))
         a = architecture(m, t)  # one more forward through the layers: 2N and a third of attention
@@ -91,12 +87,31 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
                           f"{m.params():,}: gradients and optimizer state only for the adapters; no weight "
                           f"gradients for the base ({ratio - 1:+.0%} FLOPs); a different job: adapters, "
                           f"not new weights"))
-    full = estimate(m, t)
+    return out
+
+
+def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: float) -> list[Remedy]:
+    """The largest smaller micro batch that fits (else 1), accumulated to the same tokens per step."""
+    mb = r.train.micro_batch
+    for smaller in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
+        b = estimate(m, replace(t, micro_batch=smaller))
+        if fits(b.peak, budget, margin) or smaller == 1:
+            return [Remedy("gradient accumulation", {"train.micro_batch": smaller,
+                                                     "train.grad_accum": r.train.grad_accum * mb // smaller},
+                           b.peak, 1.0, fits(b.peak, budget, margin),
+                           f"micro batch {mb} -> {smaller} x {mb // smaller} accumulated: same tokens per "
+                           f"optimizer step and FLOPs; activations and loss buffers shrink {mb // smaller}x; "
+                           f"smaller matmuls may run less efficiently (measure with `ember doctor`)")]
+    return []
+
+
+def _not_applicable(full: Breakdown, budget: int, margin: float) -> list[Remedy]:
+    """The remedies ember cannot apply yet, listed with what they would save."""
     opt8 = full.peak - full.optimizer + full.optimizer // 4
-    out.append(Remedy("8-bit optimizer state", {}, opt8, 1.0, fits(opt8, budget, margin),
-                      f"AdamW moments in 8 bits: {full.optimizer / GiB:.2f} GiB -> "
-                      f"{full.optimizer / 4 / GiB:.2f} GiB; needs bitsandbytes, which ember does not use yet",
-                      available=False))
+    out = [Remedy("8-bit optimizer state", {}, opt8, 1.0, fits(opt8, budget, margin),
+                  f"AdamW moments in 8 bits: {full.optimizer / GiB:.2f} GiB -> "
+                  f"{full.optimizer / 4 / GiB:.2f} GiB; needs bitsandbytes, which ember does not use yet",
+                  available=False)]
     n = 2  # the smallest sharding: what two devices would each hold
     sharded = full.peak - (full.weights + full.gradients + full.optimizer) * (n - 1) // n
     out.append(Remedy(f"FSDP across {n} devices", {}, sharded, 1.0, fits(sharded, budget, margin),
@@ -109,19 +124,21 @@ def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remed
     out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, fits(offload, budget, margin),
                       f"AdamW moments ({full.optimizer / GiB:.2f} GiB) in host memory, the update on the "
                       f"CPU: for accelerators only; ember does not do it yet", available=False))
-    if any(x.fits and x.available for x in out):
-        return sorted(out, key=lambda x: (not x.fits, not x.available, x.flops_factor))
-    # No single remedy fits: add them in order of cost until the estimate fits.
+    return out
+
+
+def _combined(m: ModelShape, r: Recipe, single: list[Remedy], budget: int, margin: float) -> list[Remedy]:
+    """When no single remedy fits: the available ones but LoRA added in order of cost until the
+    estimate fits; that combination, or none."""
     combo: dict[str, Any] = {}
     factor = 1.0
-    for rem in sorted((x for x in out if x.available and x.name != "LoRA instead of full fine-tuning"),
+    for rem in sorted((x for x in single if x.available and x.name != "LoRA instead of full fine-tuning"),
                       key=lambda x: x.flops_factor):
         combo.update(rem.changes)
         factor *= rem.flops_factor
         b = estimate(m, train_shape(r.with_changes(combo, "a combined remedy")))
         if fits(b.peak, budget, margin):
-            out.append(Remedy("combined", dict(combo), b.peak, factor, True,
-                              "cheapest first: " + " + ".join(
-                                  x.name for x in out if x.changes and set(x.changes) <= set(combo))))
-            break
-    return sorted(out, key=lambda x: (not x.fits, not x.available, x.flops_factor))
+            return [Remedy("combined", dict(combo), b.peak, factor, True,
+                           "cheapest first: " + " + ".join(
+                               x.name for x in single if x.changes and set(x.changes) <= set(combo)))]
+    return []

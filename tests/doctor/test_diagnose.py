@@ -22,7 +22,7 @@ from ember.doctor.diagnose import (
     diagnose,
     difference,
 )
-from ember.doctor.experiments import iterations
+from ember.doctor.experiments.real_loop import iterations
 
 MS = 1e-3
 SPREAD = (-1.0, 0.5, -0.25, 1.0, 0.0, -0.5, 0.25, 0.75, -0.75)  # a fixed, symmetric "noise"

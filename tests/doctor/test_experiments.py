@@ -1,18 +1,24 @@
 """The doctor's experiments on a machine slower than their estimates: rounds that did not fit
-leave no figures behind (a figure with no samples crashed the ranking: CI, a busy machine)."""
+leave no figures behind (a figure with no samples crashed the ranking: CI, a busy machine).
+And their protocol: the stop condition (time, or a tight enough interval), the budget's shares."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from ember.doctor import experiments
-from ember.doctor.diagnose import Shape
+from ember.data.loader import MicroBatch
+from ember.doctor.diagnose import Difference, Shape
+from ember.doctor.experiments import contention, sweep
+from ember.doctor.experiments.budget import SETTLE_ROUNDS, Budget, Stop
+from ember.doctor.experiments.protocol import Experiment, Lab, Result, interleave
+from ember.doctor.experiments.runner import AFTER_BASELINE
 from ember.events import Events
 from ember.recipe import load_recipe
-from ember.data.loader import MicroBatch
 from tests.helpers import write_recipe
 
 
@@ -21,38 +27,96 @@ class FakeJob:
     recipe: object
 
 
+SHAPE = Shape(micro_batch=4, grad_accum=1, seq_len=32, workers=0, threads=2, cores=2, checkpoint_async=True,
+              checkpoint_every_steps=5, checkpoint_every_seconds=0.0)
+
+
 def starve(monkeypatch) -> None:
     """Every interleaved comparison ends before its first round (the budget ran out)."""
-    monkeypatch.setattr(experiments, "interleave", lambda arms, until, **kw: [[] for _ in arms])
-    monkeypatch.setattr(experiments, "timed_step",
-                        lambda job, data: lambda: (0.01, {"h2d": 0.0, "forward": 0.004, "backward": 0.006}))
+    for module in (contention, sweep):
+        monkeypatch.setattr(module, "interleave", lambda arms, stop, **kw: [[] for _ in arms])
+        monkeypatch.setattr(module, "timed_step",
+                            lambda job, data: lambda: (0.01, {"h2d": 0.0, "forward": 0.004, "backward": 0.006}))
+
+
+def lab(r, cpu=None, batch=None, step=0.001) -> Lab:
+    return Lab(FakeJob(r), r, SHAPE, step, batch, cpu or {}, Events(), 0.0)
+
+
+def budget(name: str, seconds: float = 60) -> Budget:
+    b = Budget(seconds, time.monotonic(), 0.0, 0.0)
+    b.pending = [name]
+    return b
 
 
 def test_interleave_keeps_nothing_when_no_round_fits():
     calls = []
-    out = experiments.interleave([(lambda: calls.append(1), 1, 0)], time.monotonic() + 0.05, first_round=1.0)
+    out = interleave([(lambda: calls.append(1), 1, 0)], Stop(time.monotonic() + 0.05), first_round=1.0)
     assert out == [[]] and calls == []
 
 
 def test_a_sweep_size_that_got_no_rounds_is_skipped_not_kept(monkeypatch, tmp_path):
     starve(monkeypatch)
     r = load_recipe(write_recipe(tmp_path, train={"micro_batch": 2}))
-    monkeypatch.setattr(experiments, "fitting_micro_batches", lambda r: {2: 1, 4: 1, 8: 1})
-    skipped: list = []
-    got = experiments.sweep(FakeJob(r), r, MicroBatch(torch.zeros(2, 32, dtype=torch.long)), 0.001,
-                            time.monotonic() + 60, Events(), skipped)
-    assert got is None
-    assert [s.experiment for s in skipped] == ["sweep", "sweep"]
-    assert "only 0 rounds fitted" in skipped[0].reason
+    monkeypatch.setattr(sweep, "fitting_micro_batches", lambda r: {2: 1, 4: 1, 8: 1})
+    got = sweep.Sweep(lab(r, batch=MicroBatch(torch.zeros(2, 32, dtype=torch.long))), None).run(budget("sweep"))
+    assert "sweep" not in got.figures
+    assert [s.experiment for s in got.skipped] == ["sweep", "sweep"]
+    assert "only 0 rounds fitted" in got.skipped[0].reason
 
 
 def test_fewer_threads_that_got_no_rounds_are_skipped_not_kept(monkeypatch, tmp_path):
     starve(monkeypatch)
     r = load_recipe(write_recipe(tmp_path))
-    shape = Shape(micro_batch=4, grad_accum=1, seq_len=32, workers=0, threads=2, cores=2, checkpoint_async=True,
-                  checkpoint_every_steps=5, checkpoint_every_seconds=0.0)
     cpu = {"load": 2.0, "runnable": 3, "others": 1.0, "steal": 0.0, "wait_share": 0.4, "main_wait_share": 0.4}
-    skipped: list = []
-    c = experiments.contention(FakeJob(r), shape, cpu, 0.01, None, 0.001, time.monotonic() + 60, Events(), skipped)
+    found = SimpleNamespace(baseline=SimpleNamespace(step_seconds=0.01))  # the real loop's step
+    got = contention.Contention(lab(r, cpu), found).run(budget("contention"))
+    c = got.figures["contention"]
     assert c.fewer_threads is None and c.at_threads == []
-    assert skipped and "only 0 rounds fitted" in skipped[-1].reason
+    assert got.skipped and "only 0 rounds fitted" in got.skipped[-1].reason
+
+
+def test_interleave_stops_once_the_effect_is_settled():
+    """Both sides every round; the effect's interval is tight from SETTLE_ROUNDS rounds on (the
+    same 10 ms difference each round): it stops there, long before its 50 rounds or its time."""
+    a, b = iter(range(10**6)), iter(range(10**6))
+    arms = [(lambda: 0.03 + next(a) * 1e-6, 1, 0), (lambda: 0.02 + next(b) * 1e-6, 1, 0)]
+    stop = Stop(time.monotonic() + 600, tolerance=0.001)
+
+    def effect(out):
+        return Difference(0.01, 0.0099, 0.0101) if len(out[0]) >= 3 else Difference(0.0, -1.0, 1.0)
+    out = interleave(arms, stop, rounds=50, effect=effect)
+    assert len(out[0]) == len(out[1]) == SETTLE_ROUNDS
+    # an interval wider than the tolerance never stops it before its rounds
+    wide = interleave(arms, Stop(time.monotonic() + 600, tolerance=0.001), rounds=9,
+                      effect=lambda out: Difference(0.01, 0.0, 0.02))
+    assert len(wide[0]) == 9
+
+
+def test_the_stop_condition_by_hand():
+    stop = Stop(time.monotonic() + 100, tolerance=0.004)
+    assert stop.fits(50) and not stop.fits(200) and 99 < stop.left() <= 100
+    assert stop.settled(Difference(0.05, 0.049, 0.052), SETTLE_ROUNDS)       # 3 ms wide: known
+    assert not stop.settled(Difference(0.05, 0.049, 0.052), SETTLE_ROUNDS - 1)  # too few rounds
+    assert not stop.settled(Difference(0.05, 0.04, 0.06), 100)                # 20 ms wide
+    assert not Stop(time.monotonic() + 100).settled(Difference(0.0, 0.0, 0.0), 100)  # no tolerance: time only
+    assert Stop(time.monotonic() - 1).left() == 0.0
+
+
+def test_budget_shares_what_is_left_among_the_pending():
+    b = Budget(100, time.monotonic(), reserve=10, startup=0.0)
+    b.pending = ["input", "sweep", "profile"]  # shares 0.10, 0.15, 0.05 of 0.30
+    assert b.share(["sweep"]) == pytest.approx(90 * 0.15 / 0.30, abs=0.1)
+    b.done("input")  # 0.15 of 0.20 now
+    assert b.share(["sweep"]) == pytest.approx(90 * 0.15 / 0.20, abs=0.1)
+    assert b.stop("sweep", 0.01).tolerance == 0.01
+
+
+def test_every_experiment_after_the_baseline_follows_the_protocol(tmp_path):
+    r = load_recipe(write_recipe(tmp_path))
+    made = [make(lab(r), None) for make in AFTER_BASELINE]
+    assert [e.name for e in made] == ["contention", "input", "sweep", "loader", "profile"]
+    for e in made:
+        assert isinstance(e, Experiment) and isinstance(e.changes, str) and e.changes
+    assert Result("x").skip("why").skipped[0].experiment == "x"
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -29,8 +30,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ember.cli.doctor import render
 from ember.doctor.diagnose import THRESHOLD, Figures, InputFigures, Skipped, diagnose
 from ember.doctor.examine import DoctorReport, Headline, examine
-from ember.doctor.experiments import measure_baselines
+from ember.doctor.experiments.real_loop import measure_baselines
 from ember.events import Events
+from ember.ledger import database as ledger_store
 from ember.recipe import load_recipe
 from ember.train.model import ByteTokenizer
 from tests.doctor.test_diagnose import around, baseline, shape
@@ -74,9 +76,9 @@ def in_process():
     put back afterwards, for the tests that follow in the same process."""
     threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
 
-    def run(target, budget: float = 12, plots=None) -> dict:
+    def run(target, budget: float = 12, plots=None, ledger=None) -> dict:
         t0 = time.monotonic()
-        report = examine(Path(target), budget, 1, [], None, Events(), plots)
+        report = examine(Path(target), budget, 1, [], ledger, Events(), plots)
         assert time.monotonic() - t0 <= budget + 1.0, f"--budget {budget}: took {time.monotonic() - t0:.1f} s"
         return json.loads(json.dumps(asdict(report), default=str))
     yield run
@@ -284,6 +286,27 @@ def test_a_run_folder_gives_the_runs_own_figures(tmp_path, in_process):
     from ember.doctor.examine import saved_diagnosis
     saved = saved_diagnosis(tmp_path / "run")
     assert saved["headline"] == h and saved["findings"] == report["findings"]
+
+
+def test_the_checkpoint_interval_counts_this_machines_interruptions(tmp_path, in_process):
+    """The ledger's history of this machine: its attempts' time over those killed, as `ember plan`
+    and the loop's every_seconds = "auto" count it; not the 24 h default."""
+    ledger = tmp_path / "ledger.db"
+    con = ledger_store.connect(ledger)
+    ledger_store.register_run(con, "r1", tmp_path / "r1", "r1", "digest", {}, 10)
+    here = socket.gethostname()
+    attempts = [(here, 0, 3600, "killed"), (here, 4000, 7600, "completed"), (here, 8000, 8600, "crashed"),
+                ("elsewhere", 0, 99999, "killed")]
+    for n, (host, start, end, outcome) in enumerate(attempts, 1):
+        ledger_store.start_attempt(con, "r1", n, start, host, 100 + n, "cpu x1", None)
+        ledger_store.Ledger(con, "r1", n, print).finish(outcome)
+        con.execute("UPDATE attempts SET end = ? WHERE run_id = ? AND attempt = ?", (end, "r1", n))
+    con.close()
+    report = in_process(write_recipe(tmp_path, checkpoint={"every_steps": 1, "async": False}), ledger=ledger)
+    # 3600 + 3600 + 600 s of attempts here, one of them killed: M = 7800 s = 2.17 h
+    assert report["figures"]["checkpoint"]["mtbf_seconds"] == 7800, report["skipped"]
+    finding = next(x for x in report["findings"] if x["cause"] == "checkpoint-bound")
+    assert any("2.17 h between interruptions" in e for e in finding["evidence"]), finding["evidence"]
 
 
 def test_the_cli_shows_the_breakdown_and_what_was_skipped():

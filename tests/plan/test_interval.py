@@ -6,7 +6,8 @@ import pytest
 
 from ember.ckpt.interval import daly, recommend, young
 from ember.ledger import database as store
-from ember.ledger.history import mtbf_from_ledger, mtbf_seconds
+from ember.ledger.history import attempt_times, mtbf_seconds
+from ember.ledger.mtbf import mtbf
 
 
 def test_young_and_daly_by_hand():
@@ -41,9 +42,10 @@ def test_mtbf_from_the_ledger_counts_only_interruptions(tmp_path):
         store.start_attempt(con, run, n, start, host, 100 + n, "cpu x1", None)
         store.Ledger(con, run, n, print).finish(outcome)
         con.execute("UPDATE attempts SET end = ? WHERE run_id = ? AND attempt = ?", (end, run, n))
-    seconds, why = mtbf_from_ledger(con, "box")
+    seconds, why = mtbf(0.0, attempt_times(con, "box"), "box")
     assert seconds == 10910  # 3600 + 3600 + 3600 + 100 + 10 seconds of attempts, 1 interruption
     assert "1 interruption in" in why
-    assert mtbf_from_ledger(con, "nowhere") is None
+    assert attempt_times(con, "nowhere") == []
+    assert "no interruption on record" in mtbf_seconds(0.0, con, "nowhere").source
     assert mtbf_seconds(2.0, con, "box")[0] == 7200  # the recipe's setting wins
     assert mtbf_seconds(0.0, con, "nowhere")[0] == 24 * 3600
