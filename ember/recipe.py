@@ -15,6 +15,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +51,14 @@ class MethodConfig:
     export_merged: bool = setting(False, "LoRA: also write merged full weights to OUT/final/merged.")
 
 
+class DataFormat(StrEnum):
+    """What a training record is (ember.data.formats); AUTO, in a recipe only: detect it."""
+    AUTO = "auto"
+    TEXT = "text"
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
 @dataclass
 class DataConfig:
     files: list[str] = setting(list, "Training files: plain text (.txt, one document per file), "
@@ -58,8 +67,8 @@ class DataConfig:
                                "Relative to the recipe.",
                                factory=True)
     text_field: str = setting("text", "The JSONL field that holds a document's text.")
-    format: Literal["auto", "text", "chat", "completion"] = setting(
-        "auto", "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
+    format: DataFormat = setting(
+        DataFormat.AUTO, "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
         "content}, ...]}, OpenAI's format with tools and tool calls, rendered through the tokenizer's "
         "chat template) or 'completion' ({\"prompt\", \"completion\"}); 'auto' detects it from each "
         "file's first record. Chat and completion files together make a chat run (a completion "
@@ -227,10 +236,18 @@ class PlanConfig:
                                  max=1, exclusive_min=True)
 
 
+class Strategy(StrEnum):
+    """How the ranks of a distributed run split the work (ember.train.sharding)."""
+    DDP = "ddp"
+    FSDP = "fsdp"
+    TP = "tp"
+    FSDP_TP = "fsdp+tp"
+
+
 @dataclass
 class DistributedConfig:
-    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = setting(
-        "ddp", "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
+    strategy: Strategy = setting(
+        Strategy.DDP, "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
         "'ddp' replicates the model and averages gradients; 'fsdp' (FSDP2, fully_shard) shards "
         "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
         "and MLP projections over the ranks (full fine-tuning; keep it within one node). "
@@ -436,12 +453,12 @@ def check_value(where: str, value: Any, hint: Any, meta: typing.Mapping[str, Any
         if isinstance(value, str) and named:
             return check_value(where, value, named[0], {"or_number": True})
         return check_value(where, value, next(a for a in typing.get_args(hint) if a not in named), meta)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
+    if origin is Literal or isinstance(hint, type) and issubclass(hint, StrEnum):
+        allowed = choices(hint)
         if value not in allowed:
             also = " or a number" if meta.get("or_number") else ""
             raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}{also}")
-        return value
+        return value if origin is Literal else hint(value)
     if origin is list:
         (item_type,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -530,11 +547,18 @@ def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(keys)
 
 
+def choices(hint: Any) -> tuple[Any, ...]:
+    """The values a Literal or a StrEnum setting allows, as written in a recipe."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return tuple(m.value for m in hint)
+
+
 def type_label(hint: Any) -> str:
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return " | ".join(type_label(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) is Literal:
-        return " | ".join(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is Literal or isinstance(hint, type) and issubclass(hint, StrEnum):
+        return " | ".join(map(repr, choices(hint)))
     if typing.get_origin(hint) is list:
         return f"list[{typing.get_args(hint)[0].__name__}]"
     return hint.__name__
