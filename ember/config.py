@@ -22,6 +22,7 @@ import json
 import re
 import tomllib
 import types
+from enum import StrEnum
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -185,12 +186,12 @@ def check_value(where: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> A
         if isinstance(value, str) and named:
             return check_value(where, value, named[0], {"or_number": True})
         return check_value(where, value, next(a for a in args if a not in named), meta)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
+    if origin is Literal or isinstance(hint, type) and issubclass(hint, StrEnum):
+        allowed = choices(hint)
         if value not in allowed:
             also = " or a number" if meta.get("or_number") else ""
             raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}{also}")
-        return value
+        return value if origin is Literal else hint(value)
     if origin is list:
         (item_type,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -246,12 +247,19 @@ class Row:
     help: str
 
 
+def choices(hint: Any) -> tuple[Any, ...]:
+    """The values a Literal or a StrEnum setting allows, as written in a file."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return tuple(m.value for m in hint)
+
+
 def type_label(hint: Any) -> str:
     """An annotation in words: 'int', "'full' | 'lora'", 'list[str] | unset'."""
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return " | ".join(type_label(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) is Literal:
-        return " | ".join(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is Literal or isinstance(hint, type) and issubclass(hint, StrEnum):
+        return " | ".join(map(repr, choices(hint)))
     if typing.get_origin(hint) is list:
         return f"list[{typing.get_args(hint)[0].__name__}]"
     return "unset" if hint is type(None) else hint.__name__

@@ -13,6 +13,7 @@ import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,14 @@ class MethodConfig:
     export_merged: bool = setting(False, "LoRA: also write merged full weights to OUT/final/merged.")
 
 
+class DataFormat(StrEnum):
+    """What a training record is (ember.data.formats); AUTO, in a recipe only: detect it."""
+    AUTO = "auto"
+    TEXT = "text"
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
 @dataclass
 class DataConfig:
     files: list[str] = setting(list, "Training files: plain text (.txt, one document per file), "
@@ -47,8 +56,8 @@ class DataConfig:
                                "Relative to the recipe.",
                                factory=True)
     text_field: str = setting("text", "The JSONL field that holds a document's text.")
-    format: Literal["auto", "text", "chat", "completion"] = setting(
-        "auto", "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
+    format: DataFormat = setting(
+        DataFormat.AUTO, "What a JSONL record is: 'text' ({text_field: ...}), 'chat' ({\"messages\": [{role, "
         "content}, ...]}, OpenAI's format with tools and tool calls, rendered through the tokenizer's "
         "chat template) or 'completion' ({\"prompt\", \"completion\"}); 'auto' detects it from each "
         "file's first record. Chat and completion files together make a chat run (a completion "
@@ -216,10 +225,18 @@ class PlanConfig:
                                  max=1, exclusive_min=True)
 
 
+class Strategy(StrEnum):
+    """How the ranks of a distributed run split the work (ember.train.sharding)."""
+    DDP = "ddp"
+    FSDP = "fsdp"
+    TP = "tp"
+    FSDP_TP = "fsdp+tp"
+
+
 @dataclass
 class DistributedConfig:
-    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = setting(
-        "ddp", "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
+    strategy: Strategy = setting(
+        Strategy.DDP, "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
         "'ddp' replicates the model and averages gradients; 'fsdp' (FSDP2, fully_shard) shards "
         "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
         "and MLP projections over the ranks (full fine-tuning; keep it within one node). "

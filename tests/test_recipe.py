@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import EmberError
-from ember.recipe import OPERATIONAL_KEYS, SECTIONS, diff_recipes, explain, load_recipe
+from ember.recipe import OPERATIONAL_KEYS, SECTIONS, DataFormat, Strategy, diff_recipes, explain, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,3 +148,21 @@ def test_settings_users_get_wrong_are_warned_with_the_reason(tmp_path):
 def test_integers_beyond_64_bits_are_refused(tmp_path):
     with pytest.raises(EmberError, match="max_steps = 99999999999999999999999"):
         load_recipe(write_recipe_file(tmp_path), ["train.max_steps=99999999999999999999999"])
+
+
+def test_strategy_and_data_format_are_strenums_written_as_before(tmp_path):
+    """[distributed] strategy and [data] format parse to their StrEnums, which compare equal to
+    the strings; the recipe's TOML, digest and error messages stay as they were."""
+    r = load_recipe(write_recipe_file(tmp_path), ["distributed.strategy='fsdp+tp'", "data.format='chat'"])
+    assert r.distributed.strategy is Strategy.FSDP_TP and r.distributed.strategy == "fsdp+tp"
+    assert r.data.format is DataFormat.CHAT and f"{r.data.format}" == "chat"
+    assert 'strategy = "fsdp+tp"' in r.to_toml() and 'format = "chat"' in r.to_toml()
+    plain = dataclasses.replace(r, distributed=dataclasses.replace(r.distributed, strategy="fsdp+tp"),
+                                data=dataclasses.replace(r.data, format="chat"))
+    assert plain.digest() == r.digest()
+    with pytest.raises(EmberError, match=r"strategy = 'zero3': must be one of 'ddp', 'fsdp', 'tp', 'fsdp\+tp'$"):
+        load_recipe(write_recipe_file(tmp_path), ["distributed.strategy='zero3'"])
+    with pytest.raises(EmberError, match="must be one of 'auto', 'text', 'chat', 'completion'"):
+        load_recipe(write_recipe_file(tmp_path), ["data.format='csv'"])
+    assert ("distributed.strategy", "'ddp' | 'fsdp' | 'tp' | 'fsdp+tp'", '"ddp"') == \
+        next(row[:3] for row in explain() if row[0] == "distributed.strategy")

@@ -7,7 +7,7 @@ them):
     (absent)      --begin-->       .tmp-step-N.PID   files written and fsynced, manifest last
     .tmp-step-N   --commit-->      step-N            fsync folder, rename, fsync parent
     step-N        --retire-->      .del-step-N       rename + fsync parent; deleted behind the commit
-    step-N        --quarantine-->  corrupt-step-N.T  a failed verification on load
+    step-N        --quarantine-->  corrupt-step-N.T  a failed verification on load (SetAside)
 
 A folder named `step-N` is committed: the rename is the commit point, and the rename happens
 only after every byte inside it is durable. `.tmp-*` and `.del-*` folders are never committed
@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,12 @@ MANIFEST = "MANIFEST.json"
 FORMAT = "ember-checkpoint/2"
 FORMATS = ("ember-checkpoint/1", FORMAT)  # verified and loaded; only the last is written
 PREFIX = "step-"
+
+
+class SetAside(StrEnum):
+    """Why a checkpoint folder was set aside: the prefix of its new name (quarantine)."""
+    CORRUPT = "corrupt"        # it failed verification on load
+    SUPERSEDED = "superseded"  # a leftover at the step a new commit takes
 
 
 def committed_in(root: Path) -> list[tuple[int, Path]]:
@@ -242,7 +249,7 @@ class CheckpointStore:
         faults.point("ckpt.manifest_written")
         final = self.root / f"{PREFIX}{step:09d}"
         if final.exists():  # a leftover at this step that failed to load earlier
-            self.quarantine(final, "superseded")
+            self.quarantine(final, SetAside.SUPERSEDED)
         os.rename(tmp, final)  # the commit point
         faults.point("ckpt.renamed")
         fsync_dir(self.root)
@@ -317,14 +324,15 @@ class CheckpointStore:
             try:
                 manifest = self.verify(path)
             except ValueError as e:
-                moved = self.quarantine(path, "corrupt")
+                moved = self.quarantine(path, SetAside.CORRUPT)
                 warn(f"checkpoint {path.name} is damaged ({e}); moved it to {moved.name} and "
                      f"falling back to the previous one")
                 continue
             return Checkpoint(step, path, manifest)
         return None
 
-    def quarantine(self, path: Path, why: str) -> Path:
+    def quarantine(self, path: Path, why: SetAside) -> Path:
+        """Rename `path` out of the committed set, as `{why}-{name}.{ns}`; durable on return."""
         target = path.with_name(f"{why}-{path.name}.{time.time_ns()}")
         os.rename(path, target)
         fsync_dir(self.root)

@@ -30,8 +30,9 @@ from typing import Any
 
 from ember.errors import EmberError
 from ember.data.chat import conversation
+from ember.recipe import DataFormat
 
-FORMATS = ("text", "chat", "completion")
+FORMATS = (DataFormat.TEXT, DataFormat.CHAT, DataFormat.COMPLETION)  # AUTO is a recipe's choice, not a format
 
 
 @dataclass
@@ -40,37 +41,37 @@ class Encoded:
     targets: list[bool]     # per token: does the loss learn it
 
 
-def detect(record: Any, text_field: str) -> str | None:
+def detect(record: Any, text_field: str) -> DataFormat | None:
     """The format a record looks like, or None."""
     if not isinstance(record, dict):
         return None
     if "messages" in record:
-        return "chat"
+        return DataFormat.CHAT
     if "prompt" in record and "completion" in record:
-        return "completion"
+        return DataFormat.COMPLETION
     if text_field in record:
-        return "text"
+        return DataFormat.TEXT
     return None
 
 
-def read_records(path: Path, fmt: str, text_field: str) -> Iterator[tuple[int, str, Any]]:
+def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple[int, DataFormat, Any]]:
     """(line number, format, record) for each record of a .txt or .jsonl file, read line by
     line; `fmt` "auto" detects the format from the first record and keeps it for the file."""
     if not path.is_file():
         raise EmberError(f"[data] files: {path} does not exist")
     if path.suffix == ".txt":
-        if fmt not in ("auto", "text"):
-            raise EmberError(f"[data] files: {path}: a .txt file is plain text, not [data] format = {fmt!r}")
+        if fmt not in (DataFormat.AUTO, DataFormat.TEXT):
+            raise EmberError(f"[data] files: {path}: a .txt file is plain text, not [data] format = '{fmt}'")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise EmberError(f"[data] files: {path} is not UTF-8 text ({e})") from None
         if text.strip():
-            yield 1, "text", {text_field: text}
+            yield 1, DataFormat.TEXT, {text_field: text}
         return
     if path.suffix != ".jsonl":
         raise EmberError(f"[data] files: {path}: unsupported type '{path.suffix}'; use .txt or .jsonl")
-    chosen = None if fmt == "auto" else fmt
+    chosen = None if fmt == DataFormat.AUTO else fmt
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -100,29 +101,29 @@ def _field(record: Any, name: str, where: str) -> str:
     return record[name]
 
 
-def check(record: Any, fmt: str, text_field: str, where: str) -> None:
+def check(record: Any, fmt: DataFormat, text_field: str, where: str) -> None:
     """Raise what encode() would about a record's fields, without tokenizing it (to list them all)."""
-    if fmt == "text":
+    if fmt == DataFormat.TEXT:
         _field(record, text_field, where)
-    elif fmt == "completion":
+    elif fmt == DataFormat.COMPLETION:
         _field(record, "prompt", where)
         _field(record, "completion", where)
-    elif fmt == "chat":
+    elif fmt == DataFormat.CHAT:
         conversation(record, where)
 
 
-def encode(record: Any, fmt: str, tokenizer: Any, text_field: str, train_on: str, where: str) -> Encoded:
+def encode(record: Any, fmt: DataFormat, tokenizer: Any, text_field: str, train_on: str, where: str) -> Encoded:
     """One record's tokens and the ones the loss learns (see the module docstring)."""
     eos = tokenizer.eos_id
-    if fmt == "text":
+    if fmt == DataFormat.TEXT:
         ids = tokenizer.encode_batch([_field(record, text_field, where)])[0] + [eos]
         return Encoded(ids, [True] * len(ids))
-    if fmt == "completion":
+    if fmt == DataFormat.COMPLETION:
         prompt, completion = _field(record, "prompt", where), _field(record, "completion", where)
         p, c = tokenizer.encode_batch([prompt, completion])
         return Encoded(p + c + [eos], [train_on == "all"] * len(p) + [True] * (len(c) + 1))
-    if fmt != "chat":
-        raise EmberError(f"[data] format = {fmt!r}: use one of auto, {', '.join(FORMATS)}")
+    if fmt != DataFormat.CHAT:
+        raise EmberError(f"[data] format = '{fmt}': use one of auto, {', '.join(FORMATS)}")
     conv = conversation(record, where)
     try:
         text, spans = tokenizer.render_chat(conv.messages, conv.tools)
@@ -148,16 +149,16 @@ def encode(record: Any, fmt: str, tokenizer: Any, text_field: str, train_on: str
     return Encoded(ids, targets)
 
 
-def run_format(formats: dict[str, str]) -> str:
+def run_format(formats: dict[str, DataFormat]) -> DataFormat:
     """The one format of a run whose files hold `formats` (file -> detected format): chat when
     chat and completion files are mixed; refused, with what to do, when plain text is mixed in."""
     found = set(formats.values())
     if len(found) <= 1:
-        return next(iter(found), "text")
-    if found == {"chat", "completion"}:
-        return "chat"
+        return next(iter(found), DataFormat.TEXT)
+    if found == {DataFormat.CHAT, DataFormat.COMPLETION}:
+        return DataFormat.CHAT
     listed = ", ".join(f"{Path(f).name}: {fmt}" for f, fmt in formats.items())
-    other = " and ".join(sorted(found - {"text"}))
+    other = " and ".join(sorted(found - {DataFormat.TEXT}))
     raise EmberError(
         f"[data] files: plain text mixed with {other} records ({listed}); text learns every token and "
         f"is split when long, {other} records learn their answers: write each text record as "
@@ -166,11 +167,11 @@ def run_format(formats: dict[str, str]) -> str:
         f"after LoRA, OUT/final/merged with [method] export_merged = true)")
 
 
-def prompt_tokens(prompt: str, fmt: str, tokenizer: Any) -> tuple[str, list[int]]:
+def prompt_tokens(prompt: str, fmt: DataFormat, tokenizer: Any) -> tuple[str, list[int]]:
     """The text and tokens a model is given to answer `prompt`, rendered as the records of a
     `fmt` run were in training: in a chat run, a user turn through the chat template and its
     generation prompt; otherwise the prompt as it is (a completion's prompt)."""
-    if fmt != "chat":
+    if fmt != DataFormat.CHAT:
         return prompt, tokenizer.encode_batch([prompt])[0]
     text = tokenizer.chat_prompt([{"role": "user", "content": prompt}])
     return text, tokenizer.encode_offsets(text)[0]

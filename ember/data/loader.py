@@ -33,7 +33,7 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.paths import home
 from ember.proc import die_with_parent
-from ember.recipe import DataConfig, EvalConfig
+from ember.recipe import DataConfig, DataFormat, EvalConfig
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
 from ember.data.sources import held_out, source_sha256  # noqa: F401  (held_out re-exported: the split rule)
@@ -47,7 +47,7 @@ STORE_VERSION = 4  # the store's layout and encoding, in the cache key (3: one e
 
 def read_documents(path: Path, text_field: str) -> list[str]:
     """A .txt file is one document; a .jsonl file holds one document per line (plain text)."""
-    return [_field(r, text_field, f"[data] files: {path}:{n}") for n, _, r in read_records(path, "text", text_field)]
+    return [_field(r, text_field, f"[data] files: {path}:{n}") for n, _, r in read_records(path, DataFormat.TEXT, text_field)]
 
 
 def data_fingerprint(files: list[str], tokenizer: Tokenizer) -> str:
@@ -100,9 +100,9 @@ def eval_tokens(tokens_path: Path) -> Path | None:
 
 def resolve_packing(cfg: DataConfig, tokens_path: Path) -> tuple[str, str]:
     """(packing, rule for a document longer than seq_len) for this recipe and store."""
-    fmt = store_info(tokens_path).get("format", "text")
-    packing = cfg.packing if cfg.packing != "auto" else ("mixed" if fmt == "text" else "documents")
-    return packing, ("split" if fmt == "text" else cfg.long_records)
+    fmt = store_info(tokens_path).get("format", DataFormat.TEXT)
+    packing = cfg.packing if cfg.packing != "auto" else ("mixed" if fmt == DataFormat.TEXT else "documents")
+    return packing, ("split" if fmt == DataFormat.TEXT else cfg.long_records)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from typing import Any
 from ember.errors import EmberError
 from ember.paths import cached_sha256
 from ember.data.formats import detect, read_records
+from ember.recipe import DataFormat
 
 SHARD_BYTES = 4 << 20         # a shard (a 1 GB file: 256 shards to share out)
 LARGE_TEXT_BYTES = 64 << 20   # a .txt file above this is read in blocks; a smaller one whole
@@ -61,7 +62,7 @@ class Shard:
     start: int          # byte offset; parquet: first row of the file; arrow: first row of `part`
     stop: int           # end byte; the row after the last
     first: int          # number of the first line or row (messages); textpart: its document's start
-    fmt: str            # the file's record format
+    fmt: DataFormat     # the file's record format
     split: str          # "eval" or "train" for the whole shard, "" when decided per record
     nbytes: int         # about how many bytes of input: progress, and whether a pool pays
     part: str = ""      # arrow: the .arrow file inside the folder
@@ -90,7 +91,7 @@ def bad_records(listed: list[str], count: int) -> EmberError:
                       + "\n  ".join(listed) + more)
 
 
-def plan(files: list[tuple[str, float]], fmt: str, text_field: str, seed: int) -> tuple[list[Shard], dict[str, str]]:
+def plan(files: list[tuple[str, float]], fmt: DataFormat, text_field: str, seed: int) -> tuple[list[Shard], dict[str, DataFormat]]:
     """The shards of every (file, held-out share) in order, and each file's record format
     (detected from its first record under `fmt` "auto"); a file with no record is refused."""
     shards: list[Shard] = []
@@ -102,16 +103,16 @@ def plan(files: list[tuple[str, float]], fmt: str, text_field: str, seed: int) -
         section = "[eval]" if share >= 1.0 else "[data]"
         if not path.exists():
             raise EmberError(f"{section} files: {path} does not exist")
-        if path.suffix == ".txt" and fmt not in ("auto", "text"):
-            raise EmberError(f"{section} files: {path}: a .txt file is plain text, not [data] format = {fmt!r}")
+        if path.suffix == ".txt" and fmt not in (DataFormat.AUTO, DataFormat.TEXT):
+            raise EmberError(f"{section} files: {path}: a .txt file is plain text, not [data] format = '{fmt}'")
         if f in texts:
-            found, new = "text", texts[f]
+            found, new = DataFormat.TEXT, texts[f]
         elif path.is_dir():
             found, new = _arrow_plan(path, f, fmt, text_field, split)
         elif path.suffix == ".parquet":
             found, new = _parquet_plan(path, f, fmt, text_field, split)
         elif path.suffix == ".txt":
-            found, new = "text", _text_plan(path, f, split)
+            found, new = DataFormat.TEXT, _text_plan(path, f, split)
         else:
             found, new = _jsonl_plan(path, f, fmt, text_field, split, f"{section} files: {f}:")
         if not new:
@@ -150,8 +151,8 @@ def line_ranges(path: Path) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def _jsonl_plan(path: Path, f: str, fmt: str, text_field: str, split: str,
-                where: str) -> tuple[str | None, list[Shard]]:
+def _jsonl_plan(path: Path, f: str, fmt: DataFormat, text_field: str, split: str,
+                where: str) -> tuple[DataFormat | None, list[Shard]]:
     if path.suffix != ".jsonl":
         raise EmberError(f"{where} unsupported type '{path.suffix}'; use .txt, .jsonl, .parquet or a "
                          f"`datasets` folder")
@@ -160,7 +161,7 @@ def _jsonl_plan(path: Path, f: str, fmt: str, text_field: str, split: str,
         if isinstance(record, EmberError):  # listed with the others when the shards are read
             bad.append(str(record))
             continue
-        found = fmt if fmt != "auto" else detect(record, text_field)
+        found = fmt if fmt != DataFormat.AUTO else detect(record, text_field)
         if found is None:  # the records before the first of a known format are listed as bad ones
             unknown = unknown or n
             continue
@@ -177,23 +178,23 @@ def _jsonl_plan(path: Path, f: str, fmt: str, text_field: str, split: str,
 def _text_plan(path: Path, f: str, split: str) -> list[Shard]:
     size = path.stat().st_size
     if size > LARGE_TEXT_BYTES:
-        return [Shard(f, "textpart", a, b, 0, "text", split, b - a, block=TEXT_BLOCK_BYTES, end=size)
+        return [Shard(f, "textpart", a, b, 0, DataFormat.TEXT, split, b - a, block=TEXT_BLOCK_BYTES, end=size)
                 for a, b in _cuts(path, SHARD_BYTES, 0, size)]
-    if next(read_records(path, "text", "text"), None) is None:  # blank
+    if next(read_records(path, DataFormat.TEXT, "text"), None) is None:  # blank
         return []
-    return [Shard(f, "text", 0, size, 1, "text", split, size)]
+    return [Shard(f, "text", 0, size, 1, DataFormat.TEXT, split, size)]
 
 
-def _held_out_texts(files: list[tuple[str, float]], fmt: str, seed: int) -> dict[str, list[Shard]]:
+def _held_out_texts(files: list[tuple[str, float]], fmt: DataFormat, seed: int) -> dict[str, list[Shard]]:
     """The shards of the .txt files of each held-out share between 0 and 1 (module docstring)."""
     out: dict[str, list[Shard]] = {}
     for share in sorted({s for _, s in files if 0 < s < 1}):
         texts = [f for f, s in files if s == share and f.endswith(".txt") and Path(f).is_file()]
-        if not texts or fmt not in ("auto", "text"):
+        if not texts or fmt not in (DataFormat.AUTO, DataFormat.TEXT):
             continue  # (plan refuses a .txt file under another format)
         out.update({f: [] for f in texts})
         texts = [f for f in texts if Path(f).stat().st_size > LARGE_TEXT_BYTES  # a blank file holds no record
-                 or next(read_records(Path(f), "text", "text"), None)]
+                 or next(read_records(Path(f), DataFormat.TEXT, "text"), None)]
         total = sum(Path(f).stat().st_size for f in texts)
         size = max(HOLDOUT_BLOCK_MIN, min(TEXT_BLOCK_BYTES, total // HOLDOUT_BLOCKS))
         blocks = [(f, a, b) for f in texts for a, b in _cuts(Path(f), size, 0, Path(f).stat().st_size)]
@@ -212,7 +213,7 @@ def _held_out_texts(files: list[tuple[str, float]], fmt: str, seed: int) -> dict
             while j + 1 < len(blocks) and blocks[j + 1][0] == f and ((j + 1) in held) == (i in held):
                 j += 1
             split, b = "eval" if i in held else "train", blocks[j][2]
-            out[f] += [Shard(f, "textpart", s, e, a, "text", split, e - s, block=TEXT_BLOCK_BYTES, end=b)
+            out[f] += [Shard(f, "textpart", s, e, a, DataFormat.TEXT, split, e - s, block=TEXT_BLOCK_BYTES, end=b)
                        for s, e in _cuts(Path(f), SHARD_BYTES, a, b)]
             i = j + 1
     return out
@@ -284,9 +285,9 @@ def text_blocks(path: Path, start: int, stop: int, block: int) -> Iterator[str]:
             carry = buf[cut:]
 
 
-def _first_row(rows: Iterator[tuple[int, Any]], fmt: str, text_field: str, f: str) -> str | None:
+def _first_row(rows: Iterator[tuple[int, Any]], fmt: DataFormat, text_field: str, f: str) -> DataFormat | None:
     for n, record in rows:
-        found = fmt if fmt != "auto" else detect(record, text_field)
+        found = fmt if fmt != DataFormat.AUTO else detect(record, text_field)
         if found is None:
             raise EmberError(f"[data] files: {f}:row {n}: no 'messages' (chat), 'prompt' and 'completion', "
                              f"or '{text_field}' (text) column; set [data] format and [data] text_field to match")
@@ -311,7 +312,7 @@ def _cut(units: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _parquet_plan(path: Path, f: str, fmt: str, text_field: str, split: str) -> tuple[str | None, list[Shard]]:
+def _parquet_plan(path: Path, f: str, fmt: DataFormat, text_field: str, split: str) -> tuple[DataFormat | None, list[Shard]]:
     import pyarrow.parquet as pq
     try:
         meta = pq.ParquetFile(path).metadata
@@ -373,7 +374,7 @@ def _open_stream(path: Path) -> Any:
     return pa.ipc.open_stream(pa.memory_map(str(path)))
 
 
-def _arrow_plan(folder: Path, f: str, fmt: str, text_field: str, split: str) -> tuple[str | None, list[Shard]]:
+def _arrow_plan(folder: Path, f: str, fmt: DataFormat, text_field: str, split: str) -> tuple[DataFormat | None, list[Shard]]:
     parts = _arrow_parts(folder)
     # The first row of the first part that has one is row 0 of the dataset.
     found = _first_row((r for p in parts for r in _rows(_open_stream(folder / p), 0, 0, sys.maxsize, 0)),

@@ -45,6 +45,7 @@ from ember.events import Events
 from ember.lock import acquire
 from ember.proc import die_with_parent
 from ember.data.formats import _field, check, encode, run_format
+from ember.recipe import DataFormat
 from ember.data.progress import Progress
 from ember.data.sources import MAX_LISTED, Shard, bad_records, held_out, plan, records
 
@@ -279,7 +280,7 @@ def tokenize_shard(shard: Shard, out: Path | None, tokenizer: Any, text_field: s
                     check(record, shard.fmt, text_field, where)
                     continue
                 split = shard.split or ("eval" if share > 0 and held_out(record, seed, share) else "train")
-                if shard.fmt == "text":  # encode() for text, batched: the same ids, one call per TEXT_BATCH
+                if shard.fmt == DataFormat.TEXT:  # encode() for text, batched: the same ids, one call per TEXT_BATCH
                     texts.append((split, _field(record, text_field, where)))
                     if len(texts) >= TEXT_BATCH:
                         _encode_texts(texts, tokenizer, writers)
@@ -327,7 +328,7 @@ def shard_info(folder: Path) -> dict[str, Any] | None:
     return info
 
 
-def assemble(shards: list[Shard], work: Path, store: Path, fmt: str, formats: dict[str, str]) -> None:
+def assemble(shards: list[Shard], work: Path, store: Path, fmt: DataFormat, formats: dict[str, DataFormat]) -> None:
     """The store from the committed shards: each .npy one header, then the shards' bytes; `fmt`
     the run's format, `formats` each file's."""
     tmp = store.with_name(f".{store.name}.{os.getpid()}")

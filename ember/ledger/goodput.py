@@ -19,13 +19,39 @@ data loading, checkpoint save and restore, wasted progress from disruption, othe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
-BUCKETS = ("productive", "data_loading", "program_startup", "checkpoint_restore", "checkpoint_save",
-           "evaluation", "wasted_progress", "paused", "paused_for_inference", "other")
-EVENT_BUCKETS = {"restore": "checkpoint_restore", "checkpoint": "checkpoint_save",
-                 "final_save": "checkpoint_save", "evaluation": "evaluation", "pause": "paused",
-                 "pause_inference": "paused_for_inference"}
+
+class Bucket(StrEnum):
+    """Where a second of wall-clock went (the module docstring); stored under these names."""
+    PRODUCTIVE = "productive"
+    DATA_LOADING = "data_loading"
+    PROGRAM_STARTUP = "program_startup"
+    CHECKPOINT_RESTORE = "checkpoint_restore"
+    CHECKPOINT_SAVE = "checkpoint_save"
+    EVALUATION = "evaluation"
+    WASTED_PROGRESS = "wasted_progress"
+    PAUSED = "paused"
+    PAUSED_FOR_INFERENCE = "paused_for_inference"
+    OTHER = "other"
+
+
+class EventKind(StrEnum):
+    """The kinds of the ledger's timed events, which the buckets are made of."""
+    STARTUP = "startup"  # process start to the first step (encloses the restore)
+    RESTORE = "restore"
+    CHECKPOINT = "checkpoint"
+    FINAL_SAVE = "final_save"
+    EVALUATION = "evaluation"
+    PAUSE = "pause"
+    PAUSE_INFERENCE = "pause_inference"
+
+
+BUCKETS = tuple(Bucket)
+EVENT_BUCKETS = {EventKind.RESTORE: Bucket.CHECKPOINT_RESTORE, EventKind.CHECKPOINT: Bucket.CHECKPOINT_SAVE,
+                 EventKind.FINAL_SAVE: Bucket.CHECKPOINT_SAVE, EventKind.EVALUATION: Bucket.EVALUATION,
+                 EventKind.PAUSE: Bucket.PAUSED, EventKind.PAUSE_INFERENCE: Bucket.PAUSED_FOR_INFERENCE}
 
 
 @dataclass(frozen=True)
@@ -39,7 +65,7 @@ class Span:
 @dataclass(frozen=True)
 class Event:
     attempt: int
-    kind: str          # "startup", or a key of EVENT_BUCKETS
+    kind: str          # an EventKind
     start: float
     end: float
 
@@ -59,11 +85,11 @@ class Goodput:
 
     @property
     def goodput(self) -> float:
-        return self.buckets["productive"] / self.wall_seconds if self.wall_seconds else 0.0
+        return self.buckets[Bucket.PRODUCTIVE] / self.wall_seconds if self.wall_seconds else 0.0
 
     def badput(self) -> list[tuple[str, float]]:
         """Badput buckets, largest first."""
-        return sorted(((k, v) for k, v in self.buckets.items() if k != "productive"),
+        return sorted(((k, v) for k, v in self.buckets.items() if k != Bucket.PRODUCTIVE),
                       key=lambda kv: -kv[1])
 
 
@@ -73,18 +99,18 @@ def account(spans: list[Span], events: list[Event], steps: list[Step]) -> Goodpu
     wall = sum(s.end - s.start for s in spans)
     for step in steps:
         if step.lost:
-            buckets["wasted_progress"] += step.seconds
+            buckets[Bucket.WASTED_PROGRESS] += step.seconds
         else:
-            buckets["productive"] += step.seconds - step.data_wait
-            buckets["data_loading"] += step.data_wait
+            buckets[Bucket.PRODUCTIVE] += step.seconds - step.data_wait
+            buckets[Bucket.DATA_LOADING] += step.data_wait
     restore_by_attempt: dict[int, float] = {}
     for e in events:
         if e.kind in EVENT_BUCKETS:
             buckets[EVENT_BUCKETS[e.kind]] += e.end - e.start
-        if e.kind == "restore":
+        if e.kind == EventKind.RESTORE:
             restore_by_attempt[e.attempt] = restore_by_attempt.get(e.attempt, 0.0) + e.end - e.start
     for e in events:
-        if e.kind == "startup":  # the start-up event encloses the restore
-            buckets["program_startup"] += e.end - e.start - restore_by_attempt.get(e.attempt, 0.0)
-    buckets["other"] = wall - sum(v for k, v in buckets.items() if k != "other")
+        if e.kind == EventKind.STARTUP:  # the start-up event encloses the restore
+            buckets[Bucket.PROGRAM_STARTUP] += e.end - e.start - restore_by_attempt.get(e.attempt, 0.0)
+    buckets[Bucket.OTHER] = wall - sum(v for k, v in buckets.items() if k != Bucket.OTHER)
     return Goodput(wall, buckets)

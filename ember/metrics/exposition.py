@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from ember.errors import EmberError
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
-from ember.ledger.goodput import Goodput, Step
+from ember.ledger.goodput import Bucket, Goodput, Step
 from ember.metrics.flops import mfu
 from ember.metrics.report import goodput_so_far
 from ember.metrics.series import read_records
@@ -145,7 +145,7 @@ class LedgerCollector:
             if goodput is not None:
                 good.add_metric([run], goodput)
             for bucket, seconds in buckets.items():
-                if bucket != "productive":
+                if bucket != Bucket.PRODUCTIVE:
                     bad.add_metric([run, bucket], seconds)
         yield from (step, tps, util, good, bad)
         yield from self._checkpoints(con)

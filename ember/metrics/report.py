@@ -18,7 +18,7 @@ from ember.errors import EmberError, NotFound
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.database import AttemptRow
-from ember.ledger.goodput import Event, Goodput, Span, Step, account
+from ember.ledger.goodput import Bucket, Event, EventKind, Goodput, Span, Step, account
 from ember.metrics.cost import Prices, cost
 from ember.metrics.flops import mfu, share_of_peak
 from ember.metrics.rank_times import RanksSummary
@@ -331,22 +331,22 @@ def _ranked(g: Goodput, steps: list[Step], events: list[sqlite3.Row]) -> list[Ba
         if seconds <= 0:
             continue
         evidence = ""
-        if name == "wasted_progress":
+        if name == Bucket.WASTED_PROGRESS:
             n = sum(1 for s in steps if s.lost)
             evidence = f"{n} steps computed after an attempt's last checkpoint, then again"
-        elif name == "checkpoint_save":
-            saves = [e["end"] - e["start"] for e in events if e["kind"] in ("checkpoint", "final_save")
+        elif name == Bucket.CHECKPOINT_SAVE:
+            saves = [e["end"] - e["start"] for e in events if e["kind"] in (EventKind.CHECKPOINT, EventKind.FINAL_SAVE)
                      and '"flush"' not in (e["detail"] or "")]  # the exit-time wait is not a save
             evidence = f"{len(saves)} saves, median {statistics.median(saves):.3f}s blocking" if saves else ""
-        elif name == "data_loading":
+        elif name == Bucket.DATA_LOADING:
             waits = [s.data_wait for s in steps if not s.lost]
             evidence = f"median data wait {statistics.median(waits) * 1000:.2f} ms a step" if waits else ""
-        elif name == "program_startup":
-            starts = [e["end"] - e["start"] for e in events if e["kind"] == "startup"]
+        elif name == Bucket.PROGRAM_STARTUP:
+            starts = [e["end"] - e["start"] for e in events if e["kind"] == EventKind.STARTUP]
             evidence = f"{len(starts)} start-ups, {', '.join(f'{s:.1f}s' for s in starts)}"
-        elif name == "checkpoint_restore":
-            evidence = f"{sum(1 for e in events if e['kind'] == 'restore')} restores"
-        elif name == "other":
+        elif name == Bucket.CHECKPOINT_RESTORE:
+            evidence = f"{sum(1 for e in events if e['kind'] == EventKind.RESTORE)} restores"
+        elif name == Bucket.OTHER:
             evidence = "shutdown, logging and time between steps not otherwise recorded"
         out.append(Badput(name, seconds, seconds / g.wall_seconds, evidence))
     return out

@@ -35,6 +35,7 @@ from ember.jsonl import read_jsonl
 from ember.metrics.heldout import EVAL_DIR, GENERATIONS
 from ember.data.loader import PackedBatches, eval_tokens, resolve_packing, store_info
 from ember.data.formats import prompt_tokens
+from ember.recipe import DataFormat
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Evaluator:
         if not ev.prompts:
             return []
         tok, model = job.bundle.tokenizer, job.bundle.model
-        fmt = store_info(job.tokens_path).get("format", "text")
+        fmt = store_info(job.tokens_path).get("format", DataFormat.TEXT)
         out = []
         for prompt in ev.prompts:
             text, prompt_ids = prompt_tokens(prompt, fmt, tok)

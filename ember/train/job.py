@@ -14,9 +14,7 @@ from typing import Any
 
 import torch
 
-from ember import faults
-from ember.ckpt import contents
-from ember.ckpt.sharded import is_sharded, read_full, read_sharded
+from ember.ckpt.policy import auto_of, cadence
 from ember.ckpt.state import DataCursor, RunState, seed_all
 from ember.ckpt.store import CheckpointStore
 from ember.ckpt.writer import CheckpointWriter
@@ -30,19 +28,21 @@ from ember.ledger import database as ledger_store
 from ember.ledger.history import mtbf_seconds
 from ember.ledger.manifest import build_manifest
 from ember.ledger.database import Ledger, NullLedger
+from ember.ledger.goodput import EventKind
 from ember.metrics.flops import architecture_of, flops_per_token
 from ember.metrics.peaks import select_peak
 from ember.models import check_against_model, model_config
 from ember.proc import process_start_time
-from ember.recipe import Recipe
+from ember.recipe import DataFormat, Recipe
 from ember.train.breakdown import StepTimer
 from ember.train.dropout import DropoutKeys, install as install_dropout
 from ember.data.sources import data_file_hashes
 from ember.data.loader import (PackedBatches, data_fingerprint, eval_tokens, resolve_packing,
                               store_info, tokenize)
 from ember.train.model import ModelBundle, load_model
-from ember.train.sharding import check_distributed, parallelize, tp_degree, unwrapped
+from ember.train.sharding import check_distributed, parallelize, tp_degree
 from ember.train.parts import build_parts
+from ember.train.resume import restore
 from ember.runfolder import RunDir
 from ember.data.truncation import learning
 from ember.world import World, join
@@ -65,7 +65,7 @@ class Job:
     started: float  # process start: the attempt's wall-clock begins here, imports included
     writer: CheckpointWriter
     snapshot_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # reused host memory
-    mtbf_seconds: float = 0.0  # expected time between interruptions, for every_seconds = "auto"
+    mtbf_seconds: float = 0.0  # expected time between interruptions, for EveryAuto (ember.ckpt.policy)
     timer: StepTimer | None = None  # the always-on step breakdown (ember.train.breakdown)
     phase_totals: dict[str, float] = field(default_factory=dict)  # this attempt's, per phase
     world: World = field(default_factory=World)  # the ranks (one, by default)
@@ -101,15 +101,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     `from_scratch`: when no committed checkpoint verifies, set them aside and start at step 0.
     `launch`: what the launcher decided (ember.launchspec): the service's job and its devices."""
     started = process_start_time()
-    device = pick_device(recipe.train.device)
-    world = join(device, recipe.distributed.timeout_seconds)
-    if world.distributed:
-        check_distributed(recipe, world.size, f"--out {out}")
-        events = rank_events(events, world)
-        if device.type != "cpu":  # one accelerator per rank on its node
-            device = torch.device(device.type, world.local_rank)
-        tp = tp_degree(recipe, world.size)  # the ranks of a tensor-parallel group read the same data
-        world = dataclasses.replace(world, dp_rank=world.rank // tp, dp_size=world.size // tp)
+    device, world, events = join_world(recipe, out, events)
     # Rank 0 owns the run folder; the others read it once rank 0 has opened (or created) it.
     run = RunDir.open(out, recipe, allow_change, events) if world.main else None
     world.barrier()
@@ -130,11 +122,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
         seed_all(recipe.train.seed + world.rank)
     fingerprint = data_fingerprint(recipe.data.files, bundle.tokenizer)
     if world.main:
-        manifest = build_manifest(recipe_file or Path("."), device, threads, recipe.train.seed,
-                                  recipe.train.deterministic)
-        manifest["data_fingerprint"] = fingerprint
-        manifest["world"] = {"ranks": world.size, "strategy": recipe.distributed.strategy,
-                             "backend": world.backend} if world.distributed else None
+        manifest = run_manifest(recipe, recipe_file, device, threads, world, fingerprint)
         _record_inputs(run, bundle, fingerprint, threads, manifest, allow_change, events)
         run.record["performance"] = performance(bundle, recipe, device, threads, world.size)
         run.save_record()
@@ -154,34 +142,75 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     writer = CheckpointWriter(store, background=recipe.checkpoint.async_ and not world.distributed,
                               nice=recipe.checkpoint.persist_nice)
     job = Job(recipe, run, device, bundle, p.optimizer, p.scheduler, p.scaler, store, p.state, tokens_path,
-              events, ledger, started, writer, timer=p.timer, world=world, wrapped=p.model, dropout=dropout)
-    if recipe.checkpoint.every_seconds == "auto":
-        job.mtbf_seconds, source = mtbf_seconds(recipe.checkpoint.interruption_hours,
-                                                getattr(ledger, "con", None), socket.gethostname())
-        events.info(f"checkpoint interval: Young/Daly from each checkpoint's measured cost and "
-                    f"{job.mtbf_seconds / 3600:.3g} h between interruptions ({source})")
+              events, ledger, started, writer, mtbf_seconds=checkpoint_mtbf(recipe, ledger, events),
+              timer=p.timer, world=world, wrapped=p.model, dropout=dropout)
     t0 = time.time()
     resumed = restore(job, from_scratch)
-    resumed_from = job.state.step if resumed else None
+    start_attempt(job, resumed, t0, launch)
+    return job
+
+
+def join_world(recipe: Recipe, out: Path, events: Events) -> tuple[torch.device, World, Events]:
+    """This process's device, its place among the ranks (one, unless launched as several), and
+    the events it speaks through (ember.train.job.rank_events)."""
+    device = pick_device(recipe.train.device)
+    world = join(device, recipe.distributed.timeout_seconds)
+    if not world.distributed:
+        return device, world, events
+    check_distributed(recipe, world.size, f"--out {out}")
+    if device.type != "cpu":  # one accelerator per rank on its node
+        device = torch.device(device.type, world.local_rank)
+    tp = tp_degree(recipe, world.size)  # the ranks of a tensor-parallel group read the same data
+    world = dataclasses.replace(world, dp_rank=world.rank // tp, dp_size=world.size // tp)
+    return device, world, rank_events(events, world)
+
+
+def run_manifest(recipe: Recipe, recipe_file: Path | None, device: torch.device, threads: int, world: World,
+                 fingerprint: str) -> dict[str, Any]:
+    """What this attempt runs on and with (ember.ledger.manifest), its data and its ranks."""
+    manifest = build_manifest(recipe_file or Path("."), device, threads, recipe.train.seed,
+                              recipe.train.deterministic)
+    manifest["data_fingerprint"] = fingerprint
+    manifest["world"] = {"ranks": world.size, "strategy": recipe.distributed.strategy,
+                         "backend": world.backend} if world.distributed else None
+    return manifest
+
+
+def checkpoint_mtbf(recipe: Recipe, ledger: Ledger | NullLedger, events: Events) -> float:
+    """Expected seconds between interruptions when [checkpoint] every_seconds = "auto" (from the
+    recipe, else the ledger's history of this machine, else 24 h; said once); else 0."""
+    auto = auto_of(cadence(recipe.checkpoint))
+    if auto is None:
+        return 0.0
+    mtbf, source = mtbf_seconds(auto.interruption_hours, getattr(ledger, "con", None), socket.gethostname())
+    events.info(f"checkpoint interval: Young/Daly from each checkpoint's measured cost and "
+                f"{mtbf / 3600:.3g} h between interruptions ({source})")
+    return mtbf
+
+
+def start_attempt(job: Job, resumed: bool, restored_at: float, launch: LaunchSpec | None = None) -> None:
+    """Rank 0 rewinds metrics.jsonl to the state's step and records the attempt's start (run.json,
+    the ledger, with the service's job and devices from `launch`; `restored_at`: when the restore
+    began); every rank says where training starts."""
+    run, world, recipe, step = job.run, job.world, job.recipe, job.state.step
+    resumed_from = step if resumed else None
     if world.main:
-        lost = run.rewind_metrics(job.state.step)
-        if isinstance(ledger, Ledger):
-            names = launch.device_names if launch is not None else None
-            names = names or [n for n in os.environ.get("EMBER_JOB_DEVICE_NAMES", "").split(",") if n]
-            ledger.call(ledger_store.start_attempt, run.attempt, started, socket.gethostname(),
-                        os.getpid(), ",".join(names) if names else device_label(device, world.size),
-                        resumed_from, launch.job if launch is not None else None)
-            if resumed:
-                ledger.event("restore", t0, time.time(), step=job.state.step)
+        lost = run.rewind_metrics(step)
+        names = launch.device_names if launch is not None else None
+        names = names or [n for n in os.environ.get("EMBER_JOB_DEVICE_NAMES", "").split(",") if n]
+        job.ledger.call(ledger_store.start_attempt, run.attempt, job.started, socket.gethostname(), os.getpid(),
+                        ",".join(names) if names else device_label(job.device, world.size), resumed_from,
+                        launch.job if launch is not None else None)
+        if resumed:
+            job.ledger.event(EventKind.RESTORE, restored_at, time.time(), step=step)
         run.start_attempt({"resumed_from_step": resumed_from, "lost_steps": lost,
-                           "setup_seconds": round(time.time() - started, 3),
+                           "setup_seconds": round(time.time() - job.started, 3),
                            **({"ranks": world.size, "strategy": recipe.distributed.strategy}
                               if world.distributed else {})})
-    events.stage(f"training from step {job.state.step}" + (f" (attempt {run.attempt})" if resumed else "")
-                 + (f" on {world.size} ranks ({recipe.distributed.strategy}, {world.backend})"
-                    if world.distributed else ""),
-                 step=job.state.step, attempt=run.attempt)
-    return job
+    job.events.stage(f"training from step {step}" + (f" (attempt {run.attempt})" if resumed else "")
+                     + (f" on {world.size} ranks ({recipe.distributed.strategy}, {world.backend})"
+                        if world.distributed else ""),
+                     step=step, attempt=run.attempt)
 
 
 def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
@@ -201,7 +230,7 @@ def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, A
     if (refused := train.refusal()) is not None:
         raise EmberError(refused)
     held = learning(eval_path, d.seq_len, packing, rule) if (eval_path := eval_tokens(tokens_path)) else None
-    how = "detected" if d.format == "auto" else "[data] format"
+    how = "detected" if d.format == DataFormat.AUTO else "[data] format"
     if mixed := [Path(f).name for f, fmt in info.get("files", {}).items() if fmt != info.get("format")]:
         how += f"; the completion records of {', '.join(mixed)} as one-turn conversations"
     said = (f"data: {info.get('format', 'text')} records ({how}), {train.records} for training "
@@ -296,90 +325,6 @@ def remeasure_peak(job: Job, share: float) -> bool:
 
 def device_label(device: torch.device, devices: int = 1) -> str:
     return f"{name_of(device)} x{devices}"
-
-
-def restore(job: Job, from_scratch: bool = False) -> bool:
-    """Load the newest checkpoint that verifies; else capture a fresh run's RNG. True if resumed.
-
-    A damaged checkpoint is set aside when an older one verifies. When checkpoints were committed
-    and none verifies, nothing is moved and the run stops, unless `from_scratch` says to set them
-    all aside and start again at step 0. With several ranks, rank 0 chooses and every rank loads."""
-    choice: tuple[str, str] | None = None  # ("load", folder) or ("error", message)
-    if job.world.main:
-        try:
-            path = choose_checkpoint(job, from_scratch)
-            choice = ("load", str(path)) if path is not None else None
-        except EmberError as e:
-            choice = ("error", str(e))
-    choice = job.world.broadcast(choice)
-    if choice is not None and choice[0] == "error":
-        raise EmberError(choice[1])
-    if choice is None:
-        job.state.capture_rng(job.device)
-        return False
-    path = Path(choice[1])
-    try:
-        own_rng = load_checkpoint(job, path)
-    except (ValueError, RuntimeError, KeyError) as e:  # it verifies: it is whole, yet not this model's
-        raise EmberError(f"checkpoint {path} is intact but does not load into this run's model and "
-                         f"optimizer ({type(e).__name__}: {str(e)[:300]}); was [model] or [method] changed? "
-                         f"Restore the recipe, or start a new --out") from None
-    if own_rng:
-        job.state.restore_rng(job.device)
-    else:  # another world size saved it: this rank's dropout stream starts afresh from its seed
-        seed_all(job.recipe.train.seed + job.world.rank + 1_000_003 * job.state.step)
-        job.state.capture_rng(job.device)
-        if job.world.main:
-            job.events.warn(f"{path.name} was saved by a different number of ranks: resharded; the RNG "
-                            f"streams (dropout) restart from the seed, the data order continues exactly")
-    if faults.flag("resume.fresh_optimizer"):  # a non-resumable state, for preflight's test
-        job.optimizer.state.clear()
-    job.state.recipe_digest = job.recipe.digest()
-    job.events.info(f"resuming from {path} (step {job.state.step}, attempt {job.run.attempt})",
-                    step=job.state.step)
-    return True
-
-
-def load_checkpoint(job: Job, path: Path) -> bool:
-    """Load `path` into the job, whichever world size saved it; True if this rank's own RNG
-    streams were in it."""
-    own_rng = True
-    if is_sharded(path):  # saved by several ranks (DCP): loads at any world size
-        job.state, own_rng = read_sharded(path, job.model, job.optimizer, job.scheduler, job.scaler, job.world)
-    elif job.world.distributed:  # saved by one process: every rank reads the full tensors
-        names = [n for n, p in unwrapped(job.model).named_parameters() if p.requires_grad]
-        job.state, own_rng = read_full(path, job.model, names, job.optimizer, job.scheduler, job.scaler), False
-    else:
-        job.state = contents.read_files(path, job.model, job.optimizer, job.scheduler, job.scaler)
-    return own_rng
-
-
-def choose_checkpoint(job: Job, from_scratch: bool) -> Path | None:
-    """The newest committed checkpoint that verifies; damaged ones are set aside when one does
-    (or when `from_scratch`); raises when checkpoints exist and none verifies."""
-    damaged: list[tuple[str, str]] = []  # (checkpoint folder name, why it does not load)
-    for _, path in reversed(job.store.committed()):
-        try:
-            job.store.verify(path)
-        except ValueError as e:
-            damaged.append((path.name, str(e)))
-            continue
-        for name, why in damaged:
-            moved = job.store.quarantine(job.store.root / name, "corrupt")
-            job.events.warn(f"checkpoint {name} is damaged ({why}); moved it to {moved.name} and resumed "
-                            f"from {path.name}")
-        return path
-    if damaged and not from_scratch:
-        raise EmberError(f"--out {job.run.path}: none of its {len(damaged)} committed checkpoints "
-                         f"verifies:\n" + "\n".join(f"  {name} is damaged: {why}" for name, why in damaged)
-                         + "\nnothing was moved or trained. Restore them from a backup, or run again "
-                         "with --restart-from-scratch to set them aside (as corrupt-*) and train from step 0")
-    for name, _ in damaged:
-        job.store.quarantine(job.store.root / name, "corrupt")
-    if damaged:
-        job.events.warn(f"--restart-from-scratch: set aside {len(damaged)} damaged checkpoints; "
-                        f"training from step 0")
-    return None
 
 
 def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: int,

@@ -13,13 +13,12 @@ import torch
 
 from ember import faults
 from ember.ckpt import contents
-from ember.ckpt.interval import daly
+from ember.ckpt.policy import CheckpointPolicy, LastSave
 from ember.ckpt.state import RunState
-from ember.ckpt.store import CheckpointStore
 from ember.control import PausePoint, from_environment
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
-from ember.metrics import rank_times as ranks
+from ember.ledger.goodput import EventKind
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
@@ -31,9 +30,8 @@ from ember.train.job import Job
 from ember.train.loss import causal_lm_loss
 from ember.train.model import save_final, trainable_parameters
 from ember.train.sharding import clip_gradients
-from ember.runfolder import MetricsLog
-from ember.train.scalars import Scalars, open_sinks
-from ember.train.saving import failed_save, record_persisted, save_checkpoint
+from ember.train.recorder import RunRecorder
+from ember.train.saving import record_persisted, save_checkpoint, settle_saves
 from ember.train.signals import StopRequest
 from ember.train.watchdog import Watchdog
 
@@ -93,27 +91,19 @@ class Data:
 
 
 def train(job: Job, stop: StopRequest | None = None) -> int:
-    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code.
-    `stop`: the handlers installed before the job was prepared (a signal then stops the run here)."""
-    r, state = job.recipe, job.state
-    world = job.world
-    scalars = open_scalars(job, state.step)  # [log]: TensorBoard, MLflow (none: does nothing)
-    data = Data(job)
-    evaluator = Evaluator(job)
-    metrics = MetricsLog(job.run.metrics_path) if world.main else NoMetrics()  # rank 0 writes the run folder
-    stop = stop or StopRequest(job.events).install()
+    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code."""
+    r, state, world = job.recipe, job.state, job.world
+    record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
+    data, evaluator = Data(job), Evaluator(job)
+    stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
     # A soft pause holds one process; the ranks of a distributed run stop together instead.
     pauses = PausePoint(None if world.distributed else from_environment(), lambda: stop.requested,
                         lambda: release_cached_memory(job.device))
     watchdog = Watchdog(world, r.distributed, job.run.path, job.events).start()  # distributed runs only
-    last_save_time = time.monotonic()
-    ck = r.checkpoint
-    interval = initial_interval(job)
-    attempt_tokens, attempt_seconds, blocked = 0, 0.0, 0.0
-    learning_seconds = 0.0  # of the steps that learned tokens: a step without any is no tokens/s figure
-    step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.rank_times)
+    policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
+    last, blocked = LastSave(time.monotonic()), 0.0
     job.model.train()
-    job.ledger.event("startup", job.started, time.time(), step=state.step)
+    record.startup()
     stopping = world.any(stop.requested)[0]  # a signal during start-up: no step, exit 75
     early = out_of_patience(state, r.eval.patience)  # resumed from the checkpoint where it ran out
     try:
@@ -122,84 +112,50 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             result = train_step(job, data)
             seconds = time.perf_counter() - t0
             if result.verdict == "spike" and r.guard.spike_action == "rollback":
-                metrics, data = rollback(job, metrics, data, result)  # the step is not counted
+                data = rollback(job, record, data, result)  # the step is not counted
                 state = job.state
-                scalars.close()
-                scalars = open_scalars(job, state.step)  # TensorBoard drops the steps rolled back
                 continue
             state.step += 1
             state.tokens_seen += result.tokens
             state.cursor = data.batches.cursor_after(result.next_k)
             state.train_seconds += seconds
             watchdog.beat(state.step, seconds)
-            attempt_tokens, attempt_seconds = attempt_tokens + result.tokens, attempt_seconds + seconds
-            learning_seconds += seconds if result.tokens else 0.0
-            step_seconds.append(seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
             held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
             # an evaluation over no learned token measured nothing: patience neither counts nor resets
             improved = "eval_loss" in held_out and record_best(state, held_out["eval_loss"])
             early = out_of_patience(state, r.eval.patience)  # early stopping: [eval] patience
-            record = {"step": state.step, "loss": result.loss, "lr": result.lr,
-                      "grad_norm": result.grad_norm, "tokens": result.tokens,
-                      "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
-                      "data_wait_seconds": round(result.phases["data"], 6),
-                      "phases": {k: round(v, 6) for k, v in result.phases.items()},
-                      "attempt": job.run.attempt, "time": time.time(), **held_out,
-                      **({} if result.applied else {"skipped": result.verdict})}
-            metrics.append(record)
-            scalars.log(record)
-            job.phase_totals = {k: job.phase_totals.get(k, 0.0) + v for k, v in result.phases.items()}
+            record.step(result, seconds, held_out)
             guard(job, result, data)
-            job.events.emit("progress", f"step {state.step}/{r.train.max_steps}", step=state.step,
-                            total=r.train.max_steps, loss=result.loss, seconds=seconds, tokens=result.tokens,
-                            tokens_per_second=attempt_tokens / learning_seconds if learning_seconds else None,
-                            eta_seconds=(r.train.max_steps - state.step) * attempt_seconds / len(step_seconds))
+            record.progress(result, seconds)
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
-            if (held := pauses.check()) is not None:  # the service asked: wait here, keep the process
-                job.ledger.event(held.kind, held.start, held.end, step=state.step, detail={"reason": held.reason})
-            due = ((ck.every_steps and state.step % ck.every_steps == 0)
-                   or (interval and time.monotonic() - last_save_time >= interval)
-                   or state.step == r.train.max_steps or stop.requested or early
-                   or (improved and ck.keep_best))  # the best held-out loss so far: keep it
-            stopping, due = world.any(stop.requested, due)  # the ranks agree: stop and save at one step
-            if due:
+            record.pause(pauses.check())  # the service asked: wait here, keep the process
+            due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
+            stopping, save = world.any(stop.requested, due is not None)  # the ranks agree: stop and save at one step
+            if save:
                 watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
-                blocked = save_checkpoint(job, metrics, result.loss)
-                scalars.flush()  # the other sinks hold at least what the checkpoint holds
+                blocked = save_checkpoint(job, record.metrics, result.loss)
                 watchdog.beat(state.step, None)
-                job.ledger.phases(job.phase_totals, state.step)
-                last_save_time = time.monotonic()
-                if ck.every_seconds == "auto":  # δ = what this checkpoint cost the training thread
-                    interval = daly(max(blocked, 1e-3), job.mtbf_seconds)
+                record.checkpointed()
+                last = LastSave(time.monotonic(), blocked)  # what it cost: EveryAuto's next interval
     finally:
         watchdog.stop()
         stop.restore()
-        metrics.close()
-        scalars.close(state.step == r.train.max_steps or early)
+        record.close(completed=state.step == r.train.max_steps or early)
         data.close()
-        t0 = time.time()
-        try:
-            job.writer.wait()  # a pending persist completes before the process goes, on every path
-        except EmberError as e:
-            failed_save(job, str(e), space=getattr(e, "disk_full", False))  # within the budget: go on
-        job.ledger.event("checkpoint", t0, time.time(), step=state.step, detail={"flush": True})
-        record_persisted(job)
-    job.ledger.phases(job.phase_totals, state.step)
-    if world.distributed:  # every rank's figures to rank 0, for `ember report`
-        mine = ranks.figures(world.rank, step_seconds, attempt_tokens // world.size, job.phase_totals)
-        everyone = world.gather(mine)
-        if world.main:
-            ranks.save(job.run.path, ranks.summarize(job.run.attempt, everyone))
+        settle_saves(job)  # a pending persist completes before the process goes, on every path
+    record.attempt_end()
     if stopping:
-        cause = stop.signal_name or "a signal to another rank"
-        job.ledger.finish("interrupted", cause)
-        newest = CheckpointStore.newest_step(job.store.root)
-        job.events.info(f"{cause}: newest committed checkpoint is step {newest} (stopped "
-                        f"at step {state.step}); run the same command to resume", step=state.step,
-                        newest_checkpoint=newest)
+        record.interrupted(stop.signal_name or "a signal to another rank")
         return EXIT_INTERRUPTED
+    return complete(job, record)
+
+
+def complete(job: Job, record: RunRecorder) -> int:
+    """Write the final weights and mark the run completed (rank 0; every rank gathers them
+    under FSDP). A run whose steps learned no token is refused instead."""
+    r, state, world = job.recipe, job.state, job.world
     if state.tokens_seen == 0:  # every step was empty (the guard warned at each): nothing was trained
         raise EmberError(f"no step of this run learned a token: all {state.step} held none in their rows "
                          f"(see the warnings above); the run is not completed. Raise [data] seq_len or set "
@@ -209,15 +165,10 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
     if not world.main:
         return EXIT_OK
     final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights))
-    job.ledger.event("final_save", t0, time.time(), step=state.step)
+    record.final_saved(t0)
     why = early_stop_reason(state, r.eval.patience) if state.step < r.train.max_steps else None
     job.run.mark_completed(state.step, why)
-    job.ledger.finish("completed", why or "")
-    if why:
-        job.events.info(f"{why}; `ember export {job.run.path} --checkpoint best` exports step "
-                        f"{state.best_step}", step=state.step, best_step=state.best_step)
-    job.events.info(f"final weights written to {final}", final=str(final), tokens=attempt_tokens,
-                    seconds=attempt_seconds)
+    record.completed(final, why)
     return EXIT_OK
 
 
@@ -230,7 +181,7 @@ def evaluate(job: Job, evaluator: Evaluator) -> dict[str, Any]:
         generated = evaluator.generate(step) if job.world.main else []
     if job.world.main:
         evaluator.save(result, generated)
-    job.ledger.event("evaluation", t0, time.time(), step=step)
+    job.ledger.event(EventKind.EVALUATION, t0, time.time(), step=step)
     if result.loss is None:  # a loss over no token is no figure: none is written
         job.events.info(f"step {step}: held-out loss: no tokens (its {result.rows} rows hold no learned token; "
                         f"{result.seconds:.2f} s)", step=step)
@@ -268,26 +219,6 @@ def early_stop_reason(state: RunState, patience: int) -> str:
             f"evaluations in a row ([eval] patience = {patience}); {best}")
 
 
-def open_scalars(job: Job, step: int) -> Scalars:
-    """The [log] sinks of rank 0 (rank 0 writes the run's figures); none elsewhere."""
-    if not job.world.main:
-        return Scalars([])
-    return open_sinks(job.recipe.log, job.run.path, job.run.record["id"], job.run.attempt, step)
-
-
-class NoMetrics:
-    """Stands in for the metrics log on the ranks that do not write the run folder."""
-
-    def append(self, record: dict[str, Any]) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trained weights whole, on every rank (FSDP gathers its shards), for the final save."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -300,14 +231,6 @@ def release_cached_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-def initial_interval(job: Job) -> float:
-    """Seconds between time-based checkpoints until the first one is measured. "auto" starts from
-    Daly's interval for a checkpoint of the plan's assumed cost (1 s), so a run with every_steps
-    = 0 still checkpoints before its end; each save then sets it from its measured cost."""
-    every = job.recipe.checkpoint.every_seconds
-    return daly(1.0, job.mtbf_seconds) if every == "auto" else every
 
 
 def train_step(job: Steppable, data: Data) -> StepResult:
@@ -425,7 +348,7 @@ def described(bad: dict[str, Any], grad_norm: float | None = None) -> str:
     return f"{bad['why']} (loss {bad['loss']:.4g}, grad norm {grad_norm:.4g})"
 
 
-def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> tuple[MetricsLog, Data]:
+def rollback(job: Job, record: RunRecorder, data: Data, result: StepResult) -> Data:
     """Back to the newest committed checkpoint; never train on this step's batches; scale the lr."""
     state, g = job.state, job.recipe.guard
     job.writer.wait()
@@ -439,7 +362,7 @@ def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> t
         raise EmberError(f"{keep['bad_streak']} bad steps in a row ([guard] max_bad_steps); the last: "
                          f"a loss spike {result.loss:.4g} at step {state.step + 1}, batches {result.batches}")
     data.close()
-    metrics.close()
+    record.metrics.close()  # metrics.jsonl is rewound below
     ckpt = job.store.load_latest(job.events.warn)
     if ckpt is None:
         raise EmberError(f"loss spike at step {state.step + 1} (batches {result.batches}) and no "
@@ -453,4 +376,5 @@ def rollback(job: Job, metrics: MetricsLog, data: Data, result: StepResult) -> t
     job.events.warn(f"loss spike at step {state.step + 1} ({result.loss:.4g}): rolled back to "
                     f"step {job.state.step}, {lost} steps to recompute, batches {result.batches} skipped, "
                     f"learning rate x{job.state.lr_scale:g}", step=job.state.step)
-    return MetricsLog(job.run.metrics_path), Data(job)
+    record.reopen()
+    return Data(job)

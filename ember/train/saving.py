@@ -12,6 +12,7 @@ from ember.ckpt import contents
 from ember.ckpt.sharded import own_files, write_sharded
 from ember.ckpt.store import MANIFEST
 from ember.errors import EmberError
+from ember.ledger.goodput import EventKind
 from ember.train.job import Job
 from ember.runfolder import MetricsLog
 
@@ -44,7 +45,7 @@ def save_checkpoint(job: Job, metrics: MetricsLog, loss: float) -> float:
                                           "recipe_digest": s.recipe_digest, "attempt": job.run.attempt,
                                           "best_step": best_step(job)}, blocked=t1 - t0)
     t2 = time.time()  # synchronous checkpoints were persisted inside submit()
-    job.ledger.event("checkpoint", t0, t2, step=s.step, detail={"background": job.writer.background})
+    job.ledger.event(EventKind.CHECKPOINT, t0, t2, step=s.step, detail={"background": job.writer.background})
     return t2 - t0
 
 
@@ -65,7 +66,7 @@ def save_sharded(job: Job, metrics: MetricsLog, loss: float) -> float:
         s.step, lambda folder: write_sharded(folder, job.model, job.optimizer, job.scheduler, job.scaler, s, world),
         lambda folder: own_files(folder, world), meta, world)
     t1 = time.time()
-    job.ledger.event("checkpoint", t0, t1, step=s.step, detail={"background": False, "ranks": world.size})
+    job.ledger.event(EventKind.CHECKPOINT, t0, t1, step=s.step, detail={"background": False, "ranks": world.size})
     if ck is not None:  # rank 0
         size = sum(f["bytes"] for f in ck.manifest["files"].values())
         job.ledger.checkpoint(ck.step, str(ck.path), size, blocked=t1 - t0, durable=t1 - t0)
@@ -126,3 +127,15 @@ def record_persisted(job: Job) -> None:
         job.events.emit("checkpoint", f"checkpoint {ck.path.name} committed ({size / 1e6:.1f} MB, training "
                         f"blocked {p.blocked:.2f} s, durable after {durable:.2f} s)", step=ck.step,
                         path=str(ck.path), bytes=size, blocked_seconds=p.blocked, durable_seconds=durable)
+
+
+def settle_saves(job: Job) -> None:
+    """Wait for a pending persist before the process goes, on every path (a failed one within
+    the loss budget is a warning); its ledger rows. The wait is checkpoint time."""
+    t0 = time.time()
+    try:
+        job.writer.wait()
+    except EmberError as e:
+        failed_save(job, str(e), space=getattr(e, "disk_full", False))  # within the budget: go on
+    job.ledger.event(EventKind.CHECKPOINT, t0, time.time(), step=job.state.step, detail={"flush": True})
+    record_persisted(job)

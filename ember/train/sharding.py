@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ember.errors import EmberError
-from ember.recipe import Recipe
+from ember.recipe import Recipe, Strategy
 from ember.world import World
 
 
@@ -24,10 +24,10 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
     """What a recipe must satisfy to train on `ranks` processes; raises with the fix."""
     t = recipe.train
     s = recipe.distributed.strategy
-    if s in ("tp", "fsdp+tp") and recipe.method.kind == "lora":
+    if s in (Strategy.TP, Strategy.FSDP_TP) and recipe.method.kind == "lora":
         raise EmberError(f"{where}: [distributed] strategy = '{s}' splits the base model's projections, "
                          f"which LoRA wraps; use strategy 'ddp' or 'fsdp' for LoRA")
-    if s == "fsdp+tp" and (ranks % recipe.distributed.tp_size or ranks == recipe.distributed.tp_size):
+    if s == Strategy.FSDP_TP and (ranks % recipe.distributed.tp_size or ranks == recipe.distributed.tp_size):
         raise EmberError(f"{where}: [distributed] strategy = 'fsdp+tp' with tp_size = {recipe.distributed.tp_size} "
                          f"needs a multiple of {recipe.distributed.tp_size} ranks, at least "
                          f"{2 * recipe.distributed.tp_size}; got {ranks}")
@@ -46,11 +46,11 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
     if recipe.guard.spike_action == "rollback":
         raise EmberError(f"{where}: [guard] spike_action = 'rollback' is not available in a distributed run "
                          f"yet; use 'skip' or 'warn'")
-    if s != "ddp" and recipe.eval.prompts:
+    if s != Strategy.DDP and recipe.eval.prompts:
         raise EmberError(f"{where}: [eval] prompts with [distributed] strategy = '{s}': generating needs the "
                          f"whole model in one process; use strategy 'ddp', or leave prompts out (the held-out "
                          f"loss works under every strategy)")
-    if s == "fsdp" and recipe.method.kind == "lora" and recipe.method.export_merged:
+    if s == Strategy.FSDP and recipe.method.kind == "lora" and recipe.method.export_merged:
         raise EmberError(f"{where}: [method] export_merged with [distributed] strategy = 'fsdp': the merge "
                          f"needs the whole model in one process; export it afterwards from the final "
                          f"adapter, or use strategy 'ddp'")
@@ -60,7 +60,7 @@ def parallelize(model: nn.Module, recipe: Recipe, world: World, device: torch.de
     """The model the loop trains: wrapped for the recipe's strategy when there are several ranks."""
     if not world.distributed:
         return model
-    if recipe.distributed.strategy == "ddp":
+    if recipe.distributed.strategy == Strategy.DDP:
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
@@ -70,9 +70,9 @@ def parallelize(model: nn.Module, recipe: Recipe, world: World, device: torch.de
     if not layers:
         raise EmberError(f"[distributed] strategy = '{strategy}': {type(model).__name__} has no decoder layers "
                          f"(modules named *DecoderLayer); use strategy 'ddp'")
-    if strategy == "tp":
+    if strategy == Strategy.TP:
         return tensor_parallel(model, layers, init_device_mesh(device.type, (world.size,)))
-    if strategy == "fsdp":
+    if strategy == Strategy.FSDP:
         mesh = None  # the default group: every rank
     else:  # fsdp+tp: tensor parallel inside groups of tp ranks, FSDP across the groups
         # Gathering a 2-D-sharded tensor whole (the final weights) takes two all-gathers, and
@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, recipe: Recipe, world: World, device: torch.de
 def tp_degree(recipe: Recipe, ranks: int) -> int:
     """Ranks per tensor-parallel group: all of them for 'tp', [distributed] tp_size for 'fsdp+tp'."""
     s = recipe.distributed.strategy
-    return ranks if s == "tp" else recipe.distributed.tp_size if s == "fsdp+tp" else 1
+    return ranks if s == Strategy.TP else recipe.distributed.tp_size if s == Strategy.FSDP_TP else 1
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

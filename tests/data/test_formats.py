@@ -14,9 +14,9 @@ from transformers import LlamaForCausalLM
 from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.models import BYTE_EOS, tiny_config
-from ember.recipe import DataConfig, EvalConfig
+from ember.recipe import DataConfig, DataFormat, EvalConfig
 from ember.data.loader import PackedBatches, data_fingerprint, eval_tokens, held_out, resolve_packing, tokenize
-from ember.data.formats import encode
+from ember.data.formats import FORMATS, detect, encode, run_format
 from ember.train.model import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -326,3 +326,18 @@ def test_the_held_out_split_never_changes_when_files_are_appended(tmp_path):
     assert eval_a == {r["text"] for r in held}
     assert eval_a <= eval_b and not (eval_b & docs(more))  # no held-out document is in training
     assert not (eval_a & docs(path))
+
+
+def test_formats_are_a_strenum_that_keeps_the_token_cache_and_its_info(tmp_path):
+    """detect() and run_format() say DataFormat, equal to the strings info.json and older
+    caches hold; a recipe's DataFormat finds the same token cache its string did."""
+    assert detect(CHAT, "text") is DataFormat.CHAT and detect({"text": "a"}, "text") is DataFormat.TEXT
+    assert detect({"prompt": "a", "completion": "b"}, "text") == "completion"
+    assert run_format({"a": DataFormat.CHAT, "b": "completion"}) is DataFormat.CHAT
+    assert list(FORMATS) == ["text", "chat", "completion"]
+    (tmp_path / "c.jsonl").write_text(json.dumps(CHAT) + "\n")
+    by_enum = DataConfig(files=[str(tmp_path / "c.jsonl")], format=DataFormat.CHAT)
+    by_string = DataConfig(files=[str(tmp_path / "c.jsonl")], format="chat")
+    path = tokenize(by_enum, TOK, data_fingerprint(by_enum.files, TOK))
+    assert tokenize(by_string, TOK, data_fingerprint(by_string.files, TOK)) == path
+    assert json.loads((path.parent.parent / "info.json").read_text())["format"] == "chat"

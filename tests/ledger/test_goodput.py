@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.ledger.goodput import BUCKETS, Event, Span, Step, account
+from ember.ledger.goodput import BUCKETS, Bucket, Event, EventKind, Span, Step, account
 
 
 def steps(attempt: int, first: int, last: int, seconds: float, wait: float = 0.0, lost: bool = False):
@@ -53,3 +53,15 @@ def test_pauses_and_evaluation_have_their_own_buckets():
                 [Event(1, "startup", 0.0, 1.0), Event(1, "pause", 3.0, 6.0),
                  Event(1, "evaluation", 7.0, 8.0)], steps(1, 1, 4, 1.0))
     assert (g.buckets["paused"], g.buckets["evaluation"], g.buckets["other"]) == (3.0, 1.0, 1.0)
+
+
+def test_bucket_and_event_names_are_the_stored_strings():
+    """The ledger and the reports hold these names: the StrEnums are those strings."""
+    assert BUCKETS == ("productive", "data_loading", "program_startup", "checkpoint_restore", "checkpoint_save",
+                       "evaluation", "wasted_progress", "paused", "paused_for_inference", "other")
+    assert [str(k) for k in EventKind] == ["startup", "restore", "checkpoint", "final_save", "evaluation",
+                                           "pause", "pause_inference"]
+    # events read back from SQLite are plain strings: they land in the same buckets
+    g = account([Span(1, 0.0, 10.0)], [Event(1, "final_save", 1.0, 3.0), Event(1, EventKind.PAUSE, 3.0, 4.0)], [])
+    assert g.buckets[Bucket.CHECKPOINT_SAVE] == g.buckets["checkpoint_save"] == 2.0
+    assert g.buckets["paused"] == 1.0 and g.buckets[Bucket.OTHER] == 7.0
