@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ember.errors import EmberError
+from ember.parallel.registry import STRATEGIES, summaries
+
+StrategyName = Literal[tuple(STRATEGIES)]  # ember/parallel/registry.py: the strategies ember runs
 
 
 def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
@@ -229,15 +232,12 @@ class PlanConfig:
 
 @dataclass
 class DistributedConfig:
-    strategy: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = setting(
+    strategy: StrategyName = setting(
         "ddp", "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
-        "'ddp' replicates the model and averages gradients; 'fsdp' (FSDP2, fully_shard) shards "
-        "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
-        "and MLP projections over the ranks (full fine-tuning; keep it within one node). "
-        "[train] micro_batch x grad_accum stays the global batch: with ddp and fsdp each rank "
-        "takes grad_accum / ranks of the micro-batches (or, when grad_accum is not a multiple of "
-        "the ranks, an equal slice of each micro-batch's rows), with tp every rank computes all of them; "
-        "'fsdp+tp' is the 2-D mesh: tp inside groups of tp_size ranks, fsdp across the groups.")
+        f"{summaries()}. [train] micro_batch x grad_accum stays the global batch: the data-parallel "
+        "ranks share it out, each taking grad_accum / ranks of the micro-batches (or, when grad_accum "
+        "is not a multiple of the ranks, an equal slice of each micro-batch's rows); the ranks of a "
+        "tensor-parallel group compute the same ones (under 'tp', every rank computes all of them).")
     tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
                            "within one node).", min=2)
     timeout_seconds: float = setting(300.0, "A collective (gradient all-reduce, the stop agreement, "

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 
 LAYERS = [
     {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "control", "world"},  # base
-    {"recipe", "models"},
+    {"recipe", "models", "parallel"},  # parallel: the strategies' descriptions, which the recipe names
     {"ckpt", "ledger", "metrics", "runfolder"},
     {"data", "train", "plan", "policy", "infer"},
     {"doctor", "launch", "ranks", "supervise", "sched", "remote"},
