@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from ember.config import Source, build_file, read_toml, reference, rows, setting, to_toml, toml_key
 from ember.errors import EmberError
+from ember.parallel.registry import STRATEGIES, summaries
+
 
 
 @dataclass
@@ -225,25 +227,19 @@ class PlanConfig:
                                  max=1, exclusive_min=True)
 
 
-class Strategy(StrEnum):
-    """How the ranks of a distributed run split the work (ember.train.sharding)."""
-    DDP = "ddp"
-    FSDP = "fsdp"
-    TP = "tp"
-    FSDP_TP = "fsdp+tp"
+# How the ranks of a distributed run split the work: one member per strategy of the registry
+# (ember/parallel/registry.py), named like it ('fsdp+tp' is FSDP_TP).
+Strategy = StrEnum("Strategy", {name.upper().replace("+", "_"): name for name in STRATEGIES})
 
 
 @dataclass
 class DistributedConfig:
     strategy: Strategy = setting(
         Strategy.DDP, "How ranks split the work when `ember run --nproc N` (or --nnodes) starts several: "
-        "'ddp' replicates the model and averages gradients; 'fsdp' (FSDP2, fully_shard) shards "
-        "parameters, gradients and optimizer state; 'tp' splits every decoder layer's attention "
-        "and MLP projections over the ranks (full fine-tuning; keep it within one node). "
-        "[train] micro_batch x grad_accum stays the global batch: with ddp and fsdp each rank "
-        "takes grad_accum / ranks of the micro-batches (or, when grad_accum is not a multiple of "
-        "the ranks, an equal slice of each micro-batch's rows), with tp every rank computes all of them; "
-        "'fsdp+tp' is the 2-D mesh: tp inside groups of tp_size ranks, fsdp across the groups.")
+        f"{summaries()}. [train] micro_batch x grad_accum stays the global batch: the data-parallel "
+        "ranks share it out, each taking grad_accum / ranks of the micro-batches (or, when grad_accum "
+        "is not a multiple of the ranks, an equal slice of each micro-batch's rows); the ranks of a "
+        "tensor-parallel group compute the same ones (under 'tp', every rank computes all of them).")
     tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
                            "within one node).", min=2)
     timeout_seconds: float = setting(300.0, "A collective (gradient all-reduce, the stop agreement, "

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ember"
 LAYERS = [
     {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "hardware", "control",
      "world"},  # base
-    {"config", "recipe", "models"},
+    {"config", "recipe", "models", "parallel"},  # parallel: the strategies' descriptions, which the recipe names
     {"ckpt", "ledger", "metrics", "runfolder", "launchspec"},
     {"data", "train", "plan", "policy", "infer"},
     {"doctor", "launch", "ranks", "supervise", "sched", "remote"},

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ember.cli.render import stderr_events
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
+from ember.parallel.registry import STRATEGIES
 from ember.plan.memory import GiB, MiB
 
 
@@ -75,9 +76,10 @@ def render_parallel(a: Any, out: Console) -> None:
         t.add_row(str(o.devices), o.strategy + mark, f"{o.step_seconds:.3g} s", f"{o.exposed_seconds:.3g} s",
                   _gib(o.memory_bytes) + ("" if o.fits else " (no fit)"), f"{o.efficiency:.0%}")
     out.print(t)
+    *most, last = STRATEGIES
     out.print("step: predicted optimizer step; comm: communication the compute does not hide; memory: per "
               "device at the step's peak; eff.: one device's step / (n x this step); *: advice only "
-              "(ember runs ddp, fsdp, tp and fsdp+tp)", markup=False)
+              f"(ember runs {', '.join(most)} and {last})", markup=False)
     if a.recommended is not None:
         out.print(f"recommended: [bold]{escape(a.recommended.strategy)} on {a.recommended.devices}[/bold]: "
                   + escape("; ".join(a.reasons)))
@@ -132,7 +134,7 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
         render_parallel(p.parallel, out)
     else:
         out.print("parallelism: no interconnect measured from this machine; `ember doctor --comm` measures it "
-                  "and then this plan compares DDP, FSDP, TP and pipeline layouts", markup=False)
+                  f"and then this plan compares {', '.join(STRATEGIES)} and pipeline layouts", markup=False)
     for n in p.notes:
         out.print(f"note: {n}", markup=False)
 

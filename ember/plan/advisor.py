@@ -2,24 +2,13 @@
 measured, and a one-device step time, the memory per device and the step time of each strategy
 at 1, 2, 4 and 8 devices, and one recommendation with its reasons.
 
-Collectives (the bus-bandwidth model of nccl-tests): a ring collective over n ranks takes
-`hops` latency-bound steps and moves `share` x the tensor's bytes over each rank's link:
+A collective's cost is the ring model of ember/parallel/collectives.py (hops x latency + share x
+bytes / bandwidth), with latency and bandwidth fitted here (`fit`) to the sizes measured. Each
+strategy ember runs (ember.parallel.registry) prices its step and its memory per device itself,
+its module's docstring says how; one more layout is advice only:
 
-    all-reduce       hops 2(n-1)   share 2(n-1)/n
-    all-gather       hops (n-1)    share (n-1)/n    (bytes: the whole gathered tensor)
-    reduce-scatter   hops (n-1)    share (n-1)/n    (bytes: the whole tensor before scattering)
-
-so seconds = hops x latency + share x bytes / bandwidth, with latency and bandwidth fitted to
-the measured sizes. Each strategy's bytes per optimizer step (A micro-batches, n ranks):
-
-    ddp        one all-reduce of the gradients (accumulation syncs only the last micro-batch)
-    fsdp       per micro-batch an all-gather of the weights in forward and again in backward
-               (FSDP2 reshards after forward), one reduce-scatter of the gradients
-    tp         per micro-batch and layer, two all-reduces of the activations forward and two
-               backward; every rank computes every micro-batch, its share of each layer
-    pp         advice only: the bubble (p-1)/(m+p-1) and one send of the activations per
-               stage boundary and micro-batch, each way
-    fsdp+tp    tp inside pairs of ranks, fsdp across the pairs (n >= 4)
+    pp         the bubble (p-1)/(m+p-1) and one send of the activations per stage boundary
+               and micro-batch, each way
 
 Compute splits n ways (TP splits the layers' matmuls; the embeddings and head stay whole on
 every rank). Communication hides behind the backward pass only where the device computes while
@@ -32,44 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.parallel.collectives import Interconnect, Link, collective_seconds, hops_share
+from ember.parallel.registry import STRATEGIES
+from ember.parallel.strategy import Footprint, Ranks, Step
 from ember.plan.memory import Breakdown, ModelShape, TrainShape
 
-STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp", "pp")
 DEVICE_COUNTS = (1, 2, 4, 8)
 MIN_EFFICIENCY = 0.6   # below this, the extra devices mostly wait on the network
-BACKWARD_SHARE = 2 / 3  # of a step's compute (backward costs about twice forward)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One collective's fitted cost on the measured interconnect."""
-    latency: float     # seconds per ring hop
-    bandwidth: float   # bytes/s over each rank's link (bus bandwidth)
-
-
-@dataclass(frozen=True)
-class Interconnect:
-    ranks: int
-    nodes: int
-    backend: str
-    all_reduce: Link
-    all_gather: Link
-    reduce_scatter: Link
-    measured: str = ""   # when and where (for the reasons)
-
-
-def hops_share(kind: str, n: int) -> tuple[int, float]:
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    return n - 1, (n - 1) / n
-
-
-def collective_seconds(link: Link, kind: str, nbytes: float, n: int) -> float:
-    """Seconds for one ring collective of `nbytes` over n ranks (0 for one rank)."""
-    if n <= 1:
-        return 0.0
-    hops, share = hops_share(kind, n)
-    return hops * link.latency + share * nbytes / link.bandwidth
 
 
 def fit(kind: str, n: int, sizes: list[int], seconds: list[float]) -> Link:
@@ -117,15 +75,14 @@ def tp_share(m: ModelShape) -> float:
 
 def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float,
                ic: Interconnect, free: int, overlap: bool, slots: int | None = None) -> list[Option]:
-    """Every strategy at n devices (see the module docstring). `slots`: how many ranks can
-    compute at once (CPU ranks on one machine share its cores); None for accelerators."""
+    """Every strategy at n devices, and pipeline parallelism as advice (see the module docstring).
+    `slots`: how many ranks can compute at once (CPU ranks on one machine share its cores); None
+    for accelerators."""
     weights = m.params() * 4  # fp32 master weights (autocast computes in bf16/fp16 from them)
     grads = b.trainable * 4
     state = b.weights + b.gradients + b.optimizer
     act_bytes = t.micro_batch * t.seq_len * m.hidden * (2 if t.autocast else 4)
     busy = n / min(n, slots or n)  # >1 when more ranks than can compute at once share the cores
-    compute = one_step / n * busy
-    hide = BACKWARD_SHARE * compute if overlap else 0.0
     out = []
 
     def add(strategy: str, comp: float, comm: float, hidden: float, memory: float, moved: float,
@@ -138,34 +95,12 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     if n == 1:
         add("one device", one_step, 0.0, 0.0, b.peak, 0.0)
         return out
-    per_rank = max(1, accum // n)
-    ar = collective_seconds(ic.all_reduce, "all_reduce", grads, n)
-    add("ddp", compute, ar, hide, b.peak, hops_share("all_reduce", n)[1] * grads,
-        notes=[] if t.micro_batch * accum % n == 0 else
-        [f"micro_batch x grad_accum = {t.micro_batch * accum} rows do not share out over {n} ranks"])
-    ag = collective_seconds(ic.all_gather, "all_gather", weights, n)
-    rs = collective_seconds(ic.reduce_scatter, "reduce_scatter", grads, n)
-    layer = m.layer_params() * 4
-    fsdp_mem = b.peak - state * (1 - 1 / n) + 2 * layer  # its shard, and two layers gathered at once
-    add("fsdp", compute, 2 * per_rank * ag + rs, hide, fsdp_mem,
-        2 * per_rank * hops_share("all_gather", n)[1] * weights + hops_share("reduce_scatter", n)[1] * grads)
-    f = tp_share(m)
-    tp_comp = one_step * (f / n * busy + (1 - f))
-    tp_ar = 4 * m.layers * accum * collective_seconds(ic.all_reduce, "all_reduce", act_bytes, n)
-    tp_mem = b.peak - state * f * (1 - 1 / n) - b.activations * 0.5 * (1 - 1 / n)
-    add("tp", tp_comp, tp_ar, 0.0, tp_mem, 4 * m.layers * accum * hops_share("all_reduce", n)[1] * act_bytes,
-        notes=["the layers' activations cross the link four times per micro-batch: keep it within one node"])
-    if n >= 4:
-        dp, tp = n // 2, 2
-        comp = one_step * (f / tp + (1 - f)) / dp * busy
-        mb = max(1, accum // dp)
-        comm = (4 * m.layers * mb * collective_seconds(ic.all_reduce, "all_reduce", act_bytes, tp)
-                + 2 * mb * collective_seconds(ic.all_gather, "all_gather", weights / tp, dp)
-                + collective_seconds(ic.reduce_scatter, "reduce_scatter", grads / tp, dp))
-        moved = (4 * m.layers * mb * act_bytes + 2 * mb * hops_share("all_gather", dp)[1] * weights / tp
-                 + hops_share("reduce_scatter", dp)[1] * grads / tp)
-        add("fsdp+tp", comp, comm, 0.0, b.peak - state * (1 - 1 / n) - b.activations * 0.25, moved,
-            notes=["tensor parallel in pairs of ranks (keep a pair within a node), FSDP across the pairs"])
+    fp = Footprint(b.peak, state, b.activations, weights, grads, m.layer_params() * 4, tp_share(m))
+    step = Step(one_step, accum, t.micro_batch, m.layers, act_bytes)
+    ranks = Ranks(n, busy, overlap, ic)
+    for strategy in STRATEGIES.values():
+        if (c := strategy.cost(fp, step, ranks)) is not None:
+            add(strategy.name, c.compute, c.comm, c.hidden, c.memory, c.moved, notes=list(c.notes))
     p, micro = n, accum
     bubble = (p - 1) / (micro + p - 1)
     sends = 2 * (p - 1) * micro * (ic.all_reduce.latency + act_bytes / ic.all_reduce.bandwidth)

@@ -1,0 +1,68 @@
+"""A strategy applied on real ranks: gloo over a file store, each rank applying the strategy to
+the builtin tiny Llama and taking one forward and backward on the batch every rank shares, beside
+the plain model on the same batch. The ranks fork from a server process that imported torch and
+transformers and ran nothing (not from the test process, whose threads a fork would copy
+mid-flight). What comes back, per rank: both losses, the largest difference between a gradient
+(gathered whole) and the plain model's, and how a few parameters are laid out."""
+
+from __future__ import annotations
+
+import copy
+import faulthandler
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HANG_SECONDS = 600  # far beyond the ~15 s a rank takes on two busy cores
+WATCHED = {"q_proj": "model.layers.0.self_attn.q_proj.weight", "o_proj": "model.layers.0.self_attn.o_proj.weight",
+           "embed": "model.embed_tokens.weight"}
+
+
+def layout(p: torch.Tensor) -> dict:
+    """A parameter's kind and, for a DTensor, its mesh's shape and its placements."""
+    if not hasattr(p, "placements"):
+        return {"kind": "Tensor"}
+    return {"kind": "DTensor", "mesh": list(p.device_mesh.shape), "placements": [str(x) for x in p.placements]}
+
+
+def _worker(rank: int, world: int, name: str, tp_size: int, folder: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    from ember.models import tiny_config
+    from ember.parallel.registry import STRATEGIES
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung rank fails the test, with its stack
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        plain = LlamaForCausalLM(tiny_config())
+        model = copy.deepcopy(plain)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        reference = plain(input_ids=ids, labels=ids).loss
+        reference.backward()
+        strategy = STRATEGIES[name]
+        applied = strategy.apply(model, strategy.mesh(world, tp_size), torch.device("cpu"))
+        loss = applied(input_ids=ids, labels=ids).loss
+        loss.backward()
+        inner = getattr(applied, "module", applied)  # DDP wraps; the others change the model in place
+        plains = dict(plain.named_parameters())
+        worst = 0.0
+        for n, p in inner.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            worst = max(worst, float((g - plains[n].grad).abs().max()))
+        params = dict(inner.named_parameters())
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({
+            "wrapper": type(applied).__name__, "loss": loss.item(), "reference": reference.item(),
+            "grad_difference": worst, "layout": {k: layout(params[v]) for k, v in WATCHED.items()}}))
+    finally:
+        dist.destroy_process_group()
+
+
+def apply_on_ranks(name: str, world: int, folder: Path, tp_size: int = 2) -> list[dict]:
+    """Each rank's figures for strategy `name` applied on `world` ranks."""
+    mp.set_forkserver_preload(["transformers", "ember.models", "ember.parallel.registry"])
+    mp.start_processes(_worker, args=(world, name, tp_size, str(folder)), nprocs=world, start_method="forkserver")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]

@@ -1,0 +1,53 @@
+"""Tensor parallelism: every decoder layer's projections split over all the ranks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ember.errors import EmberError
+from ember.parallel.mesh import Mesh
+from ember.parallel.tp import TP, check_dims
+from tests.parallel.figures import FP, STEP, ranks
+from tests.parallel.ranks import apply_on_ranks
+
+
+def test_all_ranks_are_one_group_that_reads_the_same_rows():
+    m = TP().mesh(4, tp_size=2)
+    assert m == Mesh(4, tp=4) and m.dp == 1 and m.dp_rank(3) == 0
+
+
+def test_the_layers_state_and_half_the_activations_split():
+    # 0.8 of the state is the layers'; half the activations are the split projections'
+    assert TP().memory(FP, 2) == pytest.approx(1000 - 600 * 0.8 / 2 - 200 * 0.5 / 2)
+
+
+def test_four_all_reduces_of_the_activations_per_layer_and_micro_batch():
+    c = TP().cost(FP, STEP, ranks(2))
+    # the layers' 0.8 of the compute split 2 ways, the rest whole; 4 x 2 layers x 4 micro-batches
+    # all-reduces of 100 bytes over 2 ranks, 1 s each
+    assert c.compute == pytest.approx(0.8 / 2 + 0.2)
+    assert (c.comm, c.hidden, c.moved) == (32.0, 0.0, 3200.0)
+    assert "keep it within one node" in c.notes[0]
+
+
+def test_heads_and_mlp_width_must_split_evenly():
+    check_dims(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=8), 2)
+    bad = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=12)
+    with pytest.raises(EmberError, match="num_key_value_heads = 3 does not split 2 ways; use 3 ranks per "
+                                         "tensor-parallel group, or strategy 'fsdp'"):
+        check_dims(bad, 2)
+
+
+def test_it_refuses_lora_whose_adapters_wrap_the_projections_it_splits():
+    assert "LoRA wraps" in TP().lora_conflict and not TP().whole_model
+
+
+def test_applied_on_two_ranks_it_splits_the_projections_and_computes_the_plain_models_gradients(tmp_path):
+    for rank in apply_on_ranks("tp", 2, tmp_path):
+        assert rank["layout"]["q_proj"] == {"kind": "DTensor", "mesh": [2], "placements": ["S(0)"]}  # column-wise
+        assert rank["layout"]["o_proj"] == {"kind": "DTensor", "mesh": [2], "placements": ["S(1)"]}  # row-wise
+        assert rank["layout"]["embed"] == {"kind": "Tensor"}  # whole on every rank
+        assert rank["loss"] == pytest.approx(rank["reference"], rel=1e-6)
+        assert rank["grad_difference"] < 1e-6
