@@ -97,6 +97,7 @@ class Dispatcher:
                                    ack["time"])
 
     def _apply(self, job: JobRow, move: Move) -> None:
+        """The scheduler's move, through the state machine (lost to a newer change: nothing)."""
         self.jobs.move(job, move.dst, move.why, **move.fields)
 
     def _steer(self, job: JobRow, s: Steering) -> None:

@@ -23,6 +23,7 @@ decisions). Every verb holds one lock, so the API's threads and the scheduler's 
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 import time
@@ -81,6 +82,7 @@ class Service:
 
     @property
     def rules_status(self) -> owner.RulesStatus:
+        """What the service made of owner.toml: its error, or changes waiting for a restart."""
         return self.watch.status
 
     @property
@@ -89,9 +91,11 @@ class Service:
         return self.yielding.until
 
     def ctl(self, job: JobRow) -> Path:
+        """The job's soft-pause control folder (ember.sched.job_processes)."""
         return self.processes.ctl(job)
 
     def log_path(self, job: JobRow) -> Path:
+        """Where the job's output goes (`ember logs`)."""
         return self.processes.log_path(job)
 
     # ---- the API's verbs ------------------------------------------------------------------
@@ -220,7 +224,7 @@ class Service:
         process is gone from the devices (checkpointed and exited), with how long that took."""
         t0 = time.time()
         with self.lock:
-            self.yielding.set(float("inf") if seconds is None else t0 + seconds)
+            self.yielding.set(math.inf if seconds is None else t0 + seconds)
             self.tick()
         while time.time() - t0 < timeout:
             with self.lock:
