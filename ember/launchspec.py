@@ -13,12 +13,14 @@ by hand (no variable, or the spec of another folder) is a launcher itself. Torch
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.durable import write_durable
 from ember.recipe import Recipe, build_recipe
 
 ENV = "EMBER_LAUNCH_SPEC"
@@ -63,6 +65,12 @@ class LaunchSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def save(self, path: Path) -> Path:
+        """Write the spec to `path` durably (the launcher's, before any process reads it)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_durable(path, json.dumps(self.to_dict(), indent=1))
+        return path
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchSpec:

@@ -111,6 +111,14 @@ class Home:
         """One job's output (`ember logs`)."""
         return self.serve / "jobs" / f"{job}.log"
 
+    def job_launch(self, job: int) -> Path:
+        """What the service launched a job with (ember.launchspec), read by its processes."""
+        return self.serve / "jobs" / f"{job}.launch.json"
+
+    def recipe_snapshot(self, digest: str) -> Path:
+        """A submitted recipe as it was admitted (resolved), by its digest: what the job trains."""
+        return self.serve / "recipes" / f"{digest[:16]}.toml"
+
 
 def home() -> Home:
     """$EMBER_HOME (default ~/.ember), read now: a test or a child may set it."""

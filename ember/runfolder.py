@@ -110,9 +110,7 @@ def completed(path: Path) -> int | None:
 
 def write_launch_spec(out: Path, spec: LaunchSpec) -> Path:
     """Write the spec of this launch into the run folder, durably; returns its path."""
-    path = out / LAUNCH_FILE
-    write_durable(path, json.dumps(spec.to_dict(), indent=1))
-    return path
+    return spec.save(out / LAUNCH_FILE)
 
 
 def inherited_launch_spec(out: Path) -> LaunchSpec | None:

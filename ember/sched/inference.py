@@ -5,7 +5,8 @@ forwarding it and `end` when its last byte is sent. While any request is in flig
 or for [inference] idle_gap_seconds after the last one ends, the jobs on that device are asked
 to soft-pause (ember.control); the request itself never waits for them. The time from a request
 that found training running to every job there acknowledging its pause is the pause latency,
-kept for `/api/stats` and the benchmark.
+kept for `/api/stats` and the benchmark. A request naming one of ember's LoRA runs is never
+forwarded to an upstream engine, which has not loaded its adapter (`adapter_elsewhere`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.infer.runs import BASE, lora_run
 
 
 @dataclass
@@ -43,6 +47,17 @@ class Gate:
             self.in_flight += 1
             self.requests += 1
 
+    def arrive(self, acks: list[dict]) -> None:
+        """A request arrives; `acks`: what each job on the device last acknowledged (ember.control)."""
+        paused = all(a.get("state") == "paused" for a in acks)
+        # Paused already: an earlier request's pause the scheduler has not sampled yet closes now.
+        self.begin(not paused, max((a.get("time", 0.0) for a in acks), default=None) if paused else None)
+
+    def acknowledged(self, acks: list[dict], acked_at: float) -> None:
+        """A job on the device acknowledged a pause at `acked_at`: a sample once all of them did."""
+        if all(a.get("state") == "paused" for a in acks):
+            self.paused(max([a.get("time", acked_at) for a in acks] + [acked_at]))
+
     def end(self) -> None:
         with self.lock:
             self.in_flight = max(0, self.in_flight - 1)
@@ -70,3 +85,19 @@ class Gate:
             return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
         return {"device": self.device, "in_flight": self.in_flight, "requests": self.requests,
                 "pauses": len(xs), "pause_latency_p50": q(0.5), "pause_latency_p99": q(0.99)}
+
+
+def adapter_elsewhere(upstream: str, roots: list[Path], model: object) -> str | None:
+    """Why a /v1 request for `model` cannot go to the `upstream` engine ([inference] upstream):
+    it names one of ember's LoRA runs (under `roots`), which that engine has not loaded and
+    would answer with its base model. None when it may go."""
+    if not upstream or not isinstance(model, str) or model == BASE:
+        return None
+    path = lora_run(roots, model)
+    if path is None:
+        return None
+    return (f"model {model!r} is ember's LoRA run {path}; the upstream engine "
+            f"{upstream} ([inference] upstream) has not loaded its adapter and "
+            f"would answer with its base model. Serve adapters with the built-in engine ([inference] "
+            f"upstream = \"\"), or write the run as a model of its own (`ember export {path} --format "
+            f"gguf`) and load that into the upstream engine")

@@ -197,7 +197,6 @@ def start_attempt(job: Job, resumed: bool, restored_at: float, launch: LaunchSpe
     if world.main:
         lost = run.rewind_metrics(step)
         names = launch.device_names if launch is not None else None
-        names = names or [n for n in os.environ.get("EMBER_JOB_DEVICE_NAMES", "").split(",") if n]
         job.ledger.call(ledger_store.start_attempt, run.attempt, job.started, socket.gethostname(), os.getpid(),
                         ",".join(names) if names else device_label(job.device, world.size), resumed_from,
                         launch.job if launch is not None else None)

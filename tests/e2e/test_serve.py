@@ -20,7 +20,7 @@ import pytest
 
 from ember.ledger.database import connect, events as ledger_events, find_run
 from tests.artifacts import shared
-from tests.helpers import assert_same_result, run_ember, wait_until, write_recipe
+from tests.helpers import assert_same_result, losses, run_ember, wait_until, write_recipe
 from tests.serve_harness import Serve
 
 pytestmark = pytest.mark.e2e
@@ -461,3 +461,26 @@ def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
                 s.output()[:2000]
         finally:
             s.stop()
+
+
+def test_a_recipe_edited_after_submit_trains_as_admitted_and_the_ledger_names_the_job(tmp_path):
+    """The service snapshots the recipe at admission (ember.launchspec): an edit to the file after
+    `ember submit` never reaches the job, which trains what was admitted and planned; the run's
+    attempts name the job and the devices it was given."""
+    recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 4})
+    s = serve(tmp_path, "snap", "sim:1x4MiB").start()
+    try:
+        assert s.cli("yield", "--for", "1h").returncode == 0  # hold while the job queues
+        assert s.cli("submit", str(recipe), "--name", "snap").returncode == 0
+        write_recipe(tmp_path / "recipe", train={"max_steps": 9})  # edited after submit
+        assert s.cli("yield", "--release").returncode == 0
+        job = s.wait(lambda j: j["snap"]["state"] in ("completed", "failed") and j["snap"])
+        assert job["state"] == "completed", s.output()[-3000:]
+        out = tmp_path / "snap" / "runs" / "snap"
+        assert [step for step, _ in losses(out)] == [1, 2, 3, 4]
+        con = sqlite3.connect(tmp_path / "snap" / "ledger.db")
+        attempts = con.execute("SELECT job, devices FROM attempts").fetchall()
+        con.close()
+        assert attempts == [(job["id"], "sim:0")], attempts
+    finally:
+        s.stop()

@@ -36,3 +36,17 @@ def test_one_busy_period_is_one_sample_from_its_first_request():
     assert g.pending == first
     g.paused(first + 0.5)
     assert g.stats()["pauses"] == 1 and g.stats()["pause_latency_p99"] == 0.5
+
+
+def test_a_request_starts_a_sample_only_while_training_and_all_acknowledgements_close_it():
+    """What the service hands the gate: each job's last acknowledgement on the device."""
+    g = Gate(device=0, idle_gap=1.0)
+    g.arrive([{"state": "paused", "time": 5.0}, {"state": "running", "time": 4.0}])  # one still trains
+    assert g.pending is not None
+    g.acknowledged([{"state": "paused", "time": g.pending + 0.5}, {"state": "running"}], g.pending + 0.5)
+    assert g.stats()["pauses"] == 0  # not all of them yet
+    t0 = g.pending
+    g.acknowledged([{"state": "paused", "time": t0 + 0.5}, {"state": "paused", "time": t0 + 0.75}], t0 + 0.5)
+    assert g.stats()["pauses"] == 1 and abs(g.stats()["pause_latency_p50"] - 0.75) < 1e-9
+    g.arrive([])  # nobody on the device: no sample to start
+    assert g.pending is None and g.stats()["requests"] == 2

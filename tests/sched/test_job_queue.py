@@ -1,0 +1,127 @@
+"""The service's jobs in a temporary ledger (ember.sched.job_queue.JobQueue): names and run folders
+that belong to one job, what admission may start, state changes through the state machine,
+requeue and purge refusing what they cannot do; the plan's request, planned once per content."""
+
+from pathlib import Path
+
+import pytest
+
+from ember.errors import BadInput, Conflict, EmberError, NotFound, Refused
+from ember.ledger import job_rows as rows
+from ember.sched.job_queue import JobQueue
+from tests.helpers import write_recipe
+
+REQUEST = {"memory": 1 << 20, "max_steps": 4}
+
+
+@pytest.fixture
+def queue(tmp_path):
+    return JobQueue(tmp_path / "ledger.db")
+
+
+def add(queue: JobQueue, tmp_path: Path, name: str, folder: str | None = None, priority: int = 0):
+    return queue.add(name, tmp_path / "r.toml", tmp_path / "runs" / (folder or name), [], priority, REQUEST)
+
+
+def finish(queue: JobQueue, job, state: str, **fields):
+    """Take a queued job to a final state the way the service does, through the state machine."""
+    if state == "cancelled":
+        return queue.move(job, "cancelled", "cancelled by hand")
+    job = queue.move(job, "starting", "admitted", pid=None)
+    return queue.move(job, state, "ended", **fields)
+
+
+def test_a_job_is_found_by_name_or_number_and_a_name_or_folder_belongs_to_one(queue, tmp_path):
+    a = add(queue, tmp_path, "a")
+    assert queue.find("a") == queue.find(str(a.id)) == a and a.state == "queued"
+    with pytest.raises(NotFound, match="no job 'b'"):
+        queue.find("b")
+    assert queue.name_for(None, tmp_path / "my recipe.toml") == f"my-recipe-{a.id + 1}"
+    with pytest.raises(Conflict, match="job name 'a' is taken"):
+        queue.name_for("a", tmp_path / "r.toml")
+    with pytest.raises(Conflict, match=f"run folder {tmp_path / 'runs' / 'a'} belongs to job a \\(queued\\)"):
+        add(queue, tmp_path, "b", folder="a")
+    finish(queue, a, "failed", cause="exit 1")
+    assert add(queue, tmp_path, "b", folder="a").out == a.out  # a finished job's folder is free again
+
+
+def test_admission_sees_queued_jobs_without_a_hold_and_live_ones(queue, tmp_path):
+    free, held, live = (add(queue, tmp_path, n) for n in ("free", "held", "live"))
+    queue.move(held, "queued", "held by hand", hold="user")
+    queue.move(live, "starting", "admitted", pid=None)
+    assert [j.name for j in queue.queued()] == ["free"]
+    assert [j.name for j in queue.live()] == ["live"]
+    assert [j.name for j in queue.jobs(("queued",))] == ["free", "held"]
+
+
+def test_a_move_goes_through_the_state_machine_and_loses_to_a_newer_change(queue, tmp_path):
+    job = add(queue, tmp_path, "a")
+    with pytest.raises(EmberError, match="cannot go from queued to running"):
+        queue.move(job, "running", "skipped a state")
+    started = queue.move(job, "starting", "admitted", devices=[1])
+    assert (started.state, started.devices) == ("starting", [1])
+    assert queue.move(job, "cancelled", "read before it started") is None  # stale row: nothing changed
+    assert queue.get(job.id).state == "starting"
+    assert [t["to_state"] for t in rows.transitions(queue.con, job.id)] == ["queued", "starting"]
+
+
+def test_requeue_takes_back_failed_and_cancelled_jobs_only(queue, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("")
+    allowed = Path  # every path allowed here
+
+    failed = finish(queue, add(queue, tmp_path, "f"), "failed", cause="exit 1")
+    again = queue.requeue(failed, allowed)
+    assert (again.state, again.hold, again.cause) == ("queued", None, None)
+    with pytest.raises(Conflict, match="job f is queued: only a failed or cancelled job is requeued.*ember resume"):
+        queue.requeue(again, allowed)
+    done = finish(queue, add(queue, tmp_path, "d"), "completed")
+    with pytest.raises(Conflict, match="job d is completed: only a failed or cancelled job is requeued$"):
+        queue.requeue(done, allowed)
+
+    cancelled = finish(queue, add(queue, tmp_path, "c"), "cancelled")
+
+    def refuse(path: str) -> Path:
+        raise Refused(f"recipe {path} is outside the folders the owner allowed")
+    with pytest.raises(Refused):
+        queue.requeue(cancelled, refuse)
+    recipe.unlink()
+    with pytest.raises(NotFound, match="its recipe .* is gone"):
+        queue.requeue(cancelled, allowed)
+    recipe.write_text("")
+    rival = add(queue, tmp_path, "rival", folder="c")
+    with pytest.raises(Conflict, match="belongs to job rival \\(queued\\) now"):
+        queue.requeue(cancelled, allowed)
+    queue.move(rival, "cancelled", "cancelled by hand")
+    assert queue.requeue(cancelled, allowed).state == "queued"
+
+
+def test_purge_chooses_finished_jobs_and_refuses_anything_else(queue, tmp_path):
+    done = finish(queue, add(queue, tmp_path, "done"), "completed")
+    broke = finish(queue, add(queue, tmp_path, "broke"), "failed", cause="exit 1")
+    add(queue, tmp_path, "waiting")
+    assert {j.name for j in queue.finished([], None, None)} == {"done", "broke"}
+    assert [j.name for j in queue.finished([], ["failed"], None)] == ["broke"]
+    assert queue.finished([], None, 3600) == []  # none ended an hour ago
+    assert [j.name for j in queue.finished(["done", "done"], None, None)] == ["done"]
+    with pytest.raises(Conflict, match="job waiting is queued: only finished jobs"):
+        queue.finished(["done", "waiting"], None, None)
+    with pytest.raises(BadInput, match="state 'running'"):
+        queue.finished([], ["running"], None)
+    with pytest.raises(BadInput, match="must be 0 or more"):
+        queue.finished([], None, -1)
+    assert queue.remove(done) and queue.get(done.id) is None
+    assert not queue.remove(done)  # gone already
+    assert rows.transitions(queue.con, done.id)[-1]["to_state"] == "purged"
+    assert queue.get(broke.id).state == "failed"
+
+
+def test_a_recipe_is_planned_once_per_content_and_overrides(queue, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 5})
+    first = queue.request(recipe, [])
+    assert first["max_steps"] == 5 and first["memory"] > 0 and first["count"] == 1
+    assert queue.request(recipe, []) == first and len(queue.plans) == 1  # not planned again
+    changed = queue.request(recipe, ["train.max_steps=7"])
+    assert changed["max_steps"] == 7 and len(queue.plans) == 2
+    # What the job will train is the recipe as submitted, resolved, overrides applied.
+    assert first["recipe"]["train"]["max_steps"] == 5 and changed["recipe"]["train"]["max_steps"] == 7
