@@ -10,6 +10,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.runfolder import completed as run_completed
 from ember.ledger.database import run_attempt_details, run_attempt_outcomes, summary_for_path
 from ember.ledger.job_rows import JobRow
 from ember.ledger.job_states import LOCAL_FINAL as FINAL
@@ -70,12 +71,8 @@ def why_waiting(j: JobRow, held_by: list[str], requested: str | None, inference:
 
 
 def completed(out: Path) -> bool:
-    """Whether the run folder holds a completed run (run.json says so and final/ exists)."""
-    try:
-        record = json.loads((out / "run.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return record.get("completed_step") is not None and (out / "final").is_dir()
+    """Whether the run folder holds a completed run (ember.runfolder.completed)."""
+    return run_completed(out) is not None
 
 
 def _last_metrics(out: Path) -> dict:
