@@ -145,7 +145,7 @@ class RunDir:
         run.lock = acquire(path / LOCK_FILE, f"--out {path}")
         record_path = path / RUN_FILE
         if record_path.is_file():
-            run.record = json.loads(record_path.read_text())
+            run.record = read_record(path)  # unreadable: an EmberError naming it, nothing written
             run._check_identity(events)
             run._check_recipe(recipe, allow_change, events)
         else:

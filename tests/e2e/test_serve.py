@@ -207,11 +207,12 @@ def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
 def test_a_failed_job_requeued_resumes_its_run_ends_bit_identical_and_purge_keeps_the_run(reference):
     """A failed job could only be submitted again, as a new run from step 0, and finished jobs
     piled up in the queue (issue 24, item 12). Here a job trains, is paused (a checkpoint), then
-    fails: its recipe became unreadable. Put back, `ember requeue` resumes the same run from that
+    fails: its run folder's record became unreadable (the recipe itself cannot break it: the job
+    trains the recipe as admitted, ember.launchspec). Put back, `ember requeue` resumes the same run from that
     checkpoint and it ends bit-identical to an uninterrupted run; `ember queue` names its run
     folder and run; `ember queue purge` removes the job, never its run folder or ledger rows."""
     root, recipe = reference
-    mine = root / "requeue-recipe" / "recipe.toml"  # the module's recipe is shared: this one is broken
+    mine = root / "requeue-recipe" / "recipe.toml"  # the module's recipe is shared: this job's own copy
     mine.parent.mkdir(exist_ok=True)
     mine.write_bytes(recipe.read_bytes())
     s = serve(root, "requeue", None).start()
@@ -221,13 +222,14 @@ def test_a_failed_job_requeued_resumes_its_run_ends_bit_identical_and_purge_keep
         s.wait(lambda j: j["j"]["state"] == "running" and j["j"]["step"] >= 3)
         assert s.cli("pause", "j", "--hard").returncode == 0
         s.wait(lambda j: j["j"]["state"] == "queued")
-        mine.write_text("[train\n")  # `ember run` refuses it: the job fails, its checkpoints intact
+        record = (out / "run.json").read_bytes()
+        (out / "run.json").write_text("{")  # `ember run` refuses it: the job fails, its checkpoints intact
         assert s.cli("resume", "j").returncode == 0
         failed = s.wait(lambda j: j["j"]["state"] == "failed" and j["j"])
-        assert failed["cause"].startswith("error:") and str(mine) in failed["cause"], failed
+        assert failed["cause"].startswith("error:") and str(out / "run.json") in failed["cause"], failed
         r = s.cli("resume", "j")  # resume lifts holds; it points to requeue
         assert r.returncode == 1 and "`ember requeue j`" in r.stderr, r.stderr
-        mine.write_bytes(recipe.read_bytes())
+        (out / "run.json").write_bytes(record)
         r = s.cli("requeue", "j")
         assert r.returncode == 0 and "j: queued" in r.stdout and str(out) in r.stdout, (r.stdout, r.stderr)
         s.wait(lambda j: j["j"]["state"] == "completed", timeout=300)
