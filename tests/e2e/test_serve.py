@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from ember.ledger.database import connect, events as ledger_events, find_run
@@ -135,10 +136,18 @@ def test_sigkilled_service_finds_every_job_in_every_state(reference):
         assert s.cli("resume", "held").returncode == 0  # -> starting
         s.wait(lambda j: j["held"]["state"] == "starting", every=0.02)
         s.wait(lambda j: j["run"]["step"] >= 3)
-        assert s.cli("pause", "run", "--hard").returncode == 0  # -> preempting
-        assert s.jobs()["run"]["state"] == "preempting"
-        s.kill()
-        time.sleep(3)  # the preempted job checkpoints and exits while no service watches
+        supervisor = psutil.Process(s.job_pid("run"))
+        trainer = supervisor.children()[0]  # the job's training process, under its supervisor
+        # Stopped, it takes the preemption only once continued: the service dies while the job is
+        # preempting (its supervisor, torch-free, exits at once after the trainer; no race).
+        trainer.suspend()
+        try:
+            assert s.cli("pause", "run", "--hard").returncode == 0  # -> preempting
+            assert s.jobs()["run"]["state"] == "preempting"
+            s.kill()
+        finally:
+            trainer.resume()
+        supervisor.wait(timeout=120)  # the preempted job checkpoints and exits while no service watches
 
         s.start()
         jobs = s.jobs()
