@@ -77,8 +77,8 @@ $(BIN)/.llama-server-installed: $(BIN)/.ember-installed
 # .test-cache/, keyed by the code that builds them (tests/artifacts.py).
 PYTEST := $(BIN)/python -m pytest -q -rs
 test: $(BIN)/.ember-installed $(BIN)/.llama-server-installed
-	$(PYTEST) -n 3 --no-loadscope-reorder -m "not serial" tests
-	$(PYTEST) -m serial tests
+	$(PYTEST) -n 3 --no-loadscope-reorder -m "not serial" --durations=20 tests
+	$(PYTEST) -m serial --durations=5 tests
 
 soak: $(BIN)/.ember-installed
 	$(PYTEST) -n 2 --no-loadscope-reorder -m soak --soak tests

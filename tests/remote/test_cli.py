@@ -9,6 +9,7 @@ import subprocess
 
 from ember.ledger import audit, database as store
 from tests.helpers import GENESIS, ROOT, ember_cmd, run_ember, write_recipe
+from tests.remote.targets import LIMITS, target_toml
 
 
 def test_submit_without_target_goes_to_the_local_service(tmp_path):
@@ -40,20 +41,7 @@ def test_data_register_list_verify(tmp_path):
     assert done.returncode == 1 and "--classification 'secret'" in done.stderr
 
 
-TARGET = """
-[targets.lab]
-kind = "slurm"
-device = "cpu"
-device_hour_price = 1.0
-max_nodes = 1
-max_wall_hours = 1
-max_device_hours = 1
-max_cost_per_job = 1
-max_cost_per_month = 100
-allowed_classifications = ["public"]
-stage_dir = "/scratch/ember"
-"""
-LIMITS = ("--max-wall-hours", "0.5", "--max-device-hours", "0.5", "--max-cost", "0.5", "--max-nodes", "1")
+TARGET = target_toml("lab", "slurm", "/scratch/ember")
 
 
 def test_a_file_of_a_personal_folder_registered_again_as_public_is_refused_for_lab(tmp_path):

@@ -30,6 +30,7 @@ from ember.remote.shell import Shell
 from ember.remote.submit import RemoteRequest, continue_job, submit
 from ember.remote.tracking import cancel_job, job_logs, job_status
 from tests.helpers import GENESIS, assert_same_result, run_ember, wait_until, write_recipe
+from tests.remote.targets import target_toml
 
 
 class ProcessBackend:
@@ -95,19 +96,6 @@ class ProcessBackend:
         return True
 
 
-TARGET = """
-[targets.box]
-kind = "process"
-device = "cpu"
-device_hour_price = 1.0
-max_nodes = 1
-max_wall_hours = 1
-max_device_hours = 1
-max_cost_per_job = 1
-max_cost_per_month = 100
-allowed_classifications = ["public"]
-stage_dir = "{stage}"
-"""
 
 
 @pytest.fixture
@@ -128,7 +116,7 @@ def test_a_second_backend_runs_cancels_and_continues_a_job_through_the_protocol(
     data = tmp_path / "genesis.jsonl"
     data.write_bytes(GENESIS.read_bytes())
     recipe = write_recipe(tmp_path / "project", data={"files": [str(data)]})
-    (tmp_path / "targets.toml").write_text(TARGET.format(stage=tmp_path / "stage"))
+    (tmp_path / "targets.toml").write_text(target_toml("box", "process", tmp_path / "stage"))
     register(tmp_path / "datasets.toml", "genesis", [data], "alice", "CC0-1.0", "public", ["box"], "")
     ledger = tmp_path / "ledger.db"
     req = RemoteRequest(recipe, "box", Limits(0.5, 0.5, 0.5, 1), out=tmp_path / "results", name="job",

@@ -24,25 +24,10 @@ from ember.ledger import remote_rows as remote_rows
 from ember.ledger import database as store
 from ember.policy.registry import register
 from tests.helpers import GENESIS, assert_same_result, run_ember, wait_until, write_recipe
+from tests.remote.targets import LIMITS, target_toml
 
 pytestmark = pytest.mark.e2e
 
-TARGETS = """
-[targets.{name}]
-kind = "slurm"
-device = "cpu"
-device_hour_price = 1.0
-max_nodes = 1
-max_wall_hours = 1
-max_device_hours = 1
-max_cost_per_job = 1
-max_cost_per_month = 100
-allowed_classifications = ["public"]
-stage_dir = "{stage}"
-signal_seconds = {signal}
-allocation_minutes = {allocation}
-"""
-LIMITS = ("--max-wall-hours", "0.5", "--max-device-hours", "0.5", "--max-cost", "0.5", "--max-nodes", "1")
 
 
 @dataclass
@@ -93,8 +78,9 @@ def site(slurm, tmp_path_factory) -> Site:
     recipe = write_recipe(root / "project", data={"files": [str(data)]})
     # 'short': one-minute allocations, warned 10 s before their end (Slurm's warning comes 0-30 s
     # earlier still: its time-limit check runs every ~30 s), so a longer job meets its time limit.
-    (root / "targets.toml").write_text(TARGETS.format(name="local", stage=root / "stage", allocation=0, signal=15)
-                                       + TARGETS.format(name="short", stage=root / "stage", allocation=1, signal=10))
+    (root / "targets.toml").write_text(
+        target_toml("local", "slurm", root / "stage", signal_seconds=15, allocation_minutes=0)
+        + target_toml("short", "slurm", root / "stage", signal_seconds=10, allocation_minutes=1))
     register(root / "datasets.toml", "genesis", [data], "alice", "CC0-1.0", "public", ["local", "short"], "")
     (root / "bin").mkdir()
     wrapper = root / "bin" / "sbatch"
@@ -220,7 +206,7 @@ def test_remote_cancel_checkpoints_and_brings_the_run_back_and_continue_resumes_
 def test_a_failed_sbatch_leaves_no_staged_data(site):
     """sbatch refuses the job (a partition the cluster does not have): its staged folder is removed,
     the job is failed with sbatch's words, and there is nothing to continue."""
-    text = TARGETS.format(name="nopart", stage=site.root / "stage", allocation=0, signal=15) + 'partition = "nosuch"\n'
+    text = target_toml("nopart", "slurm", site.root / "stage", signal_seconds=15, allocation_minutes=0) + 'partition = "nosuch"\n'
     (site.root / "targets.toml").write_text((site.root / "targets.toml").read_text() + text)
     register(site.root / "datasets.toml", "genesis", [site.data], "alice", "CC0-1.0", "public",
              ["local", "short", "nopart"], "")
@@ -257,7 +243,7 @@ def test_a_target_reached_over_ssh(site, sshd):
     """The same job through an SSH target (sshd on 127.0.0.1): every Slurm command, the staging
     and the results' return go through `ssh`; the run comes back bit-identical."""
     options = json.dumps(sshd)
-    text = TARGETS.format(name="ssh", stage=site.root / "stage-ssh", allocation=0, signal=15)
+    text = target_toml("ssh", "slurm", site.root / "stage-ssh", signal_seconds=15, allocation_minutes=0)
     text += f'host = "root@127.0.0.1"\nssh_options = {options}\npython = "{sys.executable}"\n'
     (site.root / "targets.toml").write_text((site.root / "targets.toml").read_text() + text)
     register(site.root / "datasets.toml", "genesis", [site.data], "alice", "CC0-1.0", "public",
