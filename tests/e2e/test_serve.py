@@ -205,8 +205,8 @@ def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
             assert time.monotonic() < deadline, (f"the job is still paused 60 s after its service died "
                                                  f"(step {paused_at}); control.json: {control}")
             time.sleep(0.1)
-        s.start()  # settles the lease it finds and adopts the job
-        assert s.jobs()["t"]["state"] in ("running", "completed")
+        s.start()  # settles the lease it finds and adopts the job, at its first scheduling pass
+        s.wait(lambda j: j["t"]["state"] in ("running", "completed"), timeout=60)
         s.wait(lambda j: j["t"]["state"] == "completed", timeout=300)
         assert_same_result(out, root / "reference")
     finally:
