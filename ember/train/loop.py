@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,8 +91,10 @@ class Data:
         del self.iter  # shuts down loader workers
 
 
-def train(job: Job, stop: StopRequest | None = None) -> int:
-    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code."""
+def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = lambda: False) -> int:
+    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code.
+    `halt()`, asked after each step's progress: leave there without a checkpoint or final weights
+    (a stretch of the loop that `ember doctor` measures; exit 0)."""
     r, state, world = job.recipe, job.state, job.world
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
@@ -129,6 +132,8 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             record.step(result, seconds, held_out)
             guard(job, result, data)
             record.progress(result, seconds)
+            if halt():
+                break
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
             record.pause(pauses.check())  # the service asked: wait here, keep the process
             due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
@@ -145,6 +150,8 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
         record.close(completed=state.step == r.train.max_steps or early)
         data.close()
         settle_saves(job)  # a pending persist completes before the process goes, on every path
+    if halt():
+        return EXIT_OK  # the caller's stretch ended: nothing is saved, the attempt goes on
     record.attempt_end()
     if stopping:
         record.interrupted(stop.signal_name or "a signal to another rank")
