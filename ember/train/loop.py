@@ -92,9 +92,8 @@ class Data:
 
 
 def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = lambda: False) -> int:
-    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code.
-    `halt()`, asked after each step's progress: leave there without a checkpoint or final weights
-    (a stretch of the loop that `ember doctor` measures; exit 0)."""
+    """Run optimizer steps until max_steps or a stop request, checkpoint, return the exit code; or
+    until `halt()`, asked after each step: exit 0 saving nothing (ember doctor's stretches)."""
     r, state, world = job.recipe, job.state, job.world
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
@@ -118,10 +117,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 data = rollback(job, record, data, result)  # the step is not counted
                 state = job.state
                 continue
-            state.step += 1
-            state.tokens_seen += result.tokens
-            state.cursor = data.batches.cursor_after(result.next_k)
-            state.train_seconds += seconds
+            advance(state, result, data, seconds)
             watchdog.beat(state.step, seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
@@ -138,12 +134,9 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
             record.pause(pauses.check())  # the service asked: wait here, keep the process
             due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
             stopping, save = world.any(stop.requested, due is not None)  # the ranks agree: stop and save at one step
-            if save:
-                watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
-                blocked = save_checkpoint(job, record.metrics, result.loss)
-                watchdog.beat(state.step, None)
-                record.checkpointed()
-                last = LastSave(time.monotonic(), blocked)  # what it cost: EveryAuto's next interval
+            if save:  # what it blocked is the next step's part; what it cost, EveryAuto's next interval
+                blocked = checkpoint(job, record, watchdog, result.loss)
+                last = LastSave(time.monotonic(), blocked)
     finally:
         watchdog.stop()
         stop.restore()
@@ -157,6 +150,23 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
         record.interrupted(stop.signal_name or "a signal to another rank")
         return EXIT_INTERRUPTED
     return complete(job, record)
+
+
+def advance(state: RunState, result: StepResult, data: Data, seconds: float) -> None:
+    """The run's state after a counted step: its step, tokens, data cursor and training time."""
+    state.step += 1
+    state.tokens_seen += result.tokens
+    state.cursor = data.batches.cursor_after(result.next_k)
+    state.train_seconds += seconds
+
+
+def checkpoint(job: Job, record: RunRecorder, watchdog: Watchdog, loss: float) -> float:
+    """Save a checkpoint now (all ranks together); the seconds it blocked the training thread."""
+    watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
+    blocked = save_checkpoint(job, record.metrics, loss)
+    watchdog.beat(job.state.step, None)
+    record.checkpointed()
+    return blocked
 
 
 def complete(job: Job, record: RunRecorder) -> int:
