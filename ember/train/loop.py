@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,8 +91,9 @@ class Data:
         del self.iter  # shuts down loader workers
 
 
-def train(job: Job, stop: StopRequest | None = None) -> int:
-    """Run optimizer steps until max_steps or a stop request; checkpoint; return the exit code."""
+def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = lambda: False) -> int:
+    """Run optimizer steps until max_steps or a stop request, checkpoint, return the exit code; or
+    until `halt()`, asked after each step: exit 0 saving nothing (ember doctor's stretches)."""
     r, state, world = job.recipe, job.state, job.world
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
@@ -115,10 +117,7 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
                 data = rollback(job, record, data, result)  # the step is not counted
                 state = job.state
                 continue
-            state.step += 1
-            state.tokens_seen += result.tokens
-            state.cursor = data.batches.cursor_after(result.next_k)
-            state.train_seconds += seconds
+            advance(state, result, data, seconds)
             watchdog.beat(state.step, seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
@@ -129,27 +128,45 @@ def train(job: Job, stop: StopRequest | None = None) -> int:
             record.step(result, seconds, held_out)
             guard(job, result, data)
             record.progress(result, seconds)
+            if halt():
+                break
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
             record.pause(pauses.check())  # the service asked: wait here, keep the process
             due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
             stopping, save = world.any(stop.requested, due is not None)  # the ranks agree: stop and save at one step
-            if save:
-                watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
-                blocked = save_checkpoint(job, record.metrics, result.loss)
-                watchdog.beat(state.step, None)
-                record.checkpointed()
-                last = LastSave(time.monotonic(), blocked)  # what it cost: EveryAuto's next interval
+            if save:  # what it blocked is the next step's part; what it cost, EveryAuto's next interval
+                blocked = checkpoint(job, record, watchdog, result.loss)
+                last = LastSave(time.monotonic(), blocked)
     finally:
         watchdog.stop()
         stop.restore()
         record.close(completed=state.step == r.train.max_steps or early)
         data.close()
         settle_saves(job)  # a pending persist completes before the process goes, on every path
+    if halt():
+        return EXIT_OK  # the caller's stretch ended: nothing is saved, the attempt goes on
     record.attempt_end()
     if stopping:
         record.interrupted(stop.signal_name or "a signal to another rank")
         return EXIT_INTERRUPTED
     return complete(job, record)
+
+
+def advance(state: RunState, result: StepResult, data: Data, seconds: float) -> None:
+    """The run's state after a counted step: its step, tokens, data cursor and training time."""
+    state.step += 1
+    state.tokens_seen += result.tokens
+    state.cursor = data.batches.cursor_after(result.next_k)
+    state.train_seconds += seconds
+
+
+def checkpoint(job: Job, record: RunRecorder, watchdog: Watchdog, loss: float) -> float:
+    """Save a checkpoint now (all ranks together); the seconds it blocked the training thread."""
+    watchdog.relax()  # a checkpoint: bounded by the collectives' timeout
+    blocked = save_checkpoint(job, record.metrics, loss)
+    watchdog.beat(job.state.step, None)
+    record.checkpointed()
+    return blocked
 
 
 def complete(job: Job, record: RunRecorder) -> int:

@@ -43,19 +43,14 @@ class Stretch:
         return self.seen >= self.steps or now + last > self.until
 
 
-class _StretchOver(Exception):
-    """Ends a stretch of train(): see RealLoop."""
-
-
 class RealLoop:
     """The training loop itself on the doctor's job, a stretch at a time.
 
-    train() ends only at max_steps, at a stop request or on an exception, and the first two take
-    a checkpoint (and max_steps the final weights too): a stretch would pay for a checkpoint the
-    recipe never asked for. So the stretch's end, decided by its `Stretch` at the loop's progress
-    event (sent once per iteration right after the step's metrics row), leaves train() as an
-    exception, which train() meets like any failure: its `finally` closes the loader and the
-    metrics and waits for a pending checkpoint. The time between two metrics rows is one whole
+    The stretch's end is decided by its `Stretch` at the loop's progress event (sent once per
+    iteration right after the step's metrics row) and taken by train() as `halt()`, its explicit
+    exit that saves nothing (max_steps and a stop request would take a checkpoint the recipe never
+    asked for): its `finally` closes the loader and the metrics and waits for a pending
+    checkpoint, and it returns. The time between two metrics rows is one whole
     iteration: the bookkeeping after a step, the checkpoint due then (the next row's
     `checkpoint` phase) and the next step; what no phase covers is "other"."""
 
@@ -64,22 +59,20 @@ class RealLoop:
         self.events = Events(self._sink)
         self.job: Job | None = None
         self.stretch = Stretch(0, math.inf)
+        self.halted = False
 
     def _sink(self, e: Event) -> None:
         if e.kind == "warning":
             self.out.emit(e.kind, e.message, **e.data)
         if e.kind == "progress" and self.stretch.over(time.monotonic()):
-            raise _StretchOver
+            self.halted = True
 
     def run(self, steps: int, until: float) -> list[dict[str, Any]]:
         """Up to `steps` iterations of the real loop, none started past `until`; their metrics rows."""
         path = self.job.run.metrics_path
         start = path.stat().st_size if path.exists() else 0
-        self.stretch = Stretch(steps, until, previous=time.monotonic())
-        try:
-            train(self.job)
-        except _StretchOver:
-            pass
+        self.stretch, self.halted = Stretch(steps, until, previous=time.monotonic()), False
+        train(self.job, halt=lambda: self.halted)
         with open(path) as fh:
             fh.seek(start)
             return [json.loads(line) for line in fh.read().splitlines()]
