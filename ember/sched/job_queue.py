@@ -109,7 +109,8 @@ class JobQueue:
 
     def requeue(self, job: JobRow, allowed: Callable[[str], Path]) -> JobRow:
         """Queue a failed or cancelled job again, to resume its run folder's last checkpoint (from
-        the start if it never trained); refused when that cannot resume it. `allowed(path)`: the
+        the start if it never trained) with the recipe it was admitted with (the file itself is
+        not needed); refused when that cannot resume it. `allowed(path)`: the
         recipe's path resolved, or the refusal of a path outside the owner's allowed folders."""
         if job.state not in ("failed", "cancelled"):
             raise Conflict(f"job {job.name} is {job.state}: only a failed or cancelled job is requeued"
@@ -121,7 +122,7 @@ class JobQueue:
             raise NotFound(f"job {job.name}: its run folder {folder} is gone (the ledger's run {run} "
                            f"trained there), so there is nothing to resume; submit the recipe again "
                            f"for a new run: `ember submit {recipe} --name NEW_NAME`")
-        if not recipe.is_file():
+        if "recipe" not in job.request and not recipe.is_file():  # queued before jobs kept their recipe
             raise NotFound(f"job {job.name}: its recipe {recipe} is gone; put it back (the run resumes "
                            f"only with the recipe it trained with) and requeue again")
         busy = self._owner_of(job.out)

@@ -96,6 +96,17 @@ def test_requeue_takes_back_failed_and_cancelled_jobs_only(queue, tmp_path):
     assert queue.requeue(cancelled, allowed).state == "queued"
 
 
+def test_a_job_that_kept_its_admitted_recipe_is_requeued_without_the_file(queue, tmp_path):
+    """The job trains the recipe as admitted (its request keeps it, ember.launchspec): a requeue
+    does not need the file, which may since have been moved or edited."""
+    recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 5})
+    job = queue.add("kept", recipe, tmp_path / "runs" / "kept", [], 0, queue.request(recipe, []))
+    failed = finish(queue, job, "failed", cause="exit 1")
+    recipe.unlink()
+    again = queue.requeue(failed, Path)
+    assert again.state == "queued" and again.request["recipe"]["train"]["max_steps"] == 5
+
+
 def test_purge_chooses_finished_jobs_and_refuses_anything_else(queue, tmp_path):
     done = finish(queue, add(queue, tmp_path, "done"), "completed")
     broke = finish(queue, add(queue, tmp_path, "broke"), "failed", cause="exit 1")
