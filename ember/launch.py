@@ -32,7 +32,7 @@ from ember.metrics.report import RunReport, build_report, summarize
 from ember.plan.memory import GiB
 from ember.ranks import PEER_LOST, Topology, launch
 from ember.recipe import Recipe, load_recipe, to_toml
-from ember.runfolder import LOCK_FILE, RunDir, inherited_launch_spec, is_run_folder, make_folder, write_launch_spec
+from ember.runfolder import LOCK_FILE, RunDir, inherited_launch_spec, make_folder, write_launch_spec
 from ember.supervise import supervise
 from ember.world import launched, lost_peer, tell_launcher
 
@@ -213,17 +213,17 @@ def _record_summary(job) -> RunReport:
 def completed_step(out: Path, recipe: Recipe) -> int | None:
     """The step a run folder completed at, if it completed this very recipe (its max_steps, or
     stopped early by its [eval] patience)."""
-    if not is_run_folder(out) or not (out / "final").is_dir():
-        return None
     try:
-        run = RunDir.read(out)
+        run = RunDir.read(out)  # no run folder, or an unreadable record: not completed
     except EmberError:
         return None
-    done = run.completed_at(recipe.train.max_steps)
+    done = run.completed_at(recipe.train.max_steps)  # None without final/
+    if done is None:
+        return None
     same = run.record.get("recipe_digest") == recipe.digest() or not run.material_changes(recipe)
     # Changed data is not "completed": the run goes on to refuse it, saying what changed.
     same_data = run.record.get("data_files") == data_file_hashes(recipe.data.files)
-    return done if done is not None and same and same_data else None
+    return done if same and same_data else None
 
 
 def check_memory(recipe: Recipe) -> PlannedMemory | None:
