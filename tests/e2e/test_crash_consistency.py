@@ -1,5 +1,5 @@
 """Bounded crash-consistency suite (the long one is bench/crash_soak.py): SIGKILLs at random
-moments and at fault points, 10 in `make test` and 30 in `make soak` (12 power cuts there, 4 here);
+moments and at fault points, 6 in `make test` and 30 in `make soak` (12 power cuts there, 3 here);
 the run still ends bit-for-bit equal to the uninterrupted one."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.helpers import (
 
 RECIPE = {"train": {"max_steps": 3000, "micro_batch": 2}, "data": {"seq_len": 16},
           "checkpoint": {"every_steps": 7, "keep_last": 2}, "schedule": {"kind": "constant"}}
-KILLS, CUTS = (10, 30), (4, 12)  # (make test, make soak)
+KILLS, CUTS = (6, 30), (3, 12)  # (make test, make soak)
 
 
 def baseline() -> Path:
