@@ -9,6 +9,7 @@ One `Service` per machine ($EMBER_HOME/serve/serve.lock), composed of parts each
     OwnerWatch    (owner_watch.py)    owner.toml in force, the machine observed, the holds now
     YieldHold     (yield_hold.py)     `ember yield`, kept across restarts
     Gate          (inference.py)      inference in flight, and its pause latency
+    JobControl    (job_control.py)    the hand's verbs: submit, pause, resume, cancel, requeue, purge
 
 Its state lives in the ledger (jobs, transitions), so a service killed at any moment finds every
 job again at its next start (`recover`): a job whose process still runs is adopted; one whose
@@ -27,35 +28,34 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from ember.errors import BadInput, Conflict, EmberError, Unavailable
+from ember.errors import Unavailable
 from ember.events import Events
 from ember.ledger.database import default_path
 from ember.ledger.job_rows import JobRow
-from ember.paths import check_name, default_run_folder, home
+from ember.paths import home
 from ember.sched import owner_rules as owner
 from ember.sched.inference import Gate, adapter_elsewhere
+from ember.sched.job_control import JobControl
 from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
 from ember.sched.dispatch import Dispatcher
 from ember.sched.job_view import Inference, JobView, last_step, run_goodput, why_waiting
-from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL
+from ember.ledger.job_states import LOCAL_FINAL as FINAL
 from ember.sched.owner_watch import OwnerWatch
 from ember.hardware import Machine, detect
 from ember.sched.scheduler import Scheduler
 from ember.sched.yield_hold import YieldHold
 
 TICK_SECONDS = 0.1
-YIELD_BOUND_SECONDS = 2.0     # a planned step longer than this is reported at submit: pauses wait a step
-SETTLE_SECONDS = 30.0   # a soft pause or resume is answered once the job's process took it, or after this
 
 __all__ = ["JobView", "Service"]
 
 
 class Service:
-    """The queue, the scheduler and the job processes of one machine, behind one lock."""
+    """The queue, the scheduler and the job processes of one machine, behind one lock; the hand's
+    verbs are `control`'s."""
 
     def __init__(self, rules: owner.OwnerRules, devices: str | None, events: Events,
                  ledger: Path | None = None):
@@ -74,6 +74,7 @@ class Service:
         self.gate = Gate(rules.inference.device, rules.inference.idle_gap_seconds)
         self.dispatch = Dispatcher(self.jobs, self.scheduler, self.processes, self.watch, self.yielding,
                                    self.gate, events)
+        self.control = JobControl(self.jobs, self.processes, self.dispatch, self.watch, self.lock, events)
         self.stopping = threading.Event()
 
     @property
@@ -99,127 +100,6 @@ class Service:
         """Where the job's output goes (`ember logs`)."""
         return self.processes.log_path(job)
 
-    # ---- the API's verbs ------------------------------------------------------------------
-
-    def submit(self, recipe: str, name: str | None, priority: int, out: str | None,
-               overrides: list[str]) -> JobRow:
-        """Plan the recipe (in a child: no torch here), refuse what can never fit, queue the rest."""
-        if name is not None:
-            check_name(name)
-        recipe_path = self.watch.allowed(recipe, "recipe")
-        if not recipe_path.is_file():
-            raise BadInput(f"recipe {recipe_path}: no such file")
-        if not -1000 <= priority <= 1000:
-            raise BadInput(f"priority {priority}: must be between -1000 and 1000")
-        request = self.jobs.request(recipe_path, overrides)
-        room = max(self.dispatch.capacity(d) for d in self.machine.devices)
-        if request["memory"] > room:
-            raise EmberError(f"{recipe_path}: can never fit here: its plan needs "
-                             f"{request['memory'] / 2**30:.2f} GiB per device (with margin) and the "
-                             f"largest device offers {room / 2**30:.2f} GiB; `ember plan` says: "
-                             f"{request['verdict']} ({'; '.join(request['reasons'])})")
-        with self.lock:
-            name = self.jobs.name_for(name, recipe_path)
-            folder = self.watch.allowed(out, "run folder") if out else default_run_folder(name)
-            job = self.jobs.add(name, recipe_path, folder, overrides, priority, request)
-        self.events.info(f"job {job.id} {job.name}: queued (priority {priority}, "
-                         f"{request['memory'] / 2**20:.0f} MiB per device)")
-        step = request.get("step_seconds")
-        if step and step > YIELD_BOUND_SECONDS:
-            self.events.warn(f"job {job.name}: its plan predicts {step:.1f} s per optimizer step; training "
-                             f"steps aside for inference and the owner at step boundaries, so a pause can "
-                             f"take that long: fewer micro-batches per step (train.grad_accum) shorten it")
-        return job
-
-    def find(self, ref: str) -> JobRow:
-        """The job named or numbered `ref` (NotFound otherwise)."""
-        return self.jobs.find(ref)
-
-    def pause(self, ref: str, hard: bool) -> JobRow:
-        """Soft: stop at the next step boundary, keep the process. Hard: checkpoint and exit,
-        and stay queued until resumed."""
-        with self.lock:
-            job = self.find(ref)
-            if job.state in FINAL:
-                raise Conflict(f"job {job.name} is {job.state}: nothing to pause")
-            if job.state == "queued" or hard:
-                if job.state in LIVE:
-                    self.dispatch.preempt(job, "paused by hand (hard)", hold="user")
-                else:
-                    job = self.jobs.move(job, "queued", "held by hand", hold="user") or job
-            else:
-                self.jobs.move(job, job.state, "soft pause by hand", pause="user")
-            self.tick()
-        # A hard pause is answered at once (preempting: it checkpoints at its next step, then exits).
-        return self.settled(ref, lambda j: j.state not in ("starting", "running") or j.pause != "user")
-
-    def resume(self, ref: str) -> JobRow:
-        """Lift a hand's pause or hold (or an interruption's); answered once it trains again or
-        something else keeps it paused."""
-        with self.lock:
-            job = self.find(ref)
-            if job.state in FINAL:
-                again = f"; `ember requeue {job.name}` queues it again" if job.state != "completed" else ""
-                raise Conflict(f"job {job.name} is {job.state}: nothing to resume{again}")
-            if job.hold in ("user", "interrupted") or job.pause == "user":
-                self.jobs.move(job, job.state, "resumed by hand", hold=None if job.hold != "cancel" else "cancel",
-                               pause=None)
-            self.tick()
-        # Settled when it trains again, or when something else (the owner's rules, inference) keeps it paused.
-        return self.settled(ref, lambda j: j.state != "soft-paused" or self.processes.requested(j) is not None)
-
-    def cancel(self, ref: str) -> JobRow:
-        """Cancel a job: at once when queued; a live one checkpoints and exits first."""
-        with self.lock:
-            job = self.find(ref)
-            if job.state in FINAL:
-                raise Conflict(f"job {job.name} is already {job.state}")
-            if job.state == "queued":
-                self.jobs.move(job, "cancelled", "cancelled by hand")
-            elif job.state == "preempting":
-                self.jobs.move(job, "preempting", "cancelled by hand", hold="cancel")
-            else:
-                self.dispatch.preempt(job, "cancelled by hand", hold="cancel")
-            return self.find(ref)
-
-    def settled(self, ref: str, done: Callable[[JobRow], bool], timeout: float = SETTLE_SECONDS) -> JobRow:
-        """The job once `done(job)`: its process acknowledged a soft pause or a resume (at a step
-        boundary); as it is after `timeout` (a long step) otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                self.tick()
-                job = self.find(ref)
-            if done(job) or time.monotonic() >= deadline:
-                return job
-            time.sleep(0.05)
-
-    def requeue(self, ref: str) -> JobRow:
-        """Queue a failed or cancelled job again: the same run, resumed from its run folder's last
-        checkpoint (from the start if it never trained)."""
-        with self.lock:
-            # The recipe is checked again: the owner may have narrowed [service] allowed since.
-            job = self.jobs.requeue(self.find(ref), lambda path: self.watch.allowed(path, "recipe"))
-        self.events.info(f"job {job.name}: requeued by hand ({job.state})")
-        return job
-
-    def purge(self, refs: list[str], states: list[str] | None, older_than: float | None,
-              dry_run: bool) -> list[JobView]:
-        """Remove finished jobs from the queue: their rows, logs and control folders, never their
-        run folders or the ledger's runs. `refs`: those jobs (each must be finished), else every
-        finished one; `states` and `older_than` (seconds since it ended) narrow the choice."""
-        with self.lock:
-            chosen = self.jobs.finished(refs, states, older_than)
-            views = [self.view(j) for j in chosen]
-            if dry_run:
-                return views
-            gone = [j for j in chosen if self.jobs.remove(j)]
-            for job in gone:  # the service's own files about the job; its run folder is not touched
-                self.processes.remove_files(job)
-        if gone:
-            self.events.info(f"purged {len(gone)} finished job(s): {', '.join(j.name for j in gone)}")
-        return [v for v in views if v.id in {j.id for j in gone}]
-
     def yield_devices(self, seconds: float | None, timeout: float = 600.0) -> dict:
         """Hold all training for `seconds` (None: until released) and return once every job's
         process is gone from the devices (checkpointed and exited), with how long that took."""
@@ -244,7 +124,7 @@ class Service:
 
     def logs(self, ref: str, offset: int) -> tuple[bytes, int]:
         """Up to 1 MiB of the job's output from `offset`, and the offset after it."""
-        return self.processes.logs(self.find(ref), offset)
+        return self.processes.logs(self.jobs.find(ref), offset)
 
     def queue(self) -> list[JobView]:
         """Every job the queue keeps, as `ember queue` shows it."""

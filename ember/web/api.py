@@ -1,4 +1,4 @@
-"""The service's HTTP API: a thin layer over ember.sched.service.Service.
+"""The service's HTTP API: a thin layer over ember.sched.service.Service (its verbs: `service.control`).
 
     GET  /health                      200 when inference is ready, 503 while it loads (or is off)
     GET  /api/jobs                    the queue
@@ -195,43 +195,45 @@ async def submit(request: Request) -> Any:
             raise BadInput(f"'{key}': {path!r} is relative, and the service cannot know the folder it is "
                            f"relative to; send an absolute path (`ember submit` resolves it against the "
                            f"folder you run it in)")
-    job = await run_in_threadpool(service.submit, data.recipe, data.name, data.priority, data.out, data.overrides)
+    job = await run_in_threadpool(service.control.submit, data.recipe, data.name, data.priority, data.out,
+                                  data.overrides)
     return JSONResponse(asdict(service.view(job)), status_code=201)
 
 
 async def one(ref: str, request: Request) -> Any:
     service = backend(request).service
-    job = await run_in_threadpool(service.find, ref)
+    job = await run_in_threadpool(service.control.find, ref)
     return asdict(service.view(job))
 
 
 async def pause(ref: str, request: Request) -> Any:
     service = backend(request).service
     hard = (await read(request, PauseBody)).hard
-    return asdict(service.view(await run_in_threadpool(service.pause, ref, hard)))
+    return asdict(service.view(await run_in_threadpool(service.control.pause, ref, hard)))
 
 
 async def resume(ref: str, request: Request) -> Any:
     service = backend(request).service
-    return asdict(service.view(await run_in_threadpool(service.resume, ref)))
+    return asdict(service.view(await run_in_threadpool(service.control.resume, ref)))
 
 
 async def cancel(ref: str, request: Request) -> Any:
     service = backend(request).service
-    return asdict(service.view(await run_in_threadpool(service.cancel, ref)))
+    return asdict(service.view(await run_in_threadpool(service.control.cancel, ref)))
 
 
 async def requeue(ref: str, request: Request) -> Any:
     service = backend(request).service
-    return asdict(service.view(await run_in_threadpool(service.requeue, ref)))
+    return asdict(service.view(await run_in_threadpool(service.control.requeue, ref)))
 
 
 async def purge(request: Request) -> Any:
     service = backend(request).service
     data = await read(request, PurgeBody)
-    removed = await run_in_threadpool(service.purge, [str(r) for r in data.jobs], data.states,
+    removed = await run_in_threadpool(service.control.purge, [str(r) for r in data.jobs], data.states,
                                       data.older_than_seconds, data.dry_run)
-    return {"removed": [asdict(v) for v in removed], "dry_run": data.dry_run}
+    views = await run_in_threadpool(lambda: [asdict(service.view(j)) for j in removed])
+    return {"removed": views, "dry_run": data.dry_run}
 
 
 async def logs(ref: str, request: Request, offset: int = 0) -> Any:

@@ -217,7 +217,7 @@ def test_explain_says_why_each_waiting_job_waits(service):
     gib = 2**30
     rows.insert(service.con, "big", "/x.toml", "/tmp/big", [], 0, {"memory": 4 * gib}, "queued")
     rows.insert(service.con, "held", "/x.toml", "/tmp/held", [], 5, {"memory": 4 * gib}, "queued")
-    service.pause("held", hard=True)  # also one scheduling pass
+    service.control.pause("held", hard=True)  # also one scheduling pass
     why = {row["job"]: row["waiting"] for row in service.explain()}
     assert why["held"] == ["held by hand (a hard pause): `ember resume held` lets it start again"]
     (big,) = why["big"]
@@ -450,7 +450,7 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     shutil.rmtree(allowed / "runs" / "gone")
     never = rows.insert(service.con, "never", str(recipe), str(allowed / "runs" / "never"), [], 0, {"memory": 1},
                         "queued")
-    service.cancel("never")
+    service.control.cancel("never")
     done = finished(service, "done", "completed", allowed / "runs" / "done", str(recipe))
     c = client(service)
     for ref, status, says in (("gone", 404, "its run folder " + str(allowed / "runs" / "gone") + " is gone"),
@@ -478,7 +478,7 @@ def test_requeue_takes_back_a_failed_or_cancelled_job_and_refuses_what_it_cannot
     assert rows.get(service.con, rival.id).state == "cancelled"
     r = c.post("/api/jobs/done/resume", headers=AUTH)
     assert r.status_code == 409 and "requeue" not in r.json()["error"]["message"]  # a completed job is not requeued
-    service.cancel("broke")
+    service.control.cancel("broke")
     assert "`ember requeue broke`" in c.post("/api/jobs/broke/resume", headers=AUTH).json()["error"]["message"]
 
 
