@@ -4,7 +4,8 @@ ember.ledger.remote_rows.set_state. Both kinds of job are rows of the ledger, in
 for the ledgers that hold them: `jobs` (the local service's; their backend is this machine) and
 `remote_jobs` (their `backend` column names the engine: slurm, ...). Both move only through `move`.
 
-Local jobs (ember.sched.service calls `move` and `remove`):
+Local jobs (ember.sched.job_queue calls `move` and `remove`, for the scheduling pass in
+ember.sched.dispatch and the hand's verbs in ember.sched.job_control):
 
     queued ──admitted──> starting ──attempt registered──> running
     running <──soft pause / lifted──> soft-paused
