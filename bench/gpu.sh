@@ -4,14 +4,14 @@
 # (`ember plan` against CUDA's caching allocator), QLoRA and co-serving where they have landed:
 # one markdown table on stdout, and with raw JSON and logs under $OUT (else bench/out/).
 #
-#   bash bench/gpu.sh               on a machine with a CUDA GPU: about 6 minutes on an H200, at
-#                                   most 9 (the rows stop at --budget 540 s)
+#   bash bench/gpu.sh               on a machine with a CUDA GPU: sized for about 6 minutes on an
+#                                   H200 (not yet run); rows stop starting after 480 s (--budget)
 #   bash bench/gpu.sh --cpu-smoke   the same pipeline on CPU with a tiny model and 2 steps
-#   bash bench/gpu.sh --only "full, eager,checkpoint, synchronous"   some rows only
+#   bash bench/gpu.sh --only full-eager,checkpoint-synchronous    some rows (--help lists them)
 #
 # Nothing is downloaded: the machine may have no network. It needs a Python with torch (CUDA
 # unless --cpu-smoke) and ember's dependencies; the first of $EMBER_PYTHON, ./.venv/bin/python,
-# python3 that has them is used, with ember from this working tree (PYTHONPATH: ember reads no
+# python3, python that has them is used, with ember from this working tree (PYTHONPATH: ember reads no
 # metadata of its own, so nothing is installed). Exits 3 naming what is missing.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
