@@ -185,7 +185,7 @@ def peaks_text(p: dict | None) -> str:
 
 
 def mfu_row(b: Bench, name: str, overrides: list[str]) -> Row:
-    """MFU, tokens/s and step time of an `ember run` of `sizes.steps` steps, no checkpoints."""
+    """MFU, tokens/s and step time of an `ember run` of `sizes.steps` steps, no periodic checkpoints."""
     s = b.sizes
     row = Row(name, f"{s.precision}, {s.micro_batch} x {s.seq_len}, {s.steps} steps")
     slug = slug_of(name)
