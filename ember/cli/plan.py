@@ -61,7 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if result.apply_note:
         err.print(result.apply_note, markup=False, highlight=False)
     if result.applied is not None:
-        changes = ", ".join(f"{k} = {v}" for k, v in result.applied.changes.items())
+        changes = ", ".join(f"{k} = {v}" for k, v in result.applied.changes.items()) or "no recipe change"
         launch = result.applied.launch
         start = f"; start it with `ember run {args.apply} --out DIR {launch}`" if launch else ""
         err.print(f"wrote {args.apply}: {result.applied.name} ({changes}){start}", markup=False, highlight=False)
