@@ -38,6 +38,7 @@ from ember.world import launched, lost_peer, tell_launcher
 
 if TYPE_CHECKING:
     from ember.doctor.preflight import Check
+    from ember.plan.planner import MemoryPlan
 
 @dataclass
 class RunRequest:
@@ -99,7 +100,7 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
         return RunOutcome(EXIT_OK, completed_step=done)
     plan = None
     if spec is None and not launched():  # planned once per run: by whoever launches it
-        plan = check_memory(recipe)
+        plan = check_memory(recipe, req.topology)
     outcome = RunOutcome(EXIT_OK)
     if req.preflight and not req.supervised_child:
         from ember.doctor.preflight import preflight
@@ -226,26 +227,49 @@ def completed_step(out: Path, recipe: Recipe) -> int | None:
     return done if same and same_data else None
 
 
-def check_memory(recipe: Recipe) -> PlannedMemory | None:
+def check_memory(recipe: Recipe, topology: Topology | None = None) -> PlannedMemory | None:
     """Refuse, before anything is built, a recipe whose estimated peak does not fit this
-    machine's free memory, naming the remedy the plan would apply; the plan it checked, or None
-    where there is no estimate for the architecture (the run measures as it goes)."""
+    machine's free memory, naming the remedy the plan would apply (per rank under the recipe's
+    strategy when `topology` starts several); the plan it checked, or None where there is no
+    estimate for the architecture (the run measures as it goes)."""
     from ember.plan.planner import UnknownArchitecture, plan_memory
     try:
         plan = plan_memory(recipe)
     except UnknownArchitecture:
         return None
+    if topology is not None and topology.world > 1 and plan.model is not None:
+        return check_ranks(recipe, plan, topology)
     dev = plan.devices[0]
     planned = PlannedMemory(plan.memory.with_margin, dev.name, dev.free, plan.fits)
     if plan.fits:
         return planned
     usable = [x for x in plan.remedies if x.fits and x.available]
     fix = (f"{usable[0].name} makes it fit ({usable[0].peak / GiB:.2f} GiB; "
-           f"{', '.join(f'{k} = {v}' for k, v in usable[0].changes.items())}): `ember plan RECIPE "
+           f"{', '.join(f'{k} = {v}' for k, v in usable[0].changes.items())}"
+           f"{f'; `ember run ... {usable[0].launch}`' if usable[0].launch else ''}): `ember plan RECIPE "
            f"--apply fitted.toml` writes it") if usable else "no remedy ember can apply makes it fit here"
     raise EmberError(f"the plan estimates a peak of {plan.memory.with_margin / GiB:.2f} GiB per device "
                      f"(with its {plan.memory.margin:.0%} margin) and {dev.name} has {dev.free / GiB:.2f} GiB "
                      f"free: it does not fit; {fix}")
+
+
+def check_ranks(recipe: Recipe, plan: MemoryPlan, topology: Topology) -> PlannedMemory:
+    """Refuse this node's ranks when a rank's share of the step's peak (its strategy's arithmetic,
+    ember.plan.layout) does not fit the device it would use, or CPU ranks' shares the host RAM."""
+    from ember.plan.layout import rank_memory
+    from ember.plan.remedies import fits, train_shape
+    s, n, margin, dev = recipe.distributed.strategy, topology.nproc, recipe.plan.memory_margin, plan.devices[0]
+    rm = rank_memory(plan.model, train_shape(recipe), s, topology.world, n, plan.devices)
+    if rm.missing:
+        raise EmberError(f"--nproc {n}: each rank takes one {dev.kind} device and this machine has "
+                         f"{len(plan.devices)}; use --nproc {len(plan.devices)} or fewer")
+    if fits(rm.need, rm.free, margin):
+        return PlannedMemory(int(rm.need * (1 + margin)), dev.name, rm.free, True)
+    where = (f"{n} ranks sharing {dev.name}: {n} x {rm.per_rank / GiB:.2f} = {rm.need / GiB:.2f} GiB" if rm.shared
+             else f"{rm.per_rank / GiB:.2f} GiB on each of {n} devices")
+    raise EmberError(f"the plan estimates {rm.per_rank / GiB:.2f} GiB per rank under [distributed] strategy = "
+                     f"'{s}' over {topology.world} ranks ({where}, before its {margin:.0%} margin) and "
+                     f"{rm.free / GiB:.2f} GiB free: it does not fit; `ember plan RECIPE` lists the remedies")
 
 
 class PreflightFailed(EmberError):

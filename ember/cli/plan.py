@@ -61,8 +61,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if result.apply_note:
         err.print(result.apply_note, markup=False, highlight=False)
     if result.applied is not None:
-        changes = ", ".join(f"{k} = {v}" for k, v in result.applied.changes.items())
-        err.print(f"wrote {args.apply}: {result.applied.name} ({changes})", markup=False, highlight=False)
+        changes = ", ".join(f"{k} = {v}" for k, v in result.applied.changes.items()) or "no recipe change"
+        launch = result.applied.launch
+        start = f"; start it with `ember run {args.apply} --out DIR {launch}`" if launch else ""
+        err.print(f"wrote {args.apply}: {result.applied.name} ({changes}){start}", markup=False, highlight=False)
     return EXIT_OK
 
 
@@ -111,8 +113,9 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
     if p.remedies and (not p.fits or show_remedies):
         out.print(remedies_table(p.remedies))
         for i, x in enumerate(p.remedies, 1):
-            changes = ", ".join(f"{k} = {json.dumps(v)}" for k, v in x.changes.items())
-            out.print(f"  {i}. {x.how}" + (f" [{changes}]" if changes else ""), markup=False)
+            changes = [f"{k} = {json.dumps(v)}" for k, v in x.changes.items()]
+            changes += [f"ember run ... {x.launch}"] if x.launch else []
+            out.print(f"  {i}. {x.how}" + (f" [{'; '.join(changes)}]" if changes else ""), markup=False)
     tm = p.time
     mfu = f", MFU {tm.mfu:.0%}" if tm.mfu is not None else ""
     out.print(f"time: {tm.step_seconds:.4g} s/step ({tm.how}{mfu}); {tm.steps} steps = "

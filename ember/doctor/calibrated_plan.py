@@ -67,7 +67,7 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
         plan.parallel = parallel_advice(r, plan, con)
     result = PlanResult(plan, req.target_micro_batch)
     if req.apply is not None:
-        usable = [x for x in plan.remedies if x.fits and x.available and x.changes]
+        usable = [x for x in plan.remedies if x.fits and x.available and (x.changes or x.launch)]
         if plan.fits:
             result.apply_note = f"fits as written: nothing to apply; {req.apply} not written"
         elif not usable:

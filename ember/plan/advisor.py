@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from ember.parallel.collectives import Interconnect, Link, collective_seconds, hops_share
 from ember.parallel.registry import STRATEGIES
-from ember.parallel.strategy import Footprint, Ranks, Step
+from ember.parallel.strategy import Ranks, Step
+from ember.plan.layout import footprint
 from ember.plan.memory import Breakdown, ModelShape, TrainShape
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -67,20 +68,12 @@ class Advice:
     interconnect: Interconnect
 
 
-def tp_share(m: ModelShape) -> float:
-    """Share of a token's matmul FLOPs inside the decoder layers (what TP splits)."""
-    layers = m.layers * sum(i * o for i, o in m.linear_shapes().values())
-    return layers / (layers + m.vocab * m.hidden)
-
-
 def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float,
                ic: Interconnect, free: int, overlap: bool, slots: int | None = None) -> list[Option]:
     """Every strategy at n devices, and pipeline parallelism as advice (see the module docstring).
     `slots`: how many ranks can compute at once (CPU ranks on one machine share its cores); None
     for accelerators."""
-    weights = m.params() * 4  # fp32 master weights (autocast computes in bf16/fp16 from them)
-    grads = b.trainable * 4
-    state = b.weights + b.gradients + b.optimizer
+    fp = footprint(m, b)  # what each strategy's arithmetic reads (ember.plan.layout)
     act_bytes = t.micro_batch * t.seq_len * m.hidden * (2 if t.autocast else 4)
     busy = n / min(n, slots or n)  # >1 when more ranks than can compute at once share the cores
     out = []
@@ -95,7 +88,6 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     if n == 1:
         add("one device", one_step, 0.0, 0.0, b.peak, 0.0)
         return out
-    fp = Footprint(b.peak, state, b.activations, weights, grads, m.layer_params() * 4, tp_share(m))
     step = Step(one_step, accum, t.micro_batch, m.layers, act_bytes)
     ranks = Ranks(n, busy, overlap, ic)
     for strategy in STRATEGIES.values():
@@ -104,7 +96,7 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     p, micro = n, accum
     bubble = (p - 1) / (micro + p - 1)
     sends = 2 * (p - 1) * micro * (ic.all_reduce.latency + act_bytes / ic.all_reduce.bandwidth)
-    add("pp", one_step / p * busy / (1 - bubble), sends, 0.0, state / p + b.activations * p + b.temporaries,
+    add("pp", one_step / p * busy / (1 - bubble), sends, 0.0, fp.state / p + b.activations * p + b.temporaries,
         2 * micro * act_bytes, advice_only=True,
         notes=[f"advice only (ember does not run pipeline parallelism yet); bubble {bubble:.0%} with {micro} "
                f"micro-batches over {p} stages"])

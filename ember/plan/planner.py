@@ -155,7 +155,7 @@ def plan_memory(r: Recipe, calibration: Calibration | None = None,
         notes.append(f"{e}: the memory figure is measured (calibration), not estimated")
     memory = _memory(m, train_shape(r), calibration, r.plan.memory_margin)
     free = devices[0].free
-    rems = remedies(m, r, free, r.plan.memory_margin) if m is not None else []
+    rems = remedies(m, r, devices, r.plan.memory_margin) if m is not None else []
     return MemoryPlan(m, memory, fits(memory.peak, free, r.plan.memory_margin), rems, devices, notes)
 
 

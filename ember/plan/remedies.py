@@ -1,14 +1,17 @@
 """Remedies for a recipe that does not fit: each alone with its predicted peak and compute cost,
 then the cheapest combination that fits; ranked cheapest-that-fits first. Pure arithmetic over
-the memory estimate (ember/plan/memory.py)."""
+the memory estimate (ember/plan/memory.py); sharding over ranks is the registry's FSDP arithmetic
+(ember/plan/layout.py, ember/parallel/fsdp.py), the same figures `ember plan`'s advisor prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ember.hardware import Device
 from ember.metrics.flops import Architecture, flops_per_token
-from ember.plan.memory import LINEARS, GiB, Breakdown, ModelShape, TrainShape, estimate, trainable_params
+from ember.plan.layout import rank_memory
+from ember.plan.memory import LINEARS, GiB, MiB, Breakdown, ModelShape, TrainShape, estimate, trainable_params
 from ember.recipe import Recipe
 
 
@@ -28,6 +31,11 @@ def architecture(m: ModelShape, t: TrainShape) -> Architecture:
     return Architecture(matmul, trainable_params(m, t), m.layers, m.heads, m.head_dim, t.seq_len, t.lora)
 
 
+def size(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
 def fits(peak: int, free: int, margin: float) -> bool:
     """The rule of docs/boundary.md: the peak plus its margin within the device's free memory."""
     return peak * (1 + margin) <= free
@@ -42,12 +50,19 @@ class Remedy:
     fits: bool
     how: str  # the arithmetic, in words
     available: bool = True  # False: ember cannot apply it here (named in `how`)
+    launch: str = ""  # the `ember run` flags it needs besides `changes` ("" : none)
 
 
-def remedies(m: ModelShape, r: Recipe, budget: int, margin: float) -> list[Remedy]:
-    """Each remedy alone, then the cheapest combination that fits; ranked by compute cost."""
+FSDP_RANKS = 2  # the smallest sharding
+
+
+def remedies(m: ModelShape, r: Recipe, devices: list[Device], margin: float) -> list[Remedy]:
+    """Each remedy alone, then the cheapest combination that fits; ranked by compute cost.
+    `devices`: the run's (ember.hardware.for_run), the one a process trains on first."""
     t = train_shape(r)
-    out = _applicable(m, r, t, budget, margin) + _not_applicable(estimate(m, t), budget, margin)
+    budget = devices[0].free
+    out = (_applicable(m, r, t, budget, margin) + _sharded(m, r, t, devices, margin)
+           + _not_applicable(estimate(m, t), devices[0], margin))
     if not any(x.fits and x.available for x in out):
         out += _combined(m, r, out, budget, margin)
     return sorted(out, key=lambda x: (not x.fits, not x.available, x.flops_factor))
@@ -105,34 +120,63 @@ def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: 
     return []
 
 
-def _not_applicable(full: Breakdown, budget: int, margin: float) -> list[Remedy]:
-    """The remedies ember cannot apply yet, listed with what they would save."""
+def _sharded(m: ModelShape, r: Recipe, t: TrainShape, devices: list[Device], margin: float) -> list[Remedy]:
+    """FSDP over two ranks, one per accelerator of this machine; where it has one accelerator, or
+    none (CPU ranks are processes sharing its RAM), over two machines like it: not here."""
+    n, one = FSDP_RANKS, estimate(m, t).peak
+    changes: dict[str, Any] = {} if r.distributed.strategy == "fsdp" else {"distributed.strategy": "fsdp"}
+    if t.loss_chunk:  # a distributed run refuses the chunked loss (ember.train.sharding)
+        changes["train.loss_chunk"] = 0
+    here = rank_memory(m, replace(t, loss_chunk=0), "fsdp", n, n, devices)
+    per, name = size(here.per_rank), f"FSDP across {n} devices"
+    how = (f"weights, gradients and optimizer state sharded {n} ways (FSDP2 over torchrun ranks, [distributed] "
+           f"strategy = \"fsdp\"): {per} per rank at the step's peak against {size(one)} in one "
+           f"process; the compute splits over the ranks, which add two all-gathers of the weights per micro-batch "
+           f"and a reduce-scatter of the gradients per step (`ember doctor --comm`, then `ember plan`, prices them)")
+    kind = devices[0].kind
+    if not here.shared and not here.missing:
+        return [Remedy(name, changes, here.per_rank, 1.0, fits(here.need, here.free, margin),
+                       how + f"; one rank on each of {n} of this machine's {len(devices)} {kind} devices "
+                       f"({size(here.free)} free on the fuller): `ember run RECIPE --out DIR --nproc {n}`",
+                       launch=f"--nproc {n}")]
+    nodes = (f"across {n} machines like this one, one rank each (`ember run RECIPE --out DIR --nnodes {n} "
+             f"--node-rank K --rdzv HOST:PORT` on each, DIR shared), each holds {per}")
+    if here.shared:
+        where = (f"this machine has no accelerator: {n} ranks here (`--nproc {n}`, gloo) are processes sharing its "
+                 f"host RAM, {n} x {per} = {size(here.need)} in all, more than one process needs; {nodes}")
+    else:
+        where = (f"this machine has {len(devices)} {kind} device: on a machine with {n} (`--nproc {n}`), or {nodes}")
+    return [Remedy(name, changes, here.per_rank, 1.0, fits(here.per_rank, devices[0].free, margin),
+                   how + "; " + where, available=False, launch=f"--nnodes {n} --node-rank K --rdzv HOST:PORT")]
+
+
+def _not_applicable(full: Breakdown, device: Device, margin: float) -> list[Remedy]:
+    """The remedies ember does not apply yet, listed with what they would save."""
+    budget = device.free
     opt8 = full.peak - full.optimizer + full.optimizer // 4
     out = [Remedy("8-bit optimizer state", {}, opt8, 1.0, fits(opt8, budget, margin),
-                  f"AdamW moments in 8 bits: {full.optimizer / GiB:.2f} GiB -> "
-                  f"{full.optimizer / 4 / GiB:.2f} GiB; needs bitsandbytes, which ember does not use yet",
-                  available=False)]
-    n = 2  # the smallest sharding: what two devices would each hold
-    sharded = full.peak - (full.weights + full.gradients + full.optimizer) * (n - 1) // n
-    out.append(Remedy(f"FSDP across {n} devices", {}, sharded, 1.0, fits(sharded, budget, margin),
-                      f"weights, gradients and optimizer state sharded {n} ways: "
-                      f"{(full.weights + full.optimizer) / GiB:.2f} GiB -> "
-                      f"{(full.weights + full.optimizer) / n / GiB:.2f} GiB per device, plus the "
-                      f"gathers' traffic; needs {n} devices and distributed training, which ember does "
-                      f"not do yet: remote compute", available=False))
-    offload = full.peak - full.optimizer
-    out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, fits(offload, budget, margin),
-                      f"AdamW moments ({full.optimizer / GiB:.2f} GiB) in host memory, the update on the "
-                      f"CPU: for accelerators only; ember does not do it yet", available=False))
+                  f"AdamW moments in 8 bits: {size(full.optimizer)} -> {size(full.optimizer / 4)}; needs an "
+                  f"8-bit optimizer (bitsandbytes), which ember does not use yet", available=False)]
+    if device.accelerator:
+        offload = full.peak - full.optimizer
+        how = (f"AdamW moments ({size(full.optimizer)}) in host memory, the update on the CPU; "
+               f"ember does not do it yet")
+    else:  # the optimizer state is in host RAM already
+        offload = full.peak
+        how = ("for accelerators only: on this machine the optimizer state is in host RAM already, so moving "
+               "it saves nothing (ember does not do it on accelerators yet either)")
+    out.append(Remedy("CPU offload of the optimizer state", {}, offload, 1.0, fits(offload, budget, margin), how,
+                      available=False))
     return out
 
 
 def _combined(m: ModelShape, r: Recipe, single: list[Remedy], budget: int, margin: float) -> list[Remedy]:
-    """When no single remedy fits: the available ones but LoRA added in order of cost until the
-    estimate fits; that combination, or none."""
+    """When no single remedy fits: the available ones of one process (not LoRA, not sharding)
+    added in order of cost until the estimate fits; that combination, or none."""
     combo: dict[str, Any] = {}
     factor = 1.0
-    for rem in sorted((x for x in single if x.available and x.name != "LoRA instead of full fine-tuning"),
+    for rem in sorted((x for x in single if x.available and not x.launch
+                       and x.name != "LoRA instead of full fine-tuning"),
                       key=lambda x: x.flops_factor):
         combo.update(rem.changes)
         factor *= rem.flops_factor
