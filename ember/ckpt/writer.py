@@ -92,7 +92,10 @@ class CheckpointWriter:
             lower_priority(self.nice)
         try:
             ck = self.store.save(step, lambda folder: write_snapshot(folder, snap), meta)
-            self._done.append(Persisted(ck, blocked, submitted, time.time()))
+            durable = time.time()
+            # A synchronous persist ran in the training thread: training was blocked all along.
+            self._done.append(Persisted(ck, blocked if self.background else blocked + durable - submitted,
+                                        submitted, durable))
         except BaseException as e:  # handed to the training thread by wait()
             self._error = e
 
