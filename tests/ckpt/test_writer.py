@@ -20,7 +20,8 @@ def test_blocked_covers_the_persist_only_when_it_ran_in_the_training_thread(tmp_
     writer.wait()
     [p] = writer.completed()
     assert p.durable > p.submitted
+    assert p.to_durable == pytest.approx(0.25 + p.durable - p.submitted)  # the ledger's durable_seconds
     if background:  # training went on while the thread persisted: blocked is what came before
         assert p.blocked == 0.25
     else:  # synchronous: training waited for the whole persist, until the commit was durable
-        assert p.blocked == pytest.approx(0.25 + p.durable - p.submitted)
+        assert p.blocked == p.to_durable
