@@ -62,7 +62,8 @@ def lower_priority(nice: int) -> None:
 @dataclass
 class Persisted:
     checkpoint: Checkpoint
-    blocked: float          # seconds training was blocked for it (waiting + snapshot)
+    blocked: float          # seconds training was blocked for it (waiting + snapshot; + persist if synchronous)
+    to_durable: float       # seconds from the checkpoint's start (before the wait) until the commit was durable
     submitted: float        # time.time() when the snapshot was handed over
     durable: float          # time.time() when the commit was durable
 
@@ -92,7 +93,11 @@ class CheckpointWriter:
             lower_priority(self.nice)
         try:
             ck = self.store.save(step, lambda folder: write_snapshot(folder, snap), meta)
-            self._done.append(Persisted(ck, blocked, submitted, time.time()))
+            durable = time.time()
+            to_durable = blocked + durable - submitted
+            # A synchronous persist ran in the training thread: training was blocked all along.
+            self._done.append(Persisted(ck, blocked if self.background else to_durable, to_durable,
+                                        submitted, durable))
         except BaseException as e:  # handed to the training thread by wait()
             self._error = e
 

@@ -122,7 +122,7 @@ def record_persisted(job: Job) -> None:
     for p in job.writer.completed():
         ck = p.checkpoint
         size = sum(f["bytes"] for f in ck.manifest["files"].values())
-        durable = p.durable - p.submitted + p.blocked
+        durable = p.to_durable
         job.ledger.checkpoint(ck.step, str(ck.path), size, blocked=p.blocked, durable=durable)
         job.events.emit("checkpoint", f"checkpoint {ck.path.name} committed ({size / 1e6:.1f} MB, training "
                         f"blocked {p.blocked:.2f} s, durable after {durable:.2f} s)", step=ck.step,
