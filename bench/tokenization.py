@@ -97,6 +97,7 @@ def child(tool: str, fmt: str, source: str, folder: str, cache: str, code: str) 
         n = len(np.load(tokenize(cfg, hf, data_fingerprint(cfg.files, hf)), mmap_mode="r"))
     else:
         import datasets
+        datasets.disable_progress_bars()
         if fmt == "arrow":
             ds = datasets.load_from_disk(source)
         else:
