@@ -30,6 +30,8 @@ import json
 import os
 import shutil
 import signal
+import sys
+from array import array
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
@@ -47,12 +49,13 @@ from ember.proc import die_with_parent
 from ember.data.formats import _field, check, encode, run_format
 from ember.recipe import DataFormat
 from ember.data.progress import Progress
-from ember.data.sources import MAX_LISTED, Shard, bad_records, held_out, plan, records
+from ember.data.sources import MAX_LISTED, Shard, bad_records, forget_readers, held_out, plan, records
 
 SPLITS = ("train", "eval")
 TEXT_BATCH = 256            # plain-text records per tokenizer call (the fast tokenizers' batch path)
 FLUSH_TOKENS = 1 << 20      # tokens buffered per split before they are appended to the shard's files
 POOL_MIN_BYTES = 8 << 20    # below this much input, a process pool costs more than it saves
+U32 = next(c for c in "IL" if array(c).itemsize == 4)  # the array typecode of the store's uint32 tokens
 
 
 def build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, store: Path,
@@ -91,6 +94,8 @@ def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, 
     procs = max(1, min(workers, len(todo))) if big else 1
     events.stage(f"tokenizing {len(todo)} of {len(shards)} shard(s) with {procs} process(es)",
                  shards=len(shards), todo=len(todo), done=len(shards) - len(todo), workers=procs)
+    if fmt == DataFormat.TEXT and hasattr(tokenizer, "text_encoder"):
+        tokenizer = tokenizer.text_encoder()  # plain text needs the ids and the EOS alone
     args = (tokenizer, cfg.text_field, cfg.train_on, seed, dict(files))
     progress = Progress(events, sum(shards[i].nbytes for i in todo))
     try:
@@ -120,6 +125,7 @@ def _run(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: i
             checking = any(f.bad_count for f in found.values())
             found[i] = tokenize_shard(shards[i], None if checking else work / f"{i:06d}", *args)
             progress.shard(found[i].records, shards[i].nbytes)
+        forget_readers()
         return found
     # spawn, not fork: the parent may hold torch's and the tokenizer's threads, which a fork
     # would copy mid-flight; each worker imports what it needs once.
@@ -181,19 +187,23 @@ def _tokenize_in_worker(shard: Shard, out: Path | None) -> Found:
 
 class SplitWriter:
     """One split of one shard: token ids, targets and document lengths appended to raw files
-    as they come, FLUSH_TOKENS at a time."""
+    as they come, FLUSH_TOKENS at a time. Buffered in C arrays, not lists of Python ints, and
+    the targets only once a token is not learned (plain text: never)."""
 
     def __init__(self, folder: Path):
         self.folder, self.files = folder, {}
-        self.ids: list[int] = []
-        self.targets: list[bool] = []
-        self.lengths: list[int] = []
+        self.ids = array(U32)
+        self.targets: bytearray | None = None  # 1 per buffered token the loss learns; None: all are
+        self.lengths = array("q")
         self.open = 0  # tokens of the document being written
         self.counts = {"documents": 0, "tokens": 0, "targets": 0, "joins": 0}
 
     def add(self, ids: list[int], targets: list[bool] | None) -> None:
-        self.ids += ids
-        self.targets += targets if targets is not None else [True] * len(ids)
+        if self.targets is None and targets is not None and not all(targets):
+            self.targets = bytearray(b"\1") * len(self.ids)
+        if self.targets is not None:
+            self.targets += bytes(targets) if targets is not None else b"\1" * len(ids)
+        self.ids.extend(ids)
         self.open += len(ids)
         if len(self.ids) >= FLUSH_TOKENS:
             self.flush()
@@ -205,19 +215,19 @@ class SplitWriter:
     def flush(self) -> None:
         if not (self.ids or self.lengths):
             return
-        targets = np.asarray(self.targets, dtype=np.uint8)
-        learned = int(targets.sum())
-        if learned < len(targets) and "targets" not in self.files:
+        n = len(self.ids)
+        learned = n if self.targets is None else self.targets.count(1)
+        if learned < n and "targets" not in self.files:
             # The first unlearned token: the tokens before it were all learned.
-            self._file("targets").write(np.ones(self.counts["tokens"], dtype=np.uint8).tobytes())
-        self._file("tokens").write(np.asarray(self.ids, dtype="<u4").tobytes())
+            self._file("targets").write(b"\1" * self.counts["tokens"])
+        self._file("tokens").write(_little(self.ids))
         if "targets" in self.files:
-            self.files["targets"].write(targets.tobytes())
-        self._file("lengths").write(np.asarray(self.lengths, dtype="<i8").tobytes())
-        self.counts["tokens"] += len(self.ids)
+            self.files["targets"].write(self.targets if self.targets is not None else b"\1" * n)
+        self._file("lengths").write(_little(self.lengths))
+        self.counts["tokens"] += n
         self.counts["targets"] += learned
         self.counts["documents"] += len(self.lengths)
-        self.ids, self.targets, self.lengths = [], [], []
+        self.ids, self.targets, self.lengths = array(U32), None, array("q")
 
     def _file(self, name: str) -> BinaryIO:
         if name not in self.files:
@@ -304,6 +314,14 @@ def tokenize_shard(shard: Shard, out: Path | None, tokenizer: Any, text_field: s
     except OSError:  # another build committed it first (the same bytes)
         shutil.rmtree(tmp, ignore_errors=True)
     return found
+
+
+def _little(a: array) -> bytes:
+    """An array's bytes little-endian, as the store keeps them."""
+    if sys.byteorder == "big":
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
 
 
 def _encode_texts(texts: list[tuple[str, str]], tokenizer: Any, writers: dict[str, SplitWriter]) -> None:

