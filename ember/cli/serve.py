@@ -131,7 +131,7 @@ def request(method: str, path: str, body: dict | None = None, timeout: float = 3
     """Call the running service; its error answers (ember.web.error_responses) become EmberErrors with its message."""
     import httpx
 
-    from ember.web.server import client_target
+    from ember.web.announce import client_target
     url, token = client_target()
     try:
         r = httpx.request(method, url + path, json=body, timeout=timeout,

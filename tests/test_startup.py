@@ -1,0 +1,67 @@
+"""The commands that only read the ledger and files, or talk HTTP to the service, start without
+torch or transformers (issue 31, item 2: `ember --help`, `queue`, `runs`, `submit` in a fraction of
+a second; bench/startup.py times them), and the HTTP ones without the service's own modules. Each
+command runs in a fresh interpreter (not the warm fork of tests/warm.py, which has torch loaded
+already) with an audit hook that records every import of those modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers import ROOT, ember_cmd, write_recipe
+from tests.serve_harness import Serve
+
+HEAVY = ("torch", "transformers")
+SERVICE = "ember.web.server"  # the service itself: uvicorn, the scheduler, the owner's rules
+
+SITECUSTOMIZE = """
+import os, sys
+_fd = os.open(os.environ["EMBER_TEST_IMPORTS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+_watched = set(os.environ["EMBER_TEST_IMPORTS_OF"].split(","))
+def _hook(event, args):
+    if event == "import" and args[0] in _watched:
+        os.write(_fd, f"{args[0]}\\n".encode())
+sys.addaudithook(_hook)
+"""
+
+
+def imports_of(tmp_path, env: dict, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `ember ARGS` in a fresh interpreter; which of HEAVY and SERVICE it imported."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    log = tmp_path / f"imports-{len(list(tmp_path.glob('imports-*')))}"
+    env = {**env, "PYTHONPATH": f"{hook}:{ROOT}", "EMBER_TEST_IMPORTS": str(log),
+           "EMBER_TEST_IMPORTS_OF": ",".join((*HEAVY, SERVICE))}
+    done = subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    return done, set(log.read_text().split()) if log.exists() else set()
+
+
+@pytest.mark.parametrize("args", [("--help",), ("runs",), ("runs", "--json"), ("capacity",), ("remote", "status"),
+                                  ("policy", "audit"), ("data", "list"), ("settings", "owner"),
+                                  ("report", "no-such-run"), ("submit", "--help")])
+def test_the_commands_that_read_files_do_not_import_torch(tmp_path, args):
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    done, seen = imports_of(tmp_path, env, *args)
+    assert done.returncode in (0, 1), done.stderr  # `report no-such-run` says it is not there
+    assert not seen & set(HEAVY), f"`ember {' '.join(args)}` imported {sorted(seen)}"
+
+
+def test_the_commands_that_talk_to_the_service_import_neither_torch_nor_the_service(tmp_path):
+    s = Serve(tmp_path / "home", f'[service]\nallowed = ["{tmp_path}"]\n[inference]\nenabled = false\n').start()
+    try:
+        recipe = write_recipe(tmp_path, train={"max_steps": 3})
+        commands = [("yield", "--for", "10m"),  # first: the job submitted below waits, so it stays cheap
+                    ("submit", str(recipe), "--name", "j", "--out", str(tmp_path / "run")), ("queue",),
+                    ("queue", "--json"), ("queue", "--explain"), ("logs", "j"), ("pause", "j"), ("resume", "j"),
+                    ("cancel", "j"), ("yield", "--release")]
+        for args in commands:
+            done, seen = imports_of(tmp_path, s.env, *args)
+            assert done.returncode == 0, (args, done.stderr)
+            assert not seen, f"`ember {' '.join(args)}` imported {sorted(seen)}"
+    finally:
+        s.jobs()  # the harness learns a job's process, to stop it too
+        s.stop()
