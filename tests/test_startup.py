@@ -1,8 +1,8 @@
 """The commands that only read the ledger and files, or talk HTTP to the service, start without
 torch or transformers (issue 31, item 2: `ember --help`, `queue`, `runs`, `submit` in a fraction of
-a second; bench/startup.py times them), and the HTTP ones without the service's own modules. Each
-command runs in a fresh interpreter (not the warm fork of tests/warm.py, which has torch loaded
-already) with an audit hook that records every import of those modules."""
+a second; bench/startup.py times them), and the HTTP ones without the service's own modules nor
+httpx. Each command runs in a fresh interpreter (not the warm fork of tests/warm.py, which has
+torch loaded already) with an audit hook that records every import of those modules."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.serve_harness import Serve
 
 HEAVY = ("torch", "transformers")
 SERVICE = "ember.web.server"  # the service itself: uvicorn, the scheduler, the owner's rules
+CLIENT = "httpx"  # 0.2 s to import: the commands speak HTTP with the standard library's http.client
 
 SITECUSTOMIZE = """
 import os, sys
@@ -29,13 +30,13 @@ sys.addaudithook(_hook)
 
 
 def imports_of(tmp_path, env: dict, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Run `ember ARGS` in a fresh interpreter; which of HEAVY and SERVICE it imported."""
+    """Run `ember ARGS` in a fresh interpreter; which of HEAVY, SERVICE and CLIENT it imported."""
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     log = tmp_path / f"imports-{len(list(tmp_path.glob('imports-*')))}"
     env = {**env, "PYTHONPATH": f"{hook}:{ROOT}", "EMBER_TEST_IMPORTS": str(log),
-           "EMBER_TEST_IMPORTS_OF": ",".join((*HEAVY, SERVICE))}
+           "EMBER_TEST_IMPORTS_OF": ",".join((*HEAVY, SERVICE, CLIENT))}
     done = subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     return done, set(log.read_text().split()) if log.exists() else set()
 
@@ -50,7 +51,7 @@ def test_the_commands_that_read_files_do_not_import_torch(tmp_path, args):
     assert not seen & set(HEAVY), f"`ember {' '.join(args)}` imported {sorted(seen)}"
 
 
-def test_the_commands_that_talk_to_the_service_import_neither_torch_nor_the_service(tmp_path):
+def test_the_commands_that_talk_to_the_service_import_neither_torch_nor_the_service_nor_httpx(tmp_path):
     s = Serve(tmp_path / "home", f'[service]\nallowed = ["{tmp_path}"]\n[inference]\nenabled = false\n').start()
     try:
         recipe = write_recipe(tmp_path, train={"max_steps": 3})
