@@ -66,3 +66,21 @@ def test_the_commands_that_talk_to_the_service_import_neither_torch_nor_the_serv
     finally:
         s.jobs()  # the harness learns a job's process, to stop it too
         s.stop()
+
+
+def test_a_plan_of_a_lora_model_seen_before_imports_neither_torch_nor_transformers(tmp_path):
+    """LoRA's target modules are checked against the model's module names; building them imports
+    torch and transformers once per model config, then they come from $EMBER_HOME/cache/modules:
+    `ember plan` and the prediction of `ember submit --target` stay torch-free (issue 31, item 2).
+    A target the model lacks is still refused, from the cache, naming its linear layers."""
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    recipe = write_recipe(tmp_path, method={"kind": "lora", "target_modules": ["q_proj", "v_proj"]},
+                          cost={"peak_tflops": 1.0})  # no CPU peak to measure: that would import torch
+    first, _ = imports_of(tmp_path, env, "plan", str(recipe))
+    assert first.returncode == 0 and "fits: yes" in first.stdout, first.stderr
+    again, seen = imports_of(tmp_path, env, "plan", str(recipe))
+    assert again.returncode == 0 and "fits: yes" in again.stdout, again.stderr
+    assert not seen & set(HEAVY), f"the second plan imported {sorted(seen)}"
+    wrong, seen = imports_of(tmp_path, env, "plan", str(recipe), "--set", 'method.target_modules=["nope"]')
+    assert wrong.returncode != 0 and "no layer named 'nope' in this model" in wrong.stderr, wrong.stderr
+    assert "q_proj" in wrong.stderr and not seen & set(HEAVY), (wrong.stderr, seen)
