@@ -11,7 +11,7 @@
 
 Needs root (the Slurm daemons, and Debian's packages when missing).
 
-usage: python bench/remote.py [--rounds 3] [--steps 300]
+usage: python bench/remote.py [--rounds 3] [--steps 300] [--no-goodput]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["EMBER_TEST_COLD"] = "1"  # each `ember` a fresh interpreter, as a user's: not the tests' warm fork
 
 from ember.policy.registry import register  # noqa: E402
 from tests.helpers import GENESIS, assert_same_result, run_ember, write_recipe  # noqa: E402
@@ -168,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps of the goodput job")
+    ap.add_argument("--no-goodput", action="store_true", help="part 1 only: submission to the first step")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/remote.py: not run: a real Slurm needs root here (its daemons, and installing them)")
@@ -191,6 +193,8 @@ def main() -> None:
         me, mh, ms = statistics.median(ember), statistics.median(hand), statistics.median(submits)
         print(f"submission to first step, median of {args.rounds}: ember {me:.2f} s (its submit command {ms:.2f} s), "
               f"hand-written sbatch {mh:.2f} s; ember's overhead {me - mh:+.2f} s (x{me / mh:.2f})")
+        if args.no_goodput:
+            return
         plain = b.goodput_run("plain", [])
         describe("uninterrupted", plain)
         third = args.steps // 3

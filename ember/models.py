@@ -4,6 +4,7 @@ read without its weights."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ember.durable import write_durable
 from ember.errors import EmberError
 from ember.events import Events
 from ember.paths import cached_sha256, home
@@ -173,12 +175,34 @@ def check_against_model(spec_seq_len: int, method: Any, config: Any) -> None:
 
 def module_names(config: Any) -> tuple[list[str], list[str]]:
     """Qualified names of all the model's modules and of its linear layers, from a weightless
-    (meta-device) instance: nothing is allocated."""
+    (meta-device) instance: nothing is allocated. For a config read as plain fields they are
+    cached under $EMBER_HOME/cache/modules, keyed by the config and transformers' version, so
+    planning a model seen before (`ember plan`, `ember submit --target`) imports neither torch
+    nor transformers (building the instance imports both: seconds)."""
+    cache = None
+    if isinstance(config, ConfigFields):
+        cache = home().module_names_cache(module_names_key(config))
+        try:
+            known = json.loads(cache.read_text())
+            return list(known["names"]), list(known["linear"])
+        except (OSError, ValueError, KeyError, TypeError):  # not cached yet, or unreadable: build it
+            pass
+        config = config.full()
     import torch
     from transformers import AutoModelForCausalLM
-    if isinstance(config, ConfigFields):
-        config = config.full()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = [n for n, _ in model.named_modules() if n]
-    return names, [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    linear = [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_durable(cache, json.dumps({"names": names, "linear": linear}))
+    return names, linear
+
+
+def module_names_key(config: ConfigFields) -> str:
+    """What a model's module names depend on: its config's fields and the transformers that builds it."""
+    fields = {k: v for k, v in vars(config).items() if k != "_spec"}
+    text = json.dumps({"config": fields, "transformers": metadata.version("transformers")}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -13,6 +13,8 @@ hashes of large files.
       cache/tokens/KEY/         token caches of training data
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
+      cache/modules/KEY.json    a model's module names (LoRA's targets), by its config
+      cache/packages.json       the installed packages, by sys.path's folders' modification times
       logs/libraries.log        what libraries said below the commands
       serve/                    the service: serve.lock, token, serve.json, ui.json, engine.json,
                                 engine.log, yield.json, control/JOB/, jobs/JOB.log
@@ -89,6 +91,15 @@ class Home:
     @property
     def cpu_peak_cache(self) -> Path:
         return self.cache / "cpu_peak.json"
+
+    @property
+    def packages_cache(self) -> Path:
+        """The installed packages a run's manifest lists (ember.ledger.manifest.installed_packages)."""
+        return self.cache / "packages.json"
+
+    def module_names_cache(self, key: str) -> Path:
+        """A model's module names (ember.models.module_names), keyed by its config."""
+        return self.cache / "modules" / f"{key}.json"
 
     @property
     def libraries_log(self) -> Path:

@@ -11,7 +11,6 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.doctor.measure import calibrate
 from ember.errors import EmberError
 from ember.events import Events
 from ember.doctor.comm import to_interconnect
@@ -57,7 +56,7 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
             raise EmberError(f"--device-memory {req.device_memory_gib:g}: must be > 0 GiB")
         devices = [d.capped(int(req.device_memory_gib * GiB)) for d in devices]
     con = ledger_store.connect_or_warn(req.ledger, events.warn)  # this machine's history
-    measured = calibrate(r) if req.calibrate else None
+    measured = calibrate(r) if req.calibrate else None  # a plan without it imports no torch
     try:
         plan = make_plan(r, con, measured, devices)
     except UnknownArchitecture as e:
@@ -76,6 +75,12 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
             result.applied = usable[0]
             req.apply.write_text(r.with_changes(usable[0].changes, f"remedy {usable[0].name}").to_toml())
     return result
+
+
+def calibrate(r: Recipe):
+    """A step measured on this machine (ember.doctor.measure; imports torch, so only when needed)."""
+    from ember.doctor.measure import calibrate as measure
+    return measure(r)
 
 
 def parallel_advice(r: Recipe, plan: Plan, con: sqlite3.Connection) -> Advice | None:

@@ -4,6 +4,7 @@ usually leave out (the uncommitted diff, every package version, numerics-affecti
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import socket
@@ -16,11 +17,43 @@ from typing import Any
 import torch
 
 from ember import __version__
+from ember.durable import write_durable
+from ember.paths import home
 
 NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                 "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "NVIDIA_TF32_OVERRIDE",
                 "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
                 "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "PYTHONHASHSEED")
+
+
+def installed_packages() -> list[str]:
+    """Every installed distribution as NAME==VERSION, sorted. Reading each one's METADATA took
+    0.26 s of every run's start-up (bench/startup.py), so the list is cached in $EMBER_HOME under
+    the interpreter and the modification times of the folders on sys.path: installing, upgrading
+    or removing a package creates or removes its .dist-info folder, which changes its folder's."""
+    key = packages_key()
+    cache = home().packages_cache
+    try:
+        known = json.loads(cache.read_text())
+        if known["key"] == key:
+            return list(known["packages"])
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: read them again
+        pass
+    found = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_durable(cache, json.dumps({"key": key, "packages": found}))
+    return found
+
+
+def packages_key() -> str:
+    """What the installed packages depend on: the interpreter, and each sys.path folder's mtime."""
+    stamps = []
+    for entry in sys.path:
+        try:
+            stamps.append([entry, os.stat(entry or ".").st_mtime_ns])
+        except OSError:  # a path entry that does not exist holds no package
+            stamps.append([entry, None])
+    return hashlib.sha256(json.dumps([sys.executable, stamps]).encode()).hexdigest()
 
 
 def git_state(folder: Path) -> dict[str, Any] | None:
@@ -64,8 +97,7 @@ def build_manifest(recipe_file: Path, device: torch.device, threads: int, seed: 
         "python": sys.version,
         "torch": {"version": torch.__version__, "cuda": cuda, "cudnn": cudnn,
                   "hip": getattr(torch.version, "hip", None), "git": torch.version.git_version},
-        "packages": sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
-                            if d.metadata["Name"]}),
+        "packages": installed_packages(),
         "platform": platform.platform(), "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count(), "devices": devices(device),
         "seed": seed, "threads": threads,

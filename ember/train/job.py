@@ -31,7 +31,7 @@ from ember.ledger.database import Ledger, NullLedger
 from ember.ledger.goodput import EventKind
 from ember.metrics.flops import architecture_of, flops_per_token
 from ember.metrics.peaks import select_peak
-from ember.models import check_against_model, model_config
+from ember.models import check_against_model, config_fields
 from ember.proc import process_start_time
 from ember.recipe import DataFormat, Recipe
 from ember.train.breakdown import StepTimer
@@ -111,7 +111,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     threads = configure_determinism(recipe.train.deterministic, rank_threads(recipe, world)
                                     or run.record.get("threads") or recipe.train.threads, device)
     seed_all(recipe.train.seed)  # before the model: random init and LoRA init draw from it, alike on every rank
-    check_against_model(recipe.data.seq_len, recipe.method, model_config(recipe.model.path, events))
+    check_against_model(recipe.data.seq_len, recipe.method, config_fields(recipe.model.path, events))
     events.stage("loading the model", model=recipe.model.path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers/peft deprecation chatter

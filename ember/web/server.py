@@ -33,11 +33,11 @@ from ember.durable import write_durable
 from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
-from ember.paths import home
 from ember.proc import dies_with_us
 from ember.sched.owner_rules import OwnerRules, load_rules
 from ember.sched.process import signal_job, start_time
 from ember.sched.service import Service
+from ember.web.announce import announced, serve_dir, token_path, withdraw
 from ember.web.security import WORKER_TOKEN_ENV
 from ember.web.sockets import listen
 
@@ -53,14 +53,6 @@ class ServeOptions:
     devices: str | None = None        # simulated devices (EMBER_DEVICES), e.g. sim:2x8GiB
     ledger: Path | None = None
     extra_runs: list[str] = field(default_factory=list)
-
-
-def serve_dir() -> Path:
-    return home().serve
-
-
-def token_path() -> Path:
-    return home().serve_token
 
 
 def ensure_token() -> str:
@@ -222,32 +214,6 @@ def login_link(url: str, token: str) -> str:
     return f"{url}/login?token={token}"
 
 
-def announced(name: str) -> dict | None:
-    """What NAME.json ("serve" or "ui") says, while the process that wrote it runs: the same PID
-    *and* start time (a crashed server leaves its file; its PID may since name another process)."""
-    try:
-        info = json.loads((serve_dir() / f"{name}.json").read_text())
-        pid, started = int(info["pid"]), info.get("start")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(info.get("url"), str):
-        return None
-    if started is None:  # written by an older ember, without the start time
-        return info if start_time(pid) is not None else None
-    return info if start_time(pid) == started else None
-
-
-def withdraw(name: str) -> None:
-    """Remove NAME.json at exit if it is this process's."""
-    path = serve_dir() / f"{name}.json"
-    try:
-        ours = json.loads(path.read_text()).get("pid") == os.getpid()
-    except (OSError, ValueError, AttributeError):
-        return
-    if ours:
-        path.unlink(missing_ok=True)
-
-
 def running_service() -> str | None:
     """The URL of the service running on this machine, or None."""
     info = announced("serve")
@@ -300,16 +266,3 @@ def ui(opt: UiOptions, events: Events) -> int:
     finally:
         withdraw("ui")
     return 0
-
-
-def client_target() -> tuple[str, str]:
-    """The running service's URL and token, for the commands that talk to it."""
-    info = announced("serve")
-    if info is None:
-        raise EmberError(f"no service is running ({serve_dir() / 'serve.json'} is missing or names a process "
-                         f"that has ended); start one with `ember serve` (or `systemctl --user start ember`)")
-    try:
-        token = token_path().read_text().strip()
-    except OSError as e:
-        raise EmberError(f"cannot read the service's token {token_path()}: {e}") from None
-    return info["url"], token
