@@ -73,7 +73,7 @@ def check_state(optimizer: torch.optim.Optimizer, state_dtype: str) -> None:
     want = _STATE_KEY[state_dtype]
     for state in optimizer.state.values():
         if want not in state:
-            other = next(k for k, key in _STATE_KEY.items() if k != state_dtype)
+            other = next(k for k in _STATE_KEY if k != state_dtype)
             raise ValueError(f"the checkpoint holds AdamW moments in {other}, the recipe's [optimizer] "
                              f"state_dtype is '{state_dtype}'")
 
