@@ -114,6 +114,9 @@ class EvalConfig:
                             "--checkpoint best` exports the best one. 0 = train to max_steps.", min=0)
 
 
+INT8_STATE_MIN_ELEMENTS = 4096  # optimizer.state_dtype 'int8': smaller tensors keep fp32 moments
+
+
 @dataclass
 class OptimizerConfig:
     lr: float = setting(3e-4, "AdamW peak learning rate.", min=0, exclusive_min=True)
@@ -121,6 +124,11 @@ class OptimizerConfig:
     beta2: float = setting(0.95, "AdamW beta2.", min=0, max=0.999999)
     eps: float = setting(1e-8, "AdamW epsilon.", min=0, exclusive_min=True)
     weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", min=0)
+    state_dtype: Literal["fp32", "int8"] = setting(
+        "fp32", "AdamW's two moments in fp32 (torch.optim.AdamW), or in 8 bits (bitsandbytes' blockwise "
+        f"AdamW8bit: about a quarter of the memory; tensors under {INT8_STATE_MIN_ELEMENTS} elements keep "
+        "fp32 moments). 8-bit moments train a little differently from fp32 ones, resume exactly, run in "
+        "one process only, and need the `bitsandbytes` package. See `ember plan`.")
     grad_clip: float = setting(1.0, "Clip the global gradient norm to this value (0 = no clipping).",
                                min=0)
 

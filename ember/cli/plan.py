@@ -105,7 +105,7 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
     rc = p.recipe
     out.print(f"recipe: {rc.method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
               f"{rc.precision}, activation checkpointing {'on' if rc.activation_checkpointing else 'off'}, "
-              f"loss chunk {rc.loss_chunk or 'off'}")
+              f"loss chunk {rc.loss_chunk or 'off'}, optimizer state {rc.optimizer_state}")
     out.print(memory_table(mem))
     for phase, n in mem.phases.items():
         out.print(f"  {phase}: {_gib(n)}")

@@ -24,11 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ember.recipe import INT8_STATE_MIN_ELEMENTS
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 F32 = 4
 MiB = 1 << 20
 GiB = 1 << 30
+INT8_BLOCK = 256  # bitsandbytes' blockwise 8-bit state: one fp32 scale per 256 elements
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class TrainShape:
     activation_checkpointing: bool = False
     autocast: bool = False  # bf16/fp16 autocast over fp32 weights
     loss_chunk: int = 0  # tokens per chunk of the memory-efficient loss (0 = the plain loss)
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # or "adamw8bit": [optimizer] state_dtype = 'int8' (bitsandbytes)
 
     @property
     def tokens(self) -> int:
@@ -181,20 +184,40 @@ def fixed_activations(m: ModelShape, t: TrainShape) -> float:
     return b
 
 
-def update_temporaries(m: ModelShape, t: TrainShape) -> int:
-    """Bytes single-tensor AdamW (the CPU default) allocates at most while it updates."""
+def trainable_sizes(m: ModelShape, t: TrainShape) -> list[int]:
+    """Elements of each trained tensor, in parameter order."""
     h, r = m.hidden, t.lora_rank
     if t.lora:
         layer = [n for name, (i, o) in m.linear_shapes().items() if name in t.lora_targets for n in (r * i, o * r)]
-        sizes = m.layers * layer
-    else:
-        bias = {"q_proj": m.heads * m.head_dim, "k_proj": m.kv_heads * m.head_dim, "v_proj": m.kv_heads * m.head_dim}
-        layer = [n for name, (i, o) in m.linear_shapes().items()
-                 for n in ((i * o, bias[name]) if m.qkv_bias and name in bias else (i * o,))]
-        sizes = [m.vocab * h] + m.layers * (layer + [h, h]) + [h] + ([] if m.tied else [m.vocab * h])
-    # Per tensor in parameter order: sqrt(v) and its quotient `denom`, while the previous tensor's
-    # `denom` is still alive (the loop variable is rebound only once the new one exists). Equal
-    # neighbours (gate, up and down) make that three of the largest.
+        return m.layers * layer
+    bias = {"q_proj": m.heads * m.head_dim, "k_proj": m.kv_heads * m.head_dim, "v_proj": m.kv_heads * m.head_dim}
+    layer = [n for name, (i, o) in m.linear_shapes().items()
+             for n in ((i * o, bias[name]) if m.qkv_bias and name in bias else (i * o,))]
+    return [m.vocab * h] + m.layers * (layer + [h, h]) + [h] + ([] if m.tied else [m.vocab * h])
+
+
+def optimizer_bytes(m: ModelShape, t: TrainShape) -> int:
+    """AdamW's two moments: fp32; or (adamw8bit, bitsandbytes) per tensor of at least
+    INT8_STATE_MIN_ELEMENTS an 8-bit code per element, an fp32 scale per block of 256 and the
+    256-entry fp32 code map, for each moment (smaller tensors: fp32), as the checkpoint stores them."""
+    if t.optimizer != "adamw8bit":
+        return 2 * trainable_params(m, t) * F32
+    return sum(2 * (n + -(-n // INT8_BLOCK) * F32 + 256 * F32) if n >= INT8_STATE_MIN_ELEMENTS else 2 * n * F32
+               for n in trainable_sizes(m, t))
+
+
+def update_temporaries(m: ModelShape, t: TrainShape) -> int:
+    """Bytes the AdamW update allocates at most while it updates (on CPU)."""
+    sizes = trainable_sizes(m, t)
+    if t.optimizer == "adamw8bit":
+        # bitsandbytes' CPU update, tensor by tensor: both moments dequantized to fp32, the scaled
+        # gradient, sqrt(v) and its quotient (fp32-state tensors: the gradient, sqrt(v), + eps and
+        # the quotient); all freed before the next tensor.
+        return F32 * max((5 if n >= INT8_STATE_MIN_ELEMENTS else 4) * n for n in sizes)
+    # Single-tensor torch.optim.AdamW (the CPU default), per tensor in parameter order: sqrt(v)
+    # and its quotient `denom`, while the previous tensor's `denom` is still alive (the loop
+    # variable is rebound only once the new one exists). Equal neighbours (gate, up and down)
+    # make that three of the largest.
     return F32 * max(prev + 2 * cur for prev, cur in zip([0, *sizes], sizes))
 
 
@@ -240,7 +263,7 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     params, trainable = m.params(), trainable_params(m, t)
     weights = (params + (trainable if t.lora else 0)) * F32
     grads = trainable * F32
-    optim = 2 * trainable * F32  # AdamW: exp_avg and exp_avg_sq in fp32
+    optim = optimizer_bytes(m, t)  # AdamW: exp_avg and exp_avg_sq
     update_tmp = update_temporaries(m, t)
     rope = 2 * t.seq_len * m.head_dim * F32
     layers = layer_activations(m, t, first=True) + (m.layers - 1) * layer_activations(m, t)

@@ -20,7 +20,7 @@ from ember.metrics.peaks import select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
-from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, trainable_params
+from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
 from ember.plan.remedies import Remedy, architecture, fits, remedies, train_shape
 from ember.recipe import Recipe
 
@@ -53,6 +53,7 @@ class PlanRecipe:
     activation_checkpointing: bool
     loss_chunk: int
     max_steps: int
+    optimizer_state: str = "fp32"  # [optimizer] state_dtype
 
 
 @dataclass
@@ -189,7 +190,8 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Cal
     verdict, reasons = _verdict(fits_here, rems, time_.wall_seconds, r, devices)
     return Plan(
         recipe=PlanRecipe(r.model.path, r.method.kind, r.train.micro_batch, r.data.seq_len, r.train.grad_accum,
-                          r.precision.mode, r.train.activation_checkpointing, r.train.loss_chunk, r.train.max_steps),
+                          r.precision.mode, r.train.activation_checkpointing, r.train.loss_chunk, r.train.max_steps,
+                          r.optimizer.state_dtype),
         devices=devices + ([host_device()] if dev.accelerator else []),
         model=ModelInfo(m, m.params(), trainable_params(m, t)) if m else None,
         memory=memory, fits=fits_here, remedies=rems, time=time_, cost=c,
@@ -236,8 +238,7 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:
     """Model weights (all of them, or the adapters) and AdamW's two moments."""
-    trainable = trainable_params(m, t)
-    return (trainable if t.lora else m.params()) * F32 + 2 * trainable * F32
+    return (trainable_params(m, t) if t.lora else m.params()) * F32 + optimizer_bytes(m, t)
 
 
 def _verdict(fits_here: bool, rems: list[Remedy], wall: float, r: Recipe, devices: list[Device]) -> tuple[str, list[str]]:

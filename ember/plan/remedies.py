@@ -5,6 +5,7 @@ the memory estimate (ember/plan/memory.py); sharding over ranks is the registry'
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +22,8 @@ def train_shape(r: Recipe) -> TrainShape:
     return TrainShape(r.train.micro_batch, r.data.seq_len, lora=r.method.kind == "lora",
                       lora_rank=r.method.rank, lora_targets=frozenset(targets & set(LINEARS)),
                       lora_dropout=r.method.dropout, activation_checkpointing=r.train.activation_checkpointing,
-                      autocast=r.precision.mode != "fp32", loss_chunk=r.train.loss_chunk)
+                      autocast=r.precision.mode != "fp32", loss_chunk=r.train.loss_chunk,
+                      optimizer="adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw")
 
 
 def architecture(m: ModelShape, t: TrainShape) -> Architecture:
@@ -92,6 +94,8 @@ def _applicable(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: fl
                           "bf16 activations, fp32 master weights and optimizer state; same FLOPs, "
                           "faster on GPUs with bf16 tensor cores, often slower on CPUs; results differ "
                           "from fp32 in the low bits"))
+    if t.optimizer != "adamw8bit":
+        out.append(_eight_bit(m, t, budget, margin))
     if not t.lora:
         lt = replace(t, lora=True, lora_rank=16, lora_targets=frozenset(LINEARS))
         b = estimate(m, lt)
@@ -118,6 +122,20 @@ def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: 
                            f"optimizer step and FLOPs; activations and loss buffers shrink {mb // smaller}x; "
                            f"smaller matmuls may run less efficiently (measure with `ember doctor`)")]
     return []
+
+
+def _eight_bit(m: ModelShape, t: TrainShape, budget: int, margin: float) -> Remedy:
+    """AdamW's moments in 8 bits ([optimizer] state_dtype = 'int8'), when bitsandbytes is installed."""
+    full, b = estimate(m, t), estimate(m, replace(t, optimizer="adamw8bit"))
+    installed = importlib.util.find_spec("bitsandbytes") is not None  # not imported: planning stays torch-free
+    return Remedy("8-bit optimizer state", {"optimizer.state_dtype": "int8"}, b.peak, 1.0, fits(b.peak, budget, margin),
+                  f"AdamW moments in 8 bits (bitsandbytes' blockwise AdamW8bit): {size(full.optimizer)} -> "
+                  f"{size(b.optimizer)}; same FLOPs, but on CPU the update is slower and dequantizes each "
+                  f"tensor's moments to fp32 while it updates it, which can raise the peak where one tensor (a "
+                  f"large embedding) dominates (bench/optimizer_state.py); training differs a little from fp32 "
+                  f"moments; one process only"
+                  + ("" if installed else "; needs the bitsandbytes package, which is not installed here"),
+                  available=installed)
 
 
 def _sharded(m: ModelShape, r: Recipe, t: TrainShape, devices: list[Device], margin: float) -> list[Remedy]:
@@ -151,12 +169,10 @@ def _sharded(m: ModelShape, r: Recipe, t: TrainShape, devices: list[Device], mar
 
 
 def _not_applicable(full: Breakdown, device: Device, margin: float) -> list[Remedy]:
-    """The remedies ember does not apply yet, listed with what they would save."""
+    """The remedies ember does not apply yet, listed with what they would save (8-bit optimizer
+    state is `_eight_bit`: applied where bitsandbytes is installed)."""
     budget = device.free
-    opt8 = full.peak - full.optimizer + full.optimizer // 4
-    out = [Remedy("8-bit optimizer state", {}, opt8, 1.0, fits(opt8, budget, margin),
-                  f"AdamW moments in 8 bits: {size(full.optimizer)} -> {size(full.optimizer / 4)}; needs an "
-                  f"8-bit optimizer (bitsandbytes), which ember does not use yet", available=False)]
+    out = []
     if device.accelerator:
         offload = full.peak - full.optimizer
         how = (f"AdamW moments ({size(full.optimizer)}) in host memory, the update on the CPU; "

@@ -3,12 +3,15 @@ measurement (the doctor's calibration and DDP experiment), so both take the same
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ember.ckpt.state import RunState
-from ember.recipe import OptimizerConfig, Recipe
+from ember.errors import EmberError
+from ember.recipe import INT8_STATE_MIN_ELEMENTS, OptimizerConfig, Recipe
 from ember.train.breakdown import StepTimer
 from ember.train.dropout import DropoutKeys
 from ember.train.model import trainable_parameters
@@ -30,10 +33,58 @@ class StepParts:
     dropout: DropoutKeys = field(default_factory=DropoutKeys)  # unused: a measurement keeps nn.Dropout
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """The one optimizer ember trains with: AdamW over the trainable parameters."""
-    return torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The one optimizer ember trains with: AdamW over the trainable parameters, its moments in
+    fp32 or (state_dtype 'int8') in bitsandbytes' blockwise 8 bits."""
+    params = trainable_parameters(model)
+    if cfg.state_dtype == "int8":
+        # Plain tensors in its state_dict (uint8 codes, fp32 block scales and code maps), so the
+        # checkpoint stores them as any other; its CPU update is plain torch and C, no compile.
+        return _bitsandbytes().optim.AdamW8bit(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                               weight_decay=cfg.weight_decay,
+                                               min_8bit_size=INT8_STATE_MIN_ELEMENTS)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+_STATE_KEY = {"fp32": "exp_avg", "int8": "state1"}  # a key each kind's per-parameter state always has
+
+
+def _bitsandbytes() -> Any:
+    """bitsandbytes, imported quietly: on CPUs with AVX512-BF16 it logs a warning at import about
+    a 4-bit matmul kernel ember never uses, and below the commands nothing prints."""
+    try:
+        log = logging.getLogger("bitsandbytes")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            import bitsandbytes
+        finally:
+            log.setLevel(level)
+    except ImportError as e:
+        raise EmberError(f"[optimizer] state_dtype = 'int8' needs the bitsandbytes package ({e}); install it "
+                         f"(pip install 'bitsandbytes>=0.50'), or set state_dtype = 'fp32'") from None
+    return bitsandbytes
+
+
+def check_state(optimizer: torch.optim.Optimizer, state_dtype: str) -> None:
+    """Raise ValueError when loaded optimizer state is of the other kind (a checkpoint taken with
+    the other [optimizer] state_dtype): either optimizer would fail on it at its next step."""
+    want = _STATE_KEY[state_dtype]
+    for state in optimizer.state.values():
+        if want not in state:
+            other = next(k for k in _STATE_KEY if k != state_dtype)
+            raise ValueError(f"the checkpoint holds AdamW moments in {other}, the recipe's [optimizer] "
+                             f"state_dtype is '{state_dtype}'")
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors as its state_dict (and so a checkpoint) holds them."""
+    def count(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(count(v) for v in x.values()) if isinstance(x, dict) else 0
+    return sum(count(s) for s in optimizer.state_dict()["state"].values())
 
 
 def build_parts(recipe: Recipe, device: torch.device, model: torch.nn.Module) -> StepParts:

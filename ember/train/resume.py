@@ -18,6 +18,7 @@ from ember.errors import EmberError
 from ember.events import Events
 from ember.recipe import Recipe
 from ember.runfolder import RunDir
+from ember.train.parts import check_state
 from ember.train.sharding import unwrapped
 from ember.world import World
 
@@ -61,6 +62,7 @@ def restore(job: Resumable, from_scratch: bool = False) -> bool:
     path = Path(choice[1])
     try:
         own_rng = load_checkpoint(job, path)
+        check_state(job.optimizer, job.recipe.optimizer.state_dtype)
     except (ValueError, RuntimeError, KeyError) as e:  # it verifies: it is whole, yet not this model's
         raise EmberError(f"checkpoint {path} is intact but does not load into this run's model and "
                          f"optimizer ({type(e).__name__}: {str(e)[:300]}); was [model] or [method] changed? "

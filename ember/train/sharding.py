@@ -36,6 +36,10 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
         raise EmberError(f"{where}: [train] loss_chunk = {t.loss_chunk} calls the model's parts around "
                          f"the DDP/FSDP wrapper, which then misses its gradient hooks; set it to 0 for a "
                          f"distributed run")
+    if recipe.optimizer.state_dtype == "int8":
+        raise EmberError(f"{where}: [optimizer] state_dtype = 'int8' trains in one process only for now (a "
+                         f"distributed checkpoint goes through DCP, which does not know bitsandbytes' 8-bit "
+                         f"state); use state_dtype = 'fp32' with several ranks")
     if recipe.guard.spike_action == "rollback":
         raise EmberError(f"{where}: [guard] spike_action = 'rollback' is not available in a distributed run "
                          f"yet; use 'skip' or 'warn'")

@@ -27,6 +27,7 @@ CONFIGS = {
     "grad_accum": {"train": {"grad_accum": 3, "max_steps": 16}},
     "workers": {"data": {"workers": 2}},
     "fp16": {"precision": {"mode": "fp16"}, "train": {"max_steps": 16}},  # GradScaler state resumes too
+    "int8": {"optimizer": {"state_dtype": "int8"}},  # bitsandbytes' 8-bit AdamW state, checkpointed as is
 }
 
 
