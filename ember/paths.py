@@ -13,6 +13,7 @@ hashes of large files.
       cache/tokens/KEY/         token caches of training data
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
+      cache/inductor/           torch.compile's caches ([train] compile; ember.train.compiled)
       logs/libraries.log        what libraries said below the commands
       serve/                    the service: serve.lock, token, serve.json, ui.json, engine.json,
                                 engine.log, yield.json, control/JOB/, jobs/JOB.log
@@ -89,6 +90,11 @@ class Home:
     @property
     def cpu_peak_cache(self) -> Path:
         return self.cache / "cpu_peak.json"
+
+    @property
+    def inductor_cache(self) -> Path:
+        """TORCHINDUCTOR_CACHE_DIR of compiled runs: FX graphs, AOTAutograd, generated kernels."""
+        return self.cache / "inductor"
 
     @property
     def libraries_log(self) -> Path:
