@@ -46,7 +46,6 @@ def wanted(setting: bool | str, device: torch.device) -> bool:
 
 class Eager:
     """Stands in for a Compiler when the step runs eagerly: the plain loss, nothing to report."""
-    active = False
     loss = staticmethod(causal_lm_loss)
 
     def drain(self) -> list[tuple[float, float]]:
@@ -60,8 +59,8 @@ class Eager:
 
 
 class Compiler:
-    """The compiled loss and a record of the compiles it did (their spans; `summary`)."""
-    active = True
+    """The compiled loss and a record of the compiles it did (their spans; `summary`). Its
+    callbacks are process-wide: a run's Compiler lives as long as its process; `close` ends it."""
 
     def __init__(self, backend: str = "inductor") -> None:
         use_cache_dir()
