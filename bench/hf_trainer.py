@@ -294,8 +294,8 @@ def main() -> None:
                   f"{m['wall']:11.1f}s {m['setup']:6.1f}s {m['done']:15.1f}s")
         e, h = med["ember"], med["hf"]
         print(f"ember / HF: step period {e['period'] / h['period']:.3f}, whole job {e['wall'] / h['wall']:.3f}, "
-              f"setup {e['setup'] / h['setup']:.3f}; non-deterministic ember / HF period "
-              f"{med['ember-nondet']['period'] / h['period']:.3f}")
+              f"setup {e['setup'] / h['setup']:.3f}" + (f"; non-deterministic ember / HF period "
+              f"{med['ember-nondet']['period'] / h['period']:.3f}" if "ember-nondet" in med else ""))
         if "ember-nondet" in med and "ember-nofill" in med:
             print(f"deterministic / non-deterministic period {e['period'] / med['ember-nondet']['period']:.3f}; "
                   f"deterministic / deterministic without the fill {e['period'] / med['ember-nofill']['period']:.3f}")
