@@ -12,6 +12,8 @@ a rotated order each round:
   ember-nofill    deterministic, with torch.utils.deterministic.fill_uninitialized_memory = False
                   (set after ember's configure_determinism has run)
   hf              transformers.Trainer (its default AdamW implementation, adamw_torch_fused)
+  ember-compile   as ember, with train.compile = true (torch.compile, inductor: forward, loss, backward)
+  hf-compile      as hf, with TrainingArguments(torch_compile=True) (inductor)
   ember-ckpt      once, after the rounds: the ledger on and async checkpoints every 5 steps
 
 Then `--interleave` cycles (one process, one model) that switch the determinism flags between
@@ -26,7 +28,13 @@ optimizer) and HF's on_step_begin -> on_step_end (the same, minus the data fetch
 from the kernel's start of the child process to the end of its last step (imports, model load,
 data, every step).
 
+The compiled arms compile during their first step; the warm-up steps dropped from the medians
+cover it (the compile seconds show in `setup`-to-last-step, not in the period). ember's kernels
+are cached in $EMBER_HOME/cache/inductor, HF's in torch's default folder: from the second round
+on, both load them rather than compiling again.
+
 usage: python bench/hf_trainer.py [--rounds 3] [--steps 20] [--warmup 3] [--cycles 12] [--no-ckpt]
+                                  [--arms hf,ember,hf-compile,ember-compile]
        python bench/hf_trainer.py --rounds 0 --cycles 30   # the determinism cycles alone
 """
 
@@ -50,15 +58,15 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "examples/smollm2-lora.toml"
 KJV = ROOT / "examples/data/kjv.jsonl"
 THREADS = 2
-ARMS = ["hf", "ember", "ember-nondet", "ember-nofill"]
+ARMS = ["hf", "ember", "ember-nondet", "ember-nofill", "hf-compile", "ember-compile"]
 MODES = ["det", "nondet", "nofill"]  # --interleave
 
 
-def recipe(steps: int, deterministic: bool = True, every: int = 0):
+def recipe(steps: int, deterministic: bool = True, every: int = 0, compile: bool = False):
     from ember.recipe import load_recipe
     return load_recipe(RECIPE, [f"train.max_steps={steps}", "method.dropout=0.0", f"train.threads={THREADS}",
                                 f"train.deterministic={str(deterministic).lower()}",
-                                f"checkpoint.every_steps={every}"])
+                                f"checkpoint.every_steps={every}", f"train.compile={str(compile).lower()}"])
 
 
 def lr_factor(step: int, warmup: int, max_steps: int, floor: float = 0.1) -> float:
@@ -99,7 +107,8 @@ def ember_arm(args: argparse.Namespace, started: float) -> dict:
     from ember.train.job import prepare
     from ember.train.loop import train
     ckpt = args.arm == "ember-ckpt"
-    r = recipe(args.steps, deterministic=args.arm != "ember-nondet", every=5 if ckpt else 0)
+    r = recipe(args.steps, deterministic=args.arm != "ember-nondet", every=5 if ckpt else 0,
+               compile=args.arm == "ember-compile")
     out = Path(args.out) / "run"
     job = prepare(r, out, False, Events(), ledger_path=Path(args.out) / "ledger.db" if ckpt else False)
     if args.arm == "ember-nofill":  # after configure_determinism (inside prepare)
@@ -160,7 +169,7 @@ def hf_arm(args: argparse.Namespace, started: float) -> dict:
         learning_rate=5e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
-        use_cpu=True, seed=0)
+        use_cpu=True, seed=0, torch_compile=args.arm == "hf-compile")
     clock = Clock()
     trainer = SameSchedule(model=model, args=targs, train_dataset=Rows(), callbacks=[clock])
     trainer.train()
@@ -170,7 +179,8 @@ def hf_arm(args: argparse.Namespace, started: float) -> dict:
             "first_start": clock.begins[0], "started": started, "done": done,
             "loss": [x["loss"] for x in logs], "lr": [x["learning_rate"] for x in logs],
             "flags": {"deterministic": torch.are_deterministic_algorithms_enabled(),
-                      "threads": torch.get_num_threads(), "optim": str(targs.optim)}}
+                      "threads": torch.get_num_threads(), "optim": str(targs.optim),
+                      "compile": targs.torch_compile}}
 
 
 def set_mode(mode: str) -> None:
@@ -215,7 +225,7 @@ def child(args: argparse.Namespace) -> None:
     if args.arm == "setup":
         setup(args)
         return
-    fn = {"hf": hf_arm, "interleave": interleave}.get(args.arm, ember_arm)
+    fn = {"hf": hf_arm, "hf-compile": hf_arm, "interleave": interleave}.get(args.arm, ember_arm)
     result = fn(args, started)
     (Path(args.out) / "result.json").write_text(json.dumps(result))
 
@@ -245,6 +255,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps dropped from the medians")
     p.add_argument("--cycles", type=int, default=12, help="--interleave cycles of the three modes (0: skip)")
     p.add_argument("--no-ckpt", action="store_true", help="skip the checkpointing arm")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms of the rounds (hf and ember always)")
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -256,12 +267,13 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ember-hf-bench-"))
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; work folder {base}", flush=True)
+    arms = [a for a in ARMS if a in {"hf", "ember", *args.arms.split(",")}]
     if args.rounds:  # 0: only the interleaved determinism cycles
         run_child("setup", args.steps, base)
-        per: dict[str, list[dict]] = {a: [] for a in ARMS}
-        raw: dict[str, list[dict]] = {a: [] for a in ARMS}
+        per: dict[str, list[dict]] = {a: [] for a in arms}
+        raw: dict[str, list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
-            for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:  # rotated: no arm always first
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated: no arm always first
                 res = run_child(arm, args.steps, base / f"r{r}-{arm}")
                 raw[arm].append(res)
                 per[arm].append(summarize(res, args.warmup))
@@ -270,22 +282,31 @@ def main() -> None:
                       f"whole job {s['wall']:6.1f} s (setup {s['setup']:5.1f} s)  flags {res['flags']}  "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
         (base / "rounds.json").write_text(json.dumps({"summary": per, "raw": raw}))
-        med = {a: {k: statistics.median(s[k] for s in per[a]) for k in per[a][0]} for a in ARMS}
+        med = {a: {k: statistics.median(s[k] for s in per[a]) for k in per[a][0]} for a in arms}
         tokens = json.loads((base / "setup.json").read_text())
         tokens = tokens["micro_batch"] * tokens["seq_len"]
         print(f"\n{args.steps} steps a job, first {args.warmup} dropped, median of {args.rounds} rounds "
               f"({tokens} tokens a step):")
         print(f"  {'arm':13s} {'period':>10s} {'tokens/s':>9s} {'inner':>10s} {'to last step':>12s} {'setup':>7s} {'to exit of train':>16s}")
-        for a in ARMS:
+        for a in arms:
             m = med[a]
             print(f"  {a:13s} {m['period'] * 1e3:8.1f}ms {tokens / m['period']:9.1f} {m['inner'] * 1e3:8.1f}ms "
                   f"{m['wall']:11.1f}s {m['setup']:6.1f}s {m['done']:15.1f}s")
         e, h = med["ember"], med["hf"]
         print(f"ember / HF: step period {e['period'] / h['period']:.3f}, whole job {e['wall'] / h['wall']:.3f}, "
-              f"setup {e['setup'] / h['setup']:.3f}; non-deterministic ember / HF period "
-              f"{med['ember-nondet']['period'] / h['period']:.3f}")
-        print(f"deterministic / non-deterministic period {e['period'] / med['ember-nondet']['period']:.3f}; "
-              f"deterministic / deterministic without the fill {e['period'] / med['ember-nofill']['period']:.3f}")
+              f"setup {e['setup'] / h['setup']:.3f}" + (f"; non-deterministic ember / HF period "
+              f"{med['ember-nondet']['period'] / h['period']:.3f}" if "ember-nondet" in med else ""))
+        if "ember-nondet" in med and "ember-nofill" in med:
+            print(f"deterministic / non-deterministic period {e['period'] / med['ember-nondet']['period']:.3f}; "
+                  f"deterministic / deterministic without the fill {e['period'] / med['ember-nofill']['period']:.3f}")
+        if "ember-compile" in med:  # the goals: <= 0.8x HF eager, <= 1.0x HF compiled
+            c = med["ember-compile"]
+            print(f"compiled ember / HF eager: step period {c['period'] / h['period']:.3f} (goal <= 0.8); "
+                  f"compiled ember / ember eager {c['period'] / e['period']:.3f}; whole job {c['wall'] / h['wall']:.3f} of HF eager's")
+            if "hf-compile" in med:
+                hc = med["hf-compile"]
+                print(f"compiled ember / HF torch_compile=True: step period {c['period'] / hc['period']:.3f} (goal <= 1.0); "
+                      f"HF compiled / HF eager {hc['period'] / h['period']:.3f}; whole job {c['wall'] / hc['wall']:.3f}")
         dl = max(abs(a - b) for a, b in zip(raw["ember"][0]["loss"], raw["hf"][0]["loss"]))
         dr = max(abs(a - b) for a, b in zip(raw["ember"][0]["lr"], raw["hf"][0]["lr"]))
         print(f"same job? per-step loss ember vs HF: largest difference {dl:.2e} over "

@@ -184,12 +184,12 @@ def check_value(where: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> A
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         named = [a for a in args if typing.get_origin(a) is Literal]
         if isinstance(value, str) and named:
-            return check_value(where, value, named[0], {"or_number": True})
+            return check_value(where, value, named[0], {"or": "true or false" if bool in args else "a number"})
         return check_value(where, value, next(a for a in args if a not in named), meta)
     if origin is Literal or isinstance(hint, type) and issubclass(hint, StrEnum):
         allowed = choices(hint)
         if value not in allowed:
-            also = " or a number" if meta.get("or_number") else ""
+            also = f" or {meta['or']}" if meta.get("or") else ""
             raise EmberError(f"{where} = {value!r}: must be one of {', '.join(map(repr, allowed))}{also}")
         return value if origin is Literal else hint(value)
     if origin is list:

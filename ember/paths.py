@@ -15,6 +15,7 @@ hashes of large files.
       cache/cpu_peak.json       measured CPU peaks, per machine
       cache/modules/KEY.json    a model's module names (LoRA's targets), by its config
       cache/packages.json       the installed packages, by sys.path's folders' modification times
+      cache/inductor/           torch.compile's caches ([train] compile; ember.train.compiled)
       logs/libraries.log        what libraries said below the commands
       serve/                    the service: serve.lock, token, serve.json, ui.json, engine.json,
                                 engine.log, yield.json, control/JOB/, jobs/JOB.log
@@ -91,6 +92,11 @@ class Home:
     @property
     def cpu_peak_cache(self) -> Path:
         return self.cache / "cpu_peak.json"
+
+    @property
+    def inductor_cache(self) -> Path:
+        """TORCHINDUCTOR_CACHE_DIR of compiled runs: FX graphs, AOTAutograd, generated kernels."""
+        return self.cache / "inductor"
 
     @property
     def packages_cache(self) -> Path:

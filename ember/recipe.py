@@ -148,6 +148,13 @@ class TrainConfig:
     grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.", min=1)
     seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0)
     activation_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
+    compile: bool | Literal["auto"] = setting(
+        "auto", "torch.compile (inductor) the forward, loss and backward of the step: true, false, or "
+        "'auto' = on on CUDA devices, off elsewhere (on a CPU compiling takes tens of seconds; ask with "
+        "true). The checkpoint format is the eager model's; the compile cache is $EMBER_HOME/cache/inductor; "
+        "compile seconds are the goodput bucket 'compile' and graph breaks are warned of. A compiled run "
+        "resumes bit-identically to an uninterrupted compiled run on a CPU; compiled and eager runs differ "
+        "in the last bits.")
     loss_chunk: int = setting(0, "Memory-efficient loss: cross-entropy over chunks of this many "
                               "tokens, so the batch x seq x vocab logits never exist at once "
                               "(0 = the plain loss). See `ember plan`.", min=0)

@@ -6,6 +6,8 @@ data loading, checkpoint save and restore, wasted progress from disruption, othe
     productive         steps that survived, less their synchronous data wait
     data_loading       time steps spent blocked waiting for the input pipeline
     program_startup    process start to the first step, less checkpoint restore
+    compile            torch.compile's tracing and code generation ([train] compile), taken out
+                       of the steps that paid for it
     checkpoint_restore finding, verifying and loading the checkpoint to resume from
     checkpoint_save    the part of checkpointing that blocked training (final weights included)
     evaluation         evaluation passes
@@ -28,6 +30,7 @@ class Bucket(StrEnum):
     PRODUCTIVE = "productive"
     DATA_LOADING = "data_loading"
     PROGRAM_STARTUP = "program_startup"
+    COMPILE = "compile"
     CHECKPOINT_RESTORE = "checkpoint_restore"
     CHECKPOINT_SAVE = "checkpoint_save"
     EVALUATION = "evaluation"
@@ -46,6 +49,7 @@ class EventKind(StrEnum):
     EVALUATION = "evaluation"
     PAUSE = "pause"
     PAUSE_INFERENCE = "pause_inference"
+    COMPILE = "compile"  # inside a step (its `step`): moved out of that step's bucket
 
 
 BUCKETS = tuple(Bucket)
@@ -68,6 +72,7 @@ class Event:
     kind: str          # an EventKind
     start: float
     end: float
+    step: int | None = None  # the step it belongs to (a compile: the step that paid for it)
 
 
 class Step(NamedTuple):  # a tuple, not a frozen dataclass: a report makes one per step (100,000 in 0.1 s, not 0.3)
@@ -112,5 +117,11 @@ def account(spans: list[Span], events: list[Event], steps: list[Step]) -> Goodpu
     for e in events:
         if e.kind == EventKind.STARTUP:  # the start-up event encloses the restore
             buckets[Bucket.PROGRAM_STARTUP] += e.end - e.start - restore_by_attempt.get(e.attempt, 0.0)
+    lost = {(s.attempt, s.step) for s in steps if s.lost}
+    for e in events:
+        if e.kind == EventKind.COMPILE:  # inside a step: out of the bucket that step's seconds went to
+            paid = Bucket.WASTED_PROGRESS if (e.attempt, e.step) in lost else Bucket.PRODUCTIVE
+            buckets[paid] -= e.end - e.start
+            buckets[Bucket.COMPILE] += e.end - e.start
     buckets[Bucket.OTHER] = wall - sum(v for k, v in buckets.items() if k != Bucket.OTHER)
     return Goodput(wall, buckets)

@@ -220,7 +220,7 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
         # Only this run's attempts: a copied folder's metrics carry the original run's steps too.
         known = {a.attempt for a in rows}
         steps = [s for s in steps if s.attempt in known]
-        g = account(spans, [Event(e["attempt"], e["kind"], e["start"], e["end"]) for e in events], steps)
+        g = account(spans, [Event(e["attempt"], e["kind"], e["start"], e["end"], e["step"]) for e in events], steps)
         report.goodput = GoodputInfo(g.wall_seconds, g.goodput, g.buckets, sum(1 for s in steps if s.lost))
         report.where_time_goes = _ranked(g, steps, events)
         c = cost(prices_from(recipe.get("cost", {}), devices), g.wall_seconds,
@@ -237,10 +237,11 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
 
 
 def _throughput(learned: list[dict[str, Any]], devices: int, seq_len: int) -> Throughput | None:
-    """Tokens and sequences per second over the steps that learned a token (None: no such step)."""
+    """Tokens and sequences per second over the steps that learned a token, less the seconds
+    they spent compiling (None: no such step)."""
     if not learned:
         return None
-    seconds = sum(r["step_seconds"] for r in learned)
+    seconds = max(sum(r["step_seconds"] - r.get("compile_seconds", 0.0) for r in learned), 1e-9)
     tokens = sum(r["tokens"] for r in learned)
     return Throughput(tokens / seconds, tokens / seconds / devices, tokens / seq_len / seconds, devices, tokens)
 
@@ -288,7 +289,7 @@ def goodput_so_far(con: sqlite3.Connection, run_id: str, steps: list[Step]) -> G
     if status != "running":
         return None
     known = {a.attempt for a in rows}  # a copied folder's metrics carry the original run's steps too
-    events = [Event(e["attempt"], e["kind"], e["start"], e["end"]) for e in ledger_store.events(con, run_id)]
+    events = [Event(e["attempt"], e["kind"], e["start"], e["end"], e["step"]) for e in ledger_store.events(con, run_id)]
     return account(spans, events, [s for s in steps if s.attempt in known])
 
 
@@ -344,6 +345,9 @@ def _ranked(g: Goodput, steps: list[Step], events: list[sqlite3.Row]) -> list[Ba
         elif name == Bucket.PROGRAM_STARTUP:
             starts = [e["end"] - e["start"] for e in events if e["kind"] == EventKind.STARTUP]
             evidence = f"{len(starts)} start-ups, {', '.join(f'{s:.1f}s' for s in starts)}"
+        elif name == Bucket.COMPILE:
+            spans = [e["end"] - e["start"] for e in events if e["kind"] == EventKind.COMPILE]
+            evidence = f"{len(spans)} compiles (torch.compile), the longest {max(spans, default=0):.1f}s"
         elif name == Bucket.CHECKPOINT_RESTORE:
             evidence = f"{sum(1 for e in events if e['kind'] == EventKind.RESTORE)} restores"
         elif name == Bucket.OTHER:

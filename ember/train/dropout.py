@@ -45,6 +45,7 @@ class KeyedDropout(nn.Module):
         super().__init__()
         self.p, self.keys, self.layer = p, keys, layer
 
+    @torch.compiler.disable  # compiled ([train] compile): its keys change every step; eager, not a recompile each step
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x

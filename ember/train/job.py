@@ -35,6 +35,7 @@ from ember.models import check_against_model, config_fields
 from ember.proc import process_start_time
 from ember.recipe import DataFormat, Recipe
 from ember.train.breakdown import StepTimer
+from ember.train.compiled import Compiler, Eager, build as build_compiler
 from ember.train.dropout import DropoutKeys, install as install_dropout
 from ember.data.sources import data_file_hashes
 from ember.data.loader import (PackedBatches, data_fingerprint, eval_tokens, resolve_packing,
@@ -71,6 +72,7 @@ class Job:
     world: World = field(default_factory=World)  # the ranks (one, by default)
     wrapped: torch.nn.Module | None = None  # the model under DDP / FSDP, when distributed
     dropout: DropoutKeys = field(default_factory=DropoutKeys)  # which rows LoRA's dropout masks are for
+    compiler: Compiler | Eager = field(default_factory=Eager)  # [train] compile (ember.train.compiled)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -143,7 +145,8 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
                               nice=recipe.checkpoint.persist_nice)
     job = Job(recipe, run, device, bundle, p.optimizer, p.scheduler, p.scaler, store, p.state, tokens_path,
               events, ledger, started, writer, mtbf_seconds=checkpoint_mtbf(recipe, ledger, events),
-              timer=p.timer, world=world, wrapped=p.model, dropout=dropout)
+              timer=p.timer, world=world, wrapped=p.model, dropout=dropout,
+              compiler=build_compiler(recipe.train.compile, device))
     t0 = time.time()
     resumed = restore(job, from_scratch)
     start_attempt(job, resumed, t0, launch)

@@ -28,7 +28,6 @@ from ember.data.loader import SkippingSampler, make_loader, row_parts
 from ember.train.dropout import DropoutKeys
 from ember.train.evaluate import Evaluator, evaluating
 from ember.train.job import Job
-from ember.train.loss import causal_lm_loss
 from ember.train.model import save_final, trainable_parameters
 from ember.train.sharding import clip_gradients
 from ember.train.recorder import RunRecorder
@@ -63,6 +62,7 @@ class Steppable(Protocol):
     timer: StepTimer
     world: World
     dropout: DropoutKeys
+    compiler: Any  # ember.train.compiled: Compiler or Eager, whose `loss` the step calls
 
 
 class Data:
@@ -118,6 +118,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 state = job.state
                 continue
             advance(state, result, data, seconds)
+            record.compiled()  # this step's compile seconds (the bucket `compile`), graph breaks said
             watchdog.beat(state.step, seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
@@ -276,7 +277,7 @@ def train_step(job: Steppable, data: Data) -> StepResult:
         last = i == accum - 1
         with nullcontext() if last else no_sync(model):
             with autocast(job.device, r.precision.mode):
-                loss = causal_lm_loss(model, batch, r.train.loss_chunk, per_rank) * faults.loss_factor(ordinal)
+                loss = job.compiler.loss(model, batch, r.train.loss_chunk, per_rank) * faults.loss_factor(ordinal)
             timer.lap("forward")
             job.scaler.scale(loss).backward()
         timer.lap("backward")

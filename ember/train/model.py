@@ -198,8 +198,20 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method.kind == "lora":
         model = apply_lora(model, method)
+    if activation_checkpointing:
+        drop_input_grad_hooks(model)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     return ModelBundle(model, tokenizer, max_positions, source)
+
+
+def drop_input_grad_hooks(model: nn.Module) -> None:
+    """Remove the hooks transformers and peft put on the input embeddings under activation
+    checkpointing (`requires_grad_(True)` on their output): reentrant checkpointing needs them,
+    ember's non-reentrant one does not, and under torch.compile each is a graph break. The
+    gradients are the same without them."""
+    hooks = model.get_input_embeddings()._forward_hooks  # torch keeps no public way to list them
+    for key in [k for k, fn in hooks.items() if getattr(fn, "__name__", "") == "make_inputs_require_grads"]:
+        del hooks[key]
 
 
 def load_tokenizer(folder: Path) -> Tokenizer:

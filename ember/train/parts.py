@@ -13,6 +13,7 @@ from ember.ckpt.state import RunState
 from ember.errors import EmberError
 from ember.recipe import INT8_STATE_MIN_ELEMENTS, OptimizerConfig, Recipe
 from ember.train.breakdown import StepTimer
+from ember.train.compiled import Compiler, Eager
 from ember.train.dropout import DropoutKeys
 from ember.train.model import trainable_parameters
 from ember.train.schedule import ScaledSchedule
@@ -31,6 +32,7 @@ class StepParts:
     timer: StepTimer
     world: World = field(default_factory=World)  # one process: a measurement never spans ranks
     dropout: DropoutKeys = field(default_factory=DropoutKeys)  # unused: a measurement keeps nn.Dropout
+    compiler: Compiler | Eager = field(default_factory=Eager)  # the step's loss, compiled or not
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:

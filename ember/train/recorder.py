@@ -18,6 +18,7 @@ from ember.control import Pause
 from ember.ledger.goodput import EventKind
 from ember.metrics import rank_times as ranks
 from ember.runfolder import MetricsLog
+from ember.train.compiled import break_warning, described
 from ember.train.job import Job
 from ember.train.scalars import Scalars, open_sinks
 
@@ -64,6 +65,7 @@ class RunRecorder:
         self.tokens, self.seconds = 0, 0.0  # this attempt's
         self.learning_seconds = 0.0  # of the steps that learned tokens: a step without any is no tokens/s figure
         self.step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.rank_times)
+        self.compile_seconds = 0.0  # of the step being recorded: no training, kept out of tokens/s
 
     def reopen(self) -> None:
         """Open metrics.jsonl and the [log] sinks at the state's step (at the start, after a rollback:
@@ -81,7 +83,7 @@ class RunRecorder:
         with this step's held-out figures, and add its phases to the attempt's totals."""
         job, state = self.job, self.job.state
         self.tokens, self.seconds = self.tokens + result.tokens, self.seconds + seconds
-        self.learning_seconds += seconds if result.tokens else 0.0
+        self.learning_seconds += seconds - self.compile_seconds if result.tokens else 0.0
         self.step_seconds.append(seconds)
         record = {"step": state.step, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "tokens": result.tokens,
@@ -89,7 +91,9 @@ class RunRecorder:
                   "data_wait_seconds": round(result.phases["data"], 6),
                   "phases": {k: round(v, 6) for k, v in result.phases.items()},
                   "attempt": job.run.attempt, "time": time.time(), **held_out,
+                  **({"compile_seconds": round(self.compile_seconds, 6)} if self.compile_seconds else {}),
                   **({} if result.applied else {"skipped": result.verdict})}
+        self.compile_seconds = 0.0
         self.metrics.append(record)
         self.scalars.log(record)
         job.phase_totals = {k: job.phase_totals.get(k, 0.0) + v for k, v in result.phases.items()}
@@ -101,6 +105,24 @@ class RunRecorder:
                         seconds=seconds, tokens=result.tokens,
                         tokens_per_second=self.tokens / self.learning_seconds if self.learning_seconds else None,
                         eta_seconds=(total - step) * self.seconds / len(self.step_seconds))
+
+    def compiled(self) -> None:
+        """After a step: its compiles as ledger events (the goodput bucket `compile`); when it
+        compiled anything, what that did (run.json's `compile` per attempt) and its graph breaks."""
+        job, step = self.job, self.job.state.step
+        spans = job.compiler.drain()
+        if not spans:
+            return
+        for start, end in spans:
+            job.ledger.event(EventKind.COMPILE, start, end, step=step)
+        self.compile_seconds = sum(end - start for start, end in spans)
+        summary = job.compiler.summary()
+        job.events.info(f"step {step}: " + described(summary), step=step, **{"compile": summary})
+        if (warning := break_warning(summary)) is not None:
+            job.events.warn(warning, step=step, graph_breaks=summary["graph_breaks"])
+        if job.world.main:
+            job.run.record.setdefault("compile", {})[str(job.run.attempt)] = summary
+            job.run.save_record()
 
     def pause(self, held: Pause | None) -> None:
         """The ledger event of a soft pause the loop just waited through, if there was one."""

@@ -57,11 +57,23 @@ def test_pauses_and_evaluation_have_their_own_buckets():
 
 def test_bucket_and_event_names_are_the_stored_strings():
     """The ledger and the reports hold these names: the StrEnums are those strings."""
-    assert BUCKETS == ("productive", "data_loading", "program_startup", "checkpoint_restore", "checkpoint_save",
+    assert BUCKETS == ("productive", "data_loading", "program_startup", "compile", "checkpoint_restore", "checkpoint_save",
                        "evaluation", "wasted_progress", "paused", "paused_for_inference", "other")
     assert [str(k) for k in EventKind] == ["startup", "restore", "checkpoint", "final_save", "evaluation",
-                                           "pause", "pause_inference"]
+                                           "pause", "pause_inference", "compile"]
     # events read back from SQLite are plain strings: they land in the same buckets
     g = account([Span(1, 0.0, 10.0)], [Event(1, "final_save", 1.0, 3.0), Event(1, EventKind.PAUSE, 3.0, 4.0)], [])
     assert g.buckets[Bucket.CHECKPOINT_SAVE] == g.buckets["checkpoint_save"] == 2.0
     assert g.buckets["paused"] == 1.0 and g.buckets[Bucket.OTHER] == 7.0
+
+
+def test_compile_seconds_leave_the_step_that_paid_them():
+    """A compile inside a step is the bucket `compile`: out of productive time for a step that
+    survived, out of wasted progress for one that was lost; the wall-clock still adds up."""
+    steps = [Step(1, 1, 12.0, 0.5, False), Step(1, 2, 2.0, 0.5, False), Step(2, 2, 9.0, 0.0, True)]
+    events = [Event(1, EventKind.COMPILE, 1.0, 11.0, 1), Event(2, "compile", 30.0, 37.0, 2)]
+    g = account([Span(1, 0.0, 20.0), Span(2, 25.0, 40.0)], events, steps)
+    assert g.buckets[Bucket.COMPILE] == 17.0
+    assert g.buckets[Bucket.PRODUCTIVE] == (12.0 - 0.5 - 10.0) + (2.0 - 0.5)
+    assert g.buckets[Bucket.WASTED_PROGRESS] == 9.0 - 7.0
+    assert sum(g.buckets.values()) == g.wall_seconds

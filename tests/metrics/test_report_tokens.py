@@ -69,3 +69,14 @@ def test_runs_with_the_same_empty_steps_compare_identical():
     assert compare_runs(record, record, same, dict(same), 0.0).verdict == "identical"
     other = compare_runs(record, record, same, {1: 2.0, 2: 3.0}, 1.0)
     assert other.verdict == "diverged" and other.first_differing_step == 1
+
+
+def test_the_seconds_a_step_spent_compiling_are_no_part_of_tokens_per_second(tmp_path):
+    """[train] compile: the first step's compile (its metrics line's compile_seconds) is the
+    goodput bucket `compile`, not training: tokens/s and MFU are over the rest of the step."""
+    write_run(tmp_path / "r", [(100, 3.0, 40.5), (300, 2.5, 1.5)])
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    first = {**json.loads(lines[0]), "compile_seconds": 40.0}
+    (tmp_path / "r" / "metrics.jsonl").write_text("\n".join([json.dumps(first), lines[1]]) + "\n")
+    report = build_report(tmp_path / "r", None)
+    assert report.throughput.tokens_per_second == 400 / 2.0
