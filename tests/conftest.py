@@ -31,7 +31,7 @@ SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tes
          "tests/e2e/test_distributed_lora.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py",
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
-LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py",
+LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py", "tests/e2e/test_compile.py",
                  "tests/e2e/test_distributed_faults.py", "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_lora.py",
                  "tests/e2e/test_serve.py", "tests/e2e/test_resume.py", "tests/e2e/test_rerun.py",
                  "tests/e2e/test_two_nodes.py",
