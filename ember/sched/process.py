@@ -69,13 +69,14 @@ def signal_job(pid: int, started: str | None, sig: signal.Signals) -> bool:
 
 def kill_tree(pid: int | None, started: str | None) -> bool:
     """SIGKILL the job's process and its descendants (its supervised child runs in a session of
-    its own, so a process-group kill would miss it)."""
+    its own, so a process-group kill would miss it). The root first: killed after its children, it
+    could see one die and act on it (exit on its own, or a supervisor restart it) before its turn."""
     import psutil
     if not alive(pid, started):
         return False
     try:
         root = psutil.Process(pid)
-        tree = root.children(recursive=True) + [root]
+        tree = [root] + root.children(recursive=True)
     except psutil.Error:
         return False
     for p in tree:
