@@ -14,6 +14,7 @@ hashes of large files.
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
       cache/modules/KEY.json    a model's module names (LoRA's targets), by its config
+      cache/traced/KEY.json     a step traced on fake tensors (the plan of a family without formulas)
       cache/packages.json       the installed packages, by sys.path's folders' modification times
       cache/inductor/           torch.compile's caches ([train] compile; ember.train.compiled)
       logs/libraries.log        what libraries said below the commands
@@ -102,6 +103,10 @@ class Home:
     def packages_cache(self) -> Path:
         """The installed packages a run's manifest lists (ember.ledger.manifest.installed_packages)."""
         return self.cache / "packages.json"
+
+    def traced_cache(self, key: str) -> Path:
+        """A training step traced on fake tensors (ember.doctor.traced), keyed by what shapes it."""
+        return self.cache / "traced" / f"{key}.json"
 
     def module_names_cache(self, key: str) -> Path:
         """A model's module names (ember.models.module_names), keyed by its config."""

@@ -98,7 +98,10 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
     for d in p.devices:
         out.print(f"device: {d.name} ({d.kind}): {_gib(d.total)} total, {_gib(d.free)} free", markup=False)
     mem = p.memory
-    if p.model:
+    if p.model and p.model.shape is None:
+        out.print(f"model: {p.model.family}, its step traced on its module graph (fake tensors); "
+                  f"{p.model.params:,} parameters, {p.model.trainable:,} trained", markup=False)
+    elif p.model:
         m = p.model.shape
         out.print(f"model: {m.family}-style, {m.layers} layers, hidden {m.hidden}, {m.heads}/{m.kv_heads} heads, "
                   f"vocab {m.vocab:,}; {p.model.params:,} parameters, {p.model.trainable:,} trained")

@@ -59,10 +59,10 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
     measured = calibrate(r) if req.calibrate else None  # a plan without it imports no torch
     try:
         plan = make_plan(r, con, measured, devices)
-    except UnknownArchitecture as e:
-        events.warn(f"{e}: measuring a step here instead (calibration)")
-        plan = make_plan(r, con, calibrate(r), devices)
-    if con is not None and plan.model is not None:
+    except UnknownArchitecture:
+        from ember.doctor.traced import traced_step  # a family without formulas: its step traced
+        plan = make_plan(r, con, measured, devices, traced_step(r))
+    if con is not None and plan.model is not None and plan.model.shape is not None:
         plan.parallel = parallel_advice(r, plan, con)
     result = PlanResult(plan, req.target_micro_batch)
     if req.apply is not None:

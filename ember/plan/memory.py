@@ -202,8 +202,14 @@ def optimizer_bytes(m: ModelShape, t: TrainShape) -> int:
     256-entry fp32 code map, for each moment (smaller tensors: fp32), as the checkpoint stores them."""
     if t.optimizer != "adamw8bit":
         return 2 * trainable_params(m, t) * F32
-    return sum(2 * (n + -(-n // INT8_BLOCK) * F32 + 256 * F32) if n >= INT8_STATE_MIN_ELEMENTS else 2 * n * F32
-               for n in trainable_sizes(m, t))
+    return sum(moment_bytes(n, t.optimizer) for n in trainable_sizes(m, t))
+
+
+def moment_bytes(n: int, optimizer: str) -> int:
+    """AdamW's two moments of one tensor of `n` elements (see optimizer_bytes)."""
+    if optimizer == "adamw8bit" and n >= INT8_STATE_MIN_ELEMENTS:
+        return 2 * (n + -(-n // INT8_BLOCK) * F32 + 256 * F32)
+    return 2 * n * F32
 
 
 def update_temporaries(m: ModelShape, t: TrainShape) -> int:

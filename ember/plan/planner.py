@@ -32,7 +32,22 @@ STARTUP_SECONDS = 5.0
 
 
 class UnknownArchitecture(EmberError):
-    """The estimator has no formula for this model: measure instead (calibration)."""
+    """The estimator has no formula for this model: trace its step (ember.doctor.traced) or
+    measure it (calibration)."""
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A step counted on the model's own module graph with fake tensors (ember.doctor.traced):
+    the peak of its second step and its parts, FLOPs per token of a forward and backward."""
+    peak_bytes: int
+    weights: int
+    gradients: int
+    optimizer: int
+    flops_per_token: float
+    params: int
+    trainable: int
+    family: str
 
 
 @dataclass(frozen=True)
@@ -58,9 +73,10 @@ class PlanRecipe:
 
 @dataclass
 class ModelInfo:
-    shape: ModelShape
+    shape: ModelShape | None  # None: a family without formulas, planned from its traced step
     params: int
     trainable: int
+    family: str = ""
 
 
 @dataclass
@@ -140,9 +156,10 @@ class MemoryPlan:
 
 
 def plan_memory(r: Recipe, calibration: Calibration | None = None,
-                devices: list[Device] | None = None) -> MemoryPlan:
+                devices: list[Device] | None = None, traced: Traced | None = None) -> MemoryPlan:
     """The estimated peak per device for recipe `r`, whether it fits, and the remedies; from the
-    model's config alone, torch-free (no speed estimate: that may measure this CPU's peak)."""
+    model's config alone, torch-free (no speed estimate: that may measure this CPU's peak); for a
+    family without formulas, from its traced step."""
     notes: list[str] = []
     cfg = config_fields(r.model.path)  # plain fields: planning stays torch-free
     check_against_model(r.data.seq_len, r.method, cfg)  # what `ember run` would refuse, refused here
@@ -150,28 +167,31 @@ def plan_memory(r: Recipe, calibration: Calibration | None = None,
     try:
         m = ModelShape.from_config(cfg)
     except ValueError as e:
-        if calibration is None:
+        if calibration is None and traced is None:
             raise UnknownArchitecture(str(e)) from None
         m = None
-        notes.append(f"{e}: the memory figure is measured (calibration), not estimated")
-    memory = _memory(m, train_shape(r), calibration, r.plan.memory_margin)
+        notes.append(f"{e}: the memory figure is " + ("traced on the model's module graph (fake tensors)"
+                                                      if traced else "measured (calibration), not estimated"))
+    memory = _memory(m, train_shape(r), calibration, r.plan.memory_margin, traced)
     free = devices[0].free
     rems = remedies(m, r, devices, r.plan.memory_margin) if m is not None else []
     return MemoryPlan(m, memory, fits(memory.peak, free, r.plan.memory_margin), rems, devices, notes)
 
 
 def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Calibration | None = None,
-              devices: list[Device] | None = None) -> Plan:
-    """The whole plan for recipe `r`, from its model's config (and a measurement, if given)."""
-    mp = plan_memory(r, calibration, devices)
+              devices: list[Device] | None = None, traced: Traced | None = None) -> Plan:
+    """The whole plan for recipe `r`, from its model's config (and a measurement or a traced
+    step, if given)."""
+    mp = plan_memory(r, calibration, devices, traced)
     m, memory, fits_here, rems, devices, notes = mp.model, mp.memory, mp.fits, mp.remedies, mp.devices, mp.notes
     dev = devices[0]
     t = train_shape(r)
-    time_ = _time(r, m, t, dev, calibration)
+    time_ = _time(r, m, t, dev, calibration, traced)
 
     # Checkpoint interval (Young/Daly) from the checkpoint's size and this machine's history.
     host = socket.gethostname()
-    ck_bytes = _checkpoint_bytes(m, t) if m is not None else memory.peak // 3
+    ck_bytes = (_checkpoint_bytes(m, t) if m is not None else
+                traced.trainable * F32 + traced.optimizer if traced is not None else memory.peak // 3)
     measured = history.checkpoint_rates(con, host)
     if measured:
         snap_rate, durable_rate, n = measured
@@ -193,18 +213,25 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Cal
                           r.precision.mode, r.train.activation_checkpointing, r.train.loss_chunk, r.train.max_steps,
                           r.optimizer.state_dtype),
         devices=devices + ([host_device()] if dev.accelerator else []),
-        model=ModelInfo(m, m.params(), trainable_params(m, t)) if m else None,
+        model=(ModelInfo(m, m.params(), trainable_params(m, t)) if m else
+               ModelInfo(None, traced.params, traced.trainable, traced.family) if traced else None),
         memory=memory, fits=fits_here, remedies=rems, time=time_, cost=c,
         checkpoint=CheckpointPlan(ck_bytes, delta, rate_src, mtbf, mtbf_src, iv, r.checkpoint.async_),
         verdict=verdict, reasons=reasons, notes=notes)
 
 
-def _memory(m: ModelShape | None, t: TrainShape, calibration: Calibration | None, margin: float) -> Memory:
-    """The estimated peak and its parts (or the measured peak, for an architecture not modelled)."""
+def _memory(m: ModelShape | None, t: TrainShape, calibration: Calibration | None, margin: float,
+            traced: Traced | None = None) -> Memory:
+    """The estimated peak and its parts (or, for an architecture not modelled, the traced step's,
+    else the measured peak)."""
     if m is not None:
         b = estimate(m, t)
         out = Memory(b.peak, b.phase, margin, b.with_margin(margin), b.weights, b.gradients, b.optimizer,
                      b.activations, b.loss_buffers, b.temporaries, b.phases)
+    elif traced is not None:
+        x = traced
+        out = Memory(x.peak_bytes, "the traced step's high point", margin, int(x.peak_bytes * (1 + margin)), x.weights, x.gradients,
+                     x.optimizer)
     else:
         peak = int(calibration.peak_bytes)
         out = Memory(peak, "measured", margin, int(peak * (1 + margin)))
@@ -214,11 +241,14 @@ def _memory(m: ModelShape | None, t: TrainShape, calibration: Calibration | None
     return out
 
 
-def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibration: Calibration | None) -> PlanTime:
+def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibration: Calibration | None,
+          traced: Traced | None = None) -> PlanTime:
     """Compute time: measured steps, else FLOPs over the device's peak at an assumed MFU."""
     tokens_per_step = r.train.micro_batch * r.data.seq_len * r.train.grad_accum
     arch = architecture(m, t) if m is not None else None
     fpt = flops_per_token(arch) if arch is not None else None
+    if fpt is None and traced is not None:
+        fpt = CountedFlops(traced.flops_per_token)
     peak = select_peak(r.cost.peak_tflops, dev.kind, dev.name, r.precision.mode, r.train.threads)
     if calibration is not None:
         step_s = calibration.step_seconds * r.train.grad_accum
@@ -234,6 +264,13 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         how = f"unknown: {peak.source}" if fpt is not None else "unknown"
     return PlanTime(step_s, how, r.train.max_steps, step_s * r.train.max_steps, float("nan"),
                     tokens_per_step * r.train.max_steps, achieved)
+
+
+@dataclass(frozen=True)
+class CountedFlops:
+    """FLOPs per token counted on the traced step (torch's FlopCounterMode), not by formula."""
+    total: float
+    formula: str = "counted on the model's module graph"
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:

@@ -193,6 +193,13 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         except (OSError, ValueError) as e:
             raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
         tokenizer = load_tokenizer(path)
+    model = prepare_model(model, method, activation_checkpointing)
+    max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    return ModelBundle(model, tokenizer, max_positions, source)
+
+
+def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointing: bool) -> nn.Module:
+    """A built model made what the recipe trains: no KV cache, activation checkpointing, LoRA."""
     model.config.use_cache = False
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -200,8 +207,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         model = apply_lora(model, method)
     if activation_checkpointing:
         drop_input_grad_hooks(model)
-    max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    return ModelBundle(model, tokenizer, max_positions, source)
+    return model
 
 
 def drop_input_grad_hooks(model: nn.Module) -> None:

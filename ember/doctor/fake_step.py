@@ -1,0 +1,127 @@
+"""The step of ember.doctor.traced run on fake tensors: imports torch, transformers and peft, so
+it is imported only when a trace is not cached."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from ember.device import autocast
+from ember.errors import EmberError
+from ember.models import model_config, tiny_config
+from ember.plan.memory import moment_bytes
+from ember.plan.planner import Traced
+from ember.recipe import Recipe
+from ember.train.loss import causal_lm_loss
+from ember.train.model import prepare_model, trainable_parameters
+from ember.train.parts import build_optimizer
+
+
+def trace(r: Recipe) -> Traced:
+    """Build the recipe's model on fake tensors and count two of its steps (see the module)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config() if r.model.path == "builtin:tiny" else model_config(r.model.path)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError) as e:
+        raise EmberError(f"[model] path = {r.model.path!r}: transformers cannot build a causal LM from its "
+                         f"config: {e}") from None
+    model = prepare_model(model, r.method, r.train.activation_checkpointing)
+    model.train()
+    cpu = torch.device("cpu")
+    accum = min(r.train.grad_accum, 2)  # from the second micro-batch on, every one is the same
+    tokens = r.train.micro_batch * r.data.seq_len
+    with FakeTensorMode():
+        _fake_parameters(model)
+        params = trainable_parameters(model)
+        optimizer = build_optimizer(model, dataclasses.replace(r.optimizer, state_dtype="fp32"))
+        ids = torch.randint(0, config.vocab_size, (r.train.micro_batch, r.data.seq_len))
+        flops = FlopCounterMode(display=False)
+
+        def step(counting: Any = nullcontext()) -> None:
+            for i in range(accum):
+                with counting if i == 0 else nullcontext():
+                    with autocast(cpu, r.precision.mode):
+                        loss = causal_lm_loss(model, ids, r.train.loss_chunk, tokens * accum)
+                    loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, r.optimizer.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        live = LiveBytes([*model.parameters(), *model.buffers()])
+        with live:
+            step(flops)
+            live.peak = live.now  # the plan is the second step's: the optimizer state exists
+            step()
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    state = live.now - weights
+    sizes = [p.numel() for p in params]
+    kind = "adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw"
+    wanted = sum(moment_bytes(n, kind) for n in sizes)
+    return Traced(peak_bytes=live.peak - state + wanted, weights=weights, optimizer=wanted,
+                  gradients=sum(p.numel() * p.element_size() for p in params),
+                  flops_per_token=flops.get_total_flops() / tokens, trainable=sum(sizes),
+                  params=sum(p.numel() for p in model.parameters()), family=config.model_type)
+
+
+def _fake_parameters(model: Any) -> None:
+    """Each parameter and buffer of a meta-device model replaced by a fake CPU tensor (tied ones
+    stay tied). Run inside FakeTensorMode."""
+    made: dict[int, Any] = {}
+
+    def fake(t: Any, parameter: bool) -> Any:
+        if id(t) not in made:
+            x = torch.empty(t.shape, dtype=t.dtype)
+            made[id(t)] = torch.nn.Parameter(x, requires_grad=t.requires_grad) if parameter else x
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = fake(p, True)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b, False)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensor storages alive, counted as the ops create them (each storage
+    once, freed when it dies), and their high point."""
+
+    def __init__(self, existing: list[Any]):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.now = self.peak = 0
+        for t in existing:
+            self._count(t)
+
+    def _count(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.sizes:
+            return
+        self.sizes[key] = storage.nbytes()
+        self.now += self.sizes[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._count(t)
+        return out
