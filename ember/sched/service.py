@@ -178,7 +178,7 @@ class Service:
         """A request arrives for the inference device: jobs there soft-pause now, not at the next tick."""
         with self.lock:
             on_device = self.dispatch.on_inference_device()
-            self.gate.arrive([self.processes.acknowledged(j) or {} for j in on_device])
+            self.gate.begin()
             for job in on_device:
                 if self.processes.requested(job) is None:
                     self.processes.ask(job, "inference", self.rules.inference.pause_lease_seconds)
