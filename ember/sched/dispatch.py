@@ -111,7 +111,7 @@ class Dispatcher:
             self.processes.ask(job, None, None)
 
     def preempt(self, job: JobRow, why: str, hold: str | None) -> None:
-        """SIGTERM: the job checkpoints at its next step boundary and exits 75."""
+        """SIGTERM: the job stops between micro-batches, checkpoints its last step and exits 75."""
         self.processes.terminate(job)
         self.jobs.move(job, "preempting", why, cause=why, **({"hold": hold} if hold else {}))
         self.events.info(f"job {job.name}: preempting ({why})")
