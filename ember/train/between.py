@@ -43,7 +43,8 @@ class Between:
             self.job.state.capture_rng(self.job.device)
 
     def __call__(self, done: int) -> bool:
-        """After `done` micro-batches of the step: pause here if asked; on a stop, undo the step."""
+        """Before micro-batch `done` (0: the step's data just fetched): pause here if asked; on a
+        stop, undo the step."""
         if not self.active:
             return False
         self.record.pause(self.pauses.check(), micro_batch=done)

@@ -250,7 +250,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lambda done: False) -> StepResult | None:
     """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update;
-    None when `between(done)`, asked after each micro-batch but the last, undid it (a stop)."""
+    None when `between(done)`, asked before each micro-batch, undid it (a stop)."""
     r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
     loss_sum, ordinals = 0.0, []
     world = job.world
@@ -268,6 +268,8 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
     per_rank = max(tokens, 1) / world.dp_size
     timer.wait("sync")
     for i, (ordinal, batch) in enumerate(fetched):
+        if between(i):  # a pause waits here; a stop undoes the step (ember.train.between)
+            return None
         batch = batch.to(job.device, non_blocking=True)
         job.dropout.at(state.step + 1, batch.first)  # LoRA's dropout masks: keyed by sample, not by rank
         timer.lap("h2d")
@@ -282,8 +284,6 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
         faults.point("train.micro_batch")
         loss_sum += loss.item()  # sync point on accelerators; the loss is logged every step
         ordinals.append(ordinal)
-        if not last and between(i + 1):  # a pause waits here; a stop undoes the step (ember.train.between)
-            return None
     (loss_sum,) = world.mean_over_replicas([loss_sum])  # every rank judges the same global step
     timer.lap("sync")
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients

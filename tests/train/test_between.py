@@ -40,25 +40,30 @@ def test_a_pause_lands_between_micro_batches_and_the_step_goes_on_unchanged(refe
     ctl = tmp_path / "ctl"
     ctl.mkdir()
     monkeypatch.setenv(control.ENV, str(ctl))
-    control.request(ctl, "inference")  # asked before the first micro-batch ends
+    # The job dawdles after its second micro-batch of step 1 (as a slow device would): asked then.
+    monkeypatch.setattr(faults, "_hits", {})
+    monkeypatch.setenv("EMBER_FAULT", "train.micro_batch@2")
+    monkeypatch.setenv("EMBER_FAULT_HANG", "2")
 
-    def lift() -> None:  # once the job says it paused: the service's side
+    def service() -> None:  # asks for a pause mid-step, lifts it once the job said it paused
+        wait_until("micro-batch 2", lambda: faults._hits.get("train.micro_batch", 0) >= 2, 120, every=0.01)
+        control.request(ctl, "inference")
         wait_until("the pause acknowledged", lambda: (control.acknowledged(ctl) or {}).get("state") == "paused",
                    120, every=0.02)
         control.request(ctl, None)
-    lifting = threading.Thread(target=lift, daemon=True)
-    lifting.start()
+    asking = threading.Thread(target=service, daemon=True)
+    asking.start()
     job = prepare(recipe, tmp_path / "run", False, Events(lambda e: None), ledger_path=tmp_path / "ledger.db")
     try:
         assert train(job) == EXIT_OK
     finally:
         job.ledger.close()
-    lifting.join(timeout=1)
+    asking.join(timeout=1)
     con = sqlite3.connect(tmp_path / "ledger.db")
     pauses = [(step, json.loads(detail)) for step, detail in
               con.execute("SELECT step, detail FROM events WHERE kind = 'pause_inference'")]
-    # Paused after the first micro-batch of step 1 (not at its end, ACCUM micro-batches later).
-    assert [(step, d["micro_batch"]) for step, d in pauses] == [(0, 1)], pauses
+    # Paused before the third micro-batch of step 1, not at the step's end: within one micro-batch.
+    assert [(step, d["micro_batch"]) for step, d in pauses] == [(0, 2)], pauses
     ack = control.acknowledged(ctl)
     assert ack["last"]["reason"] == "inference" and ack["last"]["asked"] == pauses[0][1]["asked"]
     assert_same_result(tmp_path / "run", ref)
