@@ -1,4 +1,4 @@
-"""Soft pause: how the service asks a training process to stop at its next step boundary while
+"""Soft pause: how the service asks a training process to stop at its next micro-batch boundary while
 keeping the process (and how the process answers). No torch here: the service uses it too.
 
 Two small files in a folder the service keeps per job ($EMBER_HOME/serve/control/JOB, named to
@@ -6,17 +6,25 @@ the job's process by EMBER_CONTROL; never the run folder, which the job itself c
 replaced atomically (write, rename):
 
     control.json   written by the service: {"seq": n, "pause": null | "inference" | "owner" | "user",
-                   "until": t}; "until" (a pause for inference only) ends a lease the service
+                   "asked": t0, "until": t}; "asked": when request n was first written (a renewal
+                   keeps it); "until" (a pause for inference only) ends a lease the service
                    renews while requests run: past it the process goes on by itself
     control.ack    written by the training process: {"seq": n, "state": "paused" | "running",
-                   "pid": p, "time": t} once it has acted on request n
+                   "pid": p, "time": t, "last": null | {"n", "reason", "asked", "at"}} once it
+                   has acted on request n; "last" is the newest pause this process took (its
+                   count n, why, when it was asked and when training stopped), carried by every
+                   later acknowledgement so the service sees each pause even if it was short
 
-The training loop calls `PausePoint.check()` between optimizer steps: one stat() of control.json
-(a few microseconds) when nothing changed. When asked to pause it releases its allocator's cached
-memory, acknowledges, and waits, looking at the file every POLL_SECONDS, until the pause is
-lifted or a stop signal arrives; then it acknowledges again and returns the pause for the
-ledger. So a pause takes effect within one optimizer step of the request (plus one poll), and
-the paused time is accounted in its own goodput bucket (ember.ledger.goodput).
+The training loop calls `PausePoint.check()` between micro-batches (one process; a distributed
+run's ranks stop at step boundaries together): one stat() of control.json (a few microseconds)
+when nothing changed. When asked to pause it releases its allocator's cached memory (on an
+accelerator, after the work queued there finished), acknowledges, and waits, looking at the file
+every POLL_SECONDS, until the pause is lifted or a stop signal arrives; then it acknowledges
+again and returns the pause for the ledger, with the instant it was asked. So a pause takes
+effect within one micro-batch of the request (plus one poll), the step resumes where it stopped
+(its gradients wait in memory: nothing it computes changes), and the paused time is accounted in
+its own goodput bucket (ember.ledger.goodput). The pause latency, `at - asked` of each pause, is
+the same figure in the job's ledger event and in the service's `/api/stats` (ember.sched.inference).
 
 Neither file needs to survive a power cut: after any restart the service writes the request
 again and a fresh training process starts unpaused. A pause for inference is a lease: if the
@@ -45,8 +53,14 @@ EVENT_KIND = {"inference": "pause_inference", "owner": "pause", "user": "pause"}
 @dataclass(frozen=True)
 class Pause:
     reason: str        # one of REASONS
-    start: float
+    start: float       # training stopped (its device work done)
     end: float
+    asked: float       # the service first wrote the request it acted on
+
+    @property
+    def latency(self) -> float:
+        """Seconds from the request to training stopped."""
+        return max(0.0, self.start - self.asked)
 
     @property
     def kind(self) -> str:
@@ -77,14 +91,16 @@ def request(run: Path, pause: str | None, lease: float | None = None) -> int:
         raise ValueError(f"pause reason {pause!r}: one of {REASONS}")
     current = _read_json(run / CONTROL) or {}
     now = time.time()
+    asked = now
     if current.get("pause") == pause and "seq" in current:
         until = current.get("until")
         if lease is None or (isinstance(until, (int, float)) and until - now > lease / 2):
             return int(current["seq"])
-        seq = int(current["seq"])  # a renewal: the same request, for longer
+        seq = int(current["seq"])  # a renewal: the same request, for longer, asked when it first was
+        asked = current.get("asked", now)
     else:
         seq = int(current.get("seq", 0)) + 1
-    _write_json(run / CONTROL, {"seq": seq, "pause": pause, "time": now,
+    _write_json(run / CONTROL, {"seq": seq, "pause": pause, "time": now, "asked": asked,
                                 **({"until": now + lease} if lease is not None and pause is not None else {})})
     return seq
 
@@ -115,13 +131,14 @@ def from_environment() -> Path | None:
 
 
 class PausePoint:
-    """The training loop's side: `check()` between steps; a no-op without a control folder."""
+    """The training loop's side: `check()` between micro-batches; a no-op without a control folder."""
 
     def __init__(self, folder: Path | None, stopping: Callable[[], bool], release: Callable[[], None]):
         self.path = folder / CONTROL if folder is not None else None
         self.ack = folder / ACK if folder is not None else None
         self.stopping, self.release = stopping, release
         self._seen: int | None = None  # mtime_ns of the control file last read
+        self.last: dict | None = None  # the newest pause taken, carried by every acknowledgement
 
     def _changed(self) -> dict | None:
         if self.path is None:
@@ -145,8 +162,10 @@ class PausePoint:
             return None
         if _lapsed(ctl):  # a lease its service stopped renewing
             return None
+        self.release()  # waits for the device's queued work, then its cached memory goes back
         reason, start = str(ctl["pause"]), time.time()
-        self.release()  # the allocator's cached memory goes back to the device
+        asked = float(ctl.get("asked", ctl.get("time", start)))
+        self.last = {"n": (self.last or {}).get("n", 0) + 1, "reason": reason, "asked": asked, "at": start}
         self._acknowledge(ctl, "paused")
         while not self.stopping():
             time.sleep(POLL_SECONDS)
@@ -163,11 +182,11 @@ class PausePoint:
             ctl = new
             reason = str(ctl["pause"]) if ctl["pause"] in REASONS else reason
         self._acknowledge(ctl, "running")
-        return Pause(reason if reason in REASONS else "user", start, time.time())
+        return Pause(reason if reason in REASONS else "user", start, time.time(), asked)
 
     def _acknowledge(self, ctl: dict, state: str) -> None:
         _write_json(self.ack, {"seq": ctl.get("seq", 0), "state": state, "pid": os.getpid(),
-                               "time": time.time()})
+                               "time": time.time(), "last": self.last})
 
 
 def _lapsed(ctl: dict) -> bool:

@@ -3,7 +3,8 @@ the k-th time (default the first) execution reaches `point(name)`. With `EMBER_F
 the fault fires only while FILE does not exist, and creates it first: one crash across restarts.
 `EMBER_FAULT_RANK=R` limits the fault to rank R of a distributed run; `EMBER_FAULT_HANG=seconds`
 makes the fault a hang instead of a kill (the process sleeps there: a deadlocked loader, a rank
-that never reaches the collective).
+that never reaches the collective); `EMBER_FAULT_SIGNAL=SIGTERM` (any signal's name) sends that
+signal instead, at that very point (a preemption landing between two micro-batches).
 `EMBER_FAULT_DATA_DELAY=seconds` slows every micro-batch the input pipeline produces.
 `EMBER_FAULT_FLAGS=name,...` switches on named misbehaviours (flag()). Unset, a point costs one
 dict lookup. `EMBER_TRACE_COMMITS=FILE` appends the step of every
@@ -19,7 +20,7 @@ _hits: dict[str, int] = {}
 
 
 def point(name: str) -> None:
-    """Die here, by SIGKILL, if the environment asks for a fault at this point."""
+    """Die here, by SIGKILL (or the signal asked), if the environment asks for a fault at this point."""
     spec = os.environ.get("EMBER_FAULT")
     if not spec:
         return
@@ -41,7 +42,7 @@ def point(name: str) -> None:
         if hang:
             time.sleep(float(hang))
             return
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("EMBER_FAULT_SIGNAL", "SIGKILL")])
 
 
 def loss_factor(ordinal: int) -> float:

@@ -88,13 +88,10 @@ class Dispatcher:
     def _follow(self, job: JobRow) -> None:
         """starting -> running once the job logged a step; running <-> soft-paused by its acks."""
         ack, asked = self.processes.acknowledged(job), self.processes.requested(job)
+        self.gate.observe(ack)  # its newest pause, if for inference: a pause-latency sample once
         move = follow(job, last_step_time(Path(job.out)), ack, asked)
-        if move is None:
-            return
-        self._apply(job, move)
-        if move.dst == "soft-paused" and asked == "inference" and self.gate.device in job.devices:
-            self.gate.acknowledged([self.processes.acknowledged(j) or {} for j in self.on_inference_device()],
-                                   ack["time"])
+        if move is not None:
+            self._apply(job, move)
 
     def _apply(self, job: JobRow, move: Move) -> None:
         """The scheduler's move, through the state machine (lost to a newer change: nothing)."""
@@ -114,7 +111,7 @@ class Dispatcher:
             self.processes.ask(job, None, None)
 
     def preempt(self, job: JobRow, why: str, hold: str | None) -> None:
-        """SIGTERM: the job checkpoints at its next step boundary and exits 75."""
+        """SIGTERM: the job stops between micro-batches, checkpoints its last step and exits 75."""
         self.processes.terminate(job)
         self.jobs.move(job, "preempting", why, cause=why, **({"hold": hold} if hold else {}))
         self.events.info(f"job {job.name}: preempting ({why})")

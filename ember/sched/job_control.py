@@ -2,7 +2,7 @@
 `requeue` and `queue purge` reach through the API (ember.web.api calls `service.control`):
 
     submit   plan the recipe (in a child), refuse what can never fit, queue the rest
-    pause    soft: the job stops at its next step boundary and keeps its process; hard (or a
+    pause    soft: the job stops after its micro-batch in progress and keeps its process; hard (or a
              queued job): it checkpoints, exits and stays queued, held, until resumed
     resume   lift a hand's pause or hold (or an interruption's)
     cancel   at once when queued; a live job checkpoints and exits first
@@ -13,7 +13,7 @@ Each is a transition of the queue (ember.sched.job_queue, through the state mach
 job its preemption (SIGTERM: ember.sched.dispatch.Dispatcher.preempt), and a scheduling pass
 (`Dispatcher.tick`) so the change takes effect now, not at the next tick. A verb holds the lock
 the service's scheduler thread ticks under, so the two never interleave. A soft pause and a
-resume are answered once the job's process acted on them at a step boundary (`settled`).
+resume are answered once the job's process acted on them (`settled`).
 
 Refused, changing nothing (the class says the meaning; the CLI and the API map it): any verb on
 a job that does not exist (NotFound); pause, resume and cancel of a finished job (Conflict); a
@@ -40,7 +40,7 @@ from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
 from ember.sched.owner_watch import OwnerWatch
 
-YIELD_BOUND_SECONDS = 2.0     # a planned step longer than this is reported at submit: pauses wait a step
+YIELD_BOUND_SECONDS = 2.0     # a planned micro-batch longer than this is reported at submit: pauses wait one
 SETTLE_SECONDS = 30.0   # a soft pause or resume is answered once the job's process took it, or after this
 
 
@@ -77,10 +77,11 @@ class JobControl:
         self.events.info(f"job {job.id} {job.name}: queued (priority {priority}, "
                          f"{request['memory'] / 2**20:.0f} MiB per device)")
         step = request.get("step_seconds")
-        if step and step > YIELD_BOUND_SECONDS:
-            self.events.warn(f"job {job.name}: its plan predicts {step:.1f} s per optimizer step; training "
-                             f"steps aside for inference and the owner at step boundaries, so a pause can "
-                             f"take that long: fewer micro-batches per step (train.grad_accum) shorten it")
+        micro = step / request.get("recipe", {}).get("train", {}).get("grad_accum", 1) if step else None
+        if micro and micro > YIELD_BOUND_SECONDS:
+            self.events.warn(f"job {job.name}: its plan predicts {micro:.1f} s per micro-batch; training "
+                             f"steps aside for inference and the owner between micro-batches, so a pause can "
+                             f"take that long: a smaller train.micro_batch (and more train.grad_accum) shortens it")
         return job
 
     def find(self, ref: str) -> JobRow:
@@ -88,7 +89,7 @@ class JobControl:
         return self.jobs.find(ref)
 
     def pause(self, ref: str, hard: bool) -> JobRow:
-        """Soft: stop at the next step boundary, keep the process. Hard: checkpoint and exit,
+        """Soft: stop after the micro-batch in progress, keep the process. Hard: checkpoint and exit,
         and stay queued until resumed."""
         with self.lock:
             job = self.find(ref)

@@ -99,7 +99,7 @@ class JobProcesses:
         control.clear(self.ctl(job))
 
     def terminate(self, job: JobRow) -> None:
-        """SIGTERM: the job checkpoints at its next step boundary and exits 75."""
+        """SIGTERM: the job stops between micro-batches, checkpoints its last step and exits 75."""
         if job.state == "soft-paused":
             control.request(self.ctl(job), None)  # let the loop reach its stop check
         process.signal_job(job.pid, job.pid_start, signal.SIGTERM)

@@ -30,7 +30,7 @@ there, with the error) and again within a second of every change:
 - a file that does not validate changes nothing: the rules in force stay as they were, and the
   error is shown in the same places until the file is fixed.
 
-A soft hold stops training at the next optimizer step boundary and keeps the process; after
+A soft hold stops training after the micro-batch in progress and keeps the process; after
 `[pause] hard_after_minutes` it becomes hard: the job checkpoints and exits, freeing its device,
 and waits in the queue. Schedule windows and battery are hard from the start. `ember queue
 --explain` says which rule holds each job now. Absent keys and sections take their defaults.

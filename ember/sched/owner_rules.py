@@ -7,7 +7,7 @@ leaves the rules in force as they were (`merge`, `RulesStatus`).
 
     holds(rules, observation, now) -> list[Hold]
 
-Each hold is soft (stop at the next step boundary, keep the process, release cached memory) or
+Each hold is soft (stop after the micro-batch in progress, keep the process, release cached memory) or
 hard (checkpoint and exit: the device is free). Soft holds become hard after
 [pause] hard_after_minutes. `ember serve --explain` prints the holds on each job.
 

@@ -8,7 +8,7 @@ and does it (ember.sched.job_processes, ember.ledger.job_states.move).
                                                     running <-> soft-paused by its acknowledgements
     ended(job, code, ...)            -> Move        an exited job: completed, queued, cancelled, failed
 
-Rules: hard holds preempt (SIGTERM: checkpoint at the next step boundary, exit 75); soft holds,
+Rules: hard holds preempt (SIGTERM: stop between micro-batches, checkpoint, exit 75); soft holds,
 a hand's pause and inference on the job's device ask for a soft pause, which becomes hard after
 [pause] hard_after_minutes (never for inference: its pause is a lease); a job that has not exited
 PREEMPT_KILL_SECONDS after SIGTERM is killed. Admission is ember.sched.admission's one function,
@@ -34,7 +34,7 @@ PREEMPT_KILL_SECONDS = 300.0  # a job that has not exited this long after SIGTER
 class Act(StrEnum):
     WAIT = "wait"        # preempting: let it checkpoint and exit
     KILL = "kill"        # preempting for too long: SIGKILL its process tree
-    PREEMPT = "preempt"  # SIGTERM: checkpoint at the next step boundary and exit
+    PREEMPT = "preempt"  # SIGTERM: stop between micro-batches (ember.train.between), checkpoint, exit
     PAUSE = "pause"      # ask for a soft pause (ember.control), with `reason`
     GO = "go"            # no pause asked: lift any request
 

@@ -102,17 +102,20 @@ class Service:
 
     def yield_devices(self, seconds: float | None, timeout: float = 600.0) -> dict:
         """Hold all training for `seconds` (None: until released) and return once every job's
-        process is gone from the devices (checkpointed and exited), with how long that took."""
+        process is gone from the devices (checkpointed and exited), with how long that took. The
+        jobs are told at once (SIGTERM, in this call's scheduling pass): each stops between two
+        micro-batches (ember.train.between), saves its last completed step and exits."""
         t0 = time.time()
         with self.lock:
             self.yielding.set(math.inf if seconds is None else t0 + seconds)
             self.tick()
         while time.time() - t0 < timeout:
             with self.lock:
+                self.dispatch.reap()  # an exited job is off the devices now, not at the next tick
                 live = self.jobs.live()
                 if not live:
                     return {"freed_after_seconds": time.time() - t0, "until": self.yield_until}
-            time.sleep(0.02)
+            time.sleep(0.01)
         raise Unavailable(f"jobs still on the devices after {timeout:.0f} s: {', '.join(j.name for j in live)}; "
                           f"the yield holds: ask again to wait more")
 
@@ -178,7 +181,7 @@ class Service:
         """A request arrives for the inference device: jobs there soft-pause now, not at the next tick."""
         with self.lock:
             on_device = self.dispatch.on_inference_device()
-            self.gate.arrive([self.processes.acknowledged(j) or {} for j in on_device])
+            self.gate.begin()
             for job in on_device:
                 if self.processes.requested(job) is None:
                     self.processes.ask(job, "inference", self.rules.inference.pause_lease_seconds)

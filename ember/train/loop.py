@@ -16,13 +16,13 @@ from ember import faults
 from ember.ckpt import contents
 from ember.ckpt.policy import CheckpointPolicy, LastSave
 from ember.ckpt.state import RunState
-from ember.control import PausePoint, from_environment
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.ledger.goodput import EventKind
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
+from ember.train.between import Between
 from ember.train.breakdown import StepTimer
 from ember.data.loader import SkippingSampler, make_loader, row_parts
 from ember.train.dropout import DropoutKeys
@@ -98,12 +98,10 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
     stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
-    # A soft pause holds one process; the ranks of a distributed run stop together instead.
-    pauses = PausePoint(None if world.distributed else from_environment(), lambda: stop.requested,
-                        lambda: release_cached_memory(job.device))
+    between = Between(job, stop, record)  # soft pauses (ember.control); a stop between micro-batches
     watchdog = Watchdog(world, r.distributed, job.run.path, job.events).start()  # distributed runs only
     policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
-    last, blocked = LastSave(time.monotonic()), 0.0
+    last, blocked, saved, loss = LastSave(time.monotonic()), 0.0, state.step, math.nan
     job.model.train()
     record.startup()
     stopping = world.any(stop.requested)[0]  # a signal during start-up: no step, exit 75
@@ -111,8 +109,15 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     try:
         while state.step < r.train.max_steps and not stopping and not early:
             t0 = time.perf_counter()
-            result = train_step(job, data)
+            between.begin()
+            result = train_step(job, data, between)
             seconds = time.perf_counter() - t0
+            if result is None:  # a stop between micro-batches undid the step: save the state before it
+                stopping = True
+                if saved < state.step:
+                    checkpoint(job, record, watchdog, loss)
+                break
+            loss = result.loss
             if result.verdict == "spike" and r.guard.spike_action == "rollback":
                 data = rollback(job, record, data, result)  # the step is not counted
                 state = job.state
@@ -132,12 +137,12 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
             if halt():
                 break
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
-            record.pause(pauses.check())  # the service asked: wait here, keep the process
+            record.pause(between.pauses.check())  # the service asked: wait here, keep the process
             due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
             stopping, save = world.any(stop.requested, due is not None)  # the ranks agree: stop and save at one step
             if save:  # what it blocked is the next step's part; what it cost, EveryAuto's next interval
                 blocked = checkpoint(job, record, watchdog, result.loss)
-                last = LastSave(time.monotonic(), blocked)
+                last, saved = LastSave(time.monotonic(), blocked), state.step
     finally:
         watchdog.stop()
         stop.restore()
@@ -243,16 +248,9 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def release_cached_memory(device: torch.device) -> None:
-    """Give the caching allocator's free blocks back to the device (a soft pause keeps only
-    what the model and optimizer hold)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def train_step(job: Steppable, data: Data) -> StepResult:
-    """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update."""
+def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lambda done: False) -> StepResult | None:
+    """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update;
+    None when `between(done)`, asked before each micro-batch, undid it (a stop)."""
     r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
     loss_sum, ordinals = 0.0, []
     world = job.world
@@ -270,6 +268,8 @@ def train_step(job: Steppable, data: Data) -> StepResult:
     per_rank = max(tokens, 1) / world.dp_size
     timer.wait("sync")
     for i, (ordinal, batch) in enumerate(fetched):
+        if between(i):  # a pause waits here; a stop undoes the step (ember.train.between)
+            return None
         batch = batch.to(job.device, non_blocking=True)
         job.dropout.at(state.step + 1, batch.first)  # LoRA's dropout masks: keyed by sample, not by rank
         timer.lap("h2d")

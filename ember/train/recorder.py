@@ -124,11 +124,20 @@ class RunRecorder:
             job.run.record.setdefault("compile", {})[str(job.run.attempt)] = summary
             job.run.save_record()
 
-    def pause(self, held: Pause | None) -> None:
-        """The ledger event of a soft pause the loop just waited through, if there was one."""
+    def pause(self, held: Pause | None, micro_batch: int = 0) -> None:
+        """The ledger event of a soft pause the loop just waited through, if there was one: after
+        `step` steps and `micro_batch` micro-batches of the next, asked at `asked` (its latency is
+        start - asked, as `/api/stats` reports it)."""
         if held is not None:
             self.job.ledger.event(held.kind, held.start, held.end, step=self.job.state.step,
-                                  detail={"reason": held.reason})
+                                  detail={"reason": held.reason, "asked": held.asked, "micro_batch": micro_batch})
+
+    def undone(self, done: int, signal: str | None) -> None:
+        """A stop (`signal`) between micro-batches undid the step in progress after `done` of them."""
+        job, step = self.job, self.job.state.step
+        job.events.info(f"{signal or 'stop'}: step {step + 1} undone after {done} of its "
+                        f"{job.recipe.train.grad_accum} micro-batches; stopping at step {step}",
+                        step=step, micro_batch=done)
 
     def checkpointed(self) -> None:
         """After a checkpoint: the sinks hold at least what it holds; the phase totals so far."""

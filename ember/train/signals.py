@@ -1,5 +1,6 @@
 """Stop on request: SIGINT, SIGTERM, SIGUSR1 and SIGHUP (a terminal or SSH session that went
-away) finish the current optimizer step, checkpoint and exit 75; a second SIGINT exits at once.
+away) stop between two micro-batches (the step in progress undone: ember.train.between) or at
+the step's end, checkpoint and exit 75; a second SIGINT exits at once.
 Installed before the job is prepared (the model loaded, the data tokenized), so a signal during
 start-up (a scheduler's warning, a preemption) stops the run before its first step instead of
 killing it. A rank of a distributed run is `quiet`: the ranks agree at the step boundary whether
@@ -45,5 +46,5 @@ class StopRequest:
             self.signal_name = name
             if self.quiet:
                 return
-            self.events.info(f"{name}: stopping at the next step boundary, with a checkpoint "
+            self.events.info(f"{name}: stopping after the micro-batch in progress, with a checkpoint "
                              f"(Ctrl-C again to exit at once)", signal=name)

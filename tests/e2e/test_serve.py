@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from ember.ledger.database import connect, events as ledger_events, find_run
+from ember.metrics.stats import percentile
 from tests.artifacts import shared
 from tests.helpers import assert_same_result, losses, run_ember, wait_until, write_recipe
 from tests.serve_harness import Serve
@@ -433,6 +434,14 @@ def test_inference_during_training_pauses_it_and_is_accounted(reference):
         assert stats["pause_latency_p99"] <= max(steps) + 1.0, (stats, max(steps))
         report = json.loads(run_ember("report", out, "--json", "--ledger", s.home / "ledger.db").stdout)
         assert report["goodput"]["buckets"]["paused_for_inference"] > 0
+        # /api/stats says what the job's own event log says: each pause's latency, asked -> stopped.
+        con = connect(s.home / "ledger.db")
+        logged = [e["start"] - json.loads(e["detail"])["asked"]
+                  for e in ledger_events(con, find_run(con, str(out))["id"]) if e["kind"] == "pause_inference"]
+        final = s.api("GET", "/api/stats").json()["inference"]
+        assert final["pauses"] == len(logged) >= 1, (final, logged)
+        for q in (50, 99):
+            assert abs(final[f"pause_latency_p{q}"] - percentile(logged, q)) < 1e-6, (q, final, logged)
     finally:
         s.stop()
 

@@ -1,52 +1,71 @@
-"""The inference gate's pause-latency samples (ember.sched.inference)."""
+"""The inference gate's pause-latency samples (ember.sched.inference), taken from what a real
+PausePoint (ember.control, the training loop's side) acknowledges."""
 
+import threading
 import time
 
+from ember import control
+from ember.control import PausePoint
 from ember.sched.inference import Gate
+from tests.helpers import wait_until
 
 
-def test_a_pause_acknowledged_before_the_next_request_is_sampled_once():
-    """CI saw 6 requests and 0 pauses: the job acknowledged between two requests and the next
-    request cleared the pending sample before the scheduler's tick could take it."""
+def test_each_inference_pause_is_one_sample_the_jobs_own_latency(tmp_path):
     g = Gate(device=0, idle_gap=1.0)
-    g.begin(training=True)
-    t0 = g.pending
-    g.end()
-    acked = t0 + 0.25
-    g.begin(training=False, paused_at=acked)  # the next request finds training paused already
-    g.paused(acked + 1.0)                     # the scheduler's tick, later: nothing left to sample
+    point = PausePoint(tmp_path, lambda: False, lambda: None)
+    for _ in range(3):
+        control.request(tmp_path, "inference", lease=60)
+        threading.Timer(0.1, control.request, (tmp_path, None)).start()
+        held = point.check()
+        g.observe(control.acknowledged(tmp_path))  # a short pause: the service sees only "running" after it
+        g.observe(control.acknowledged(tmp_path))  # and again at its next tick: no second sample
+        assert held.latency == g.latencies[-1] and held.asked <= held.start
+        time.sleep(0.05)  # training goes on before the next request
+    assert g.stats()["pauses"] == 3
+
+
+def test_a_lapsed_lease_takes_no_sample_and_leaves_none_open(tmp_path):
+    """Before, a request that found training running opened a sample that a lapsed pause never
+    closed; the next pause, seconds later, closed it with those seconds."""
+    g = Gate(device=0, idle_gap=1.0)
+    point = PausePoint(tmp_path, lambda: False, lambda: None)
+    control.request(tmp_path, "inference", lease=0.05)
+    time.sleep(0.3)  # the job is mid-step past the lease: it goes on, never pauses
+    assert point.check() is None
+    g.observe(control.acknowledged(tmp_path))
+    assert g.stats()["pauses"] == 0
+    control.request(tmp_path, None)
+    point.check()
+    time.sleep(0.3)
+    control.request(tmp_path, "inference", lease=60)
+    threading.Timer(0.1, control.request, (tmp_path, None)).start()
+    held = point.check()
+    g.observe(control.acknowledged(tmp_path))
+    assert g.stats()["pauses"] == 1 and g.latencies[0] == held.latency < 0.3
+
+
+def test_a_job_paused_already_for_its_owner_takes_no_sample(tmp_path):
+    g = Gate(device=0, idle_gap=1.0)
+    point = PausePoint(tmp_path, lambda: False, lambda: None)
+    control.request(tmp_path, "owner")
+    waiter = threading.Thread(target=point.check, daemon=True)
+    waiter.start()
+    wait_until("paused", lambda: (control.acknowledged(tmp_path) or {}).get("state") == "paused", 60, every=0.01)
+    control.request(tmp_path, "inference", lease=60)  # a request arrives while it is paused
+    wait_until("answered", lambda: control.acknowledged(tmp_path)["seq"] == 2, 60, every=0.01)
+    g.observe(control.acknowledged(tmp_path))
+    control.request(tmp_path, None)
+    waiter.join(timeout=60)
+    g.observe(control.acknowledged(tmp_path))
+    assert g.stats()["pauses"] == 0
+
+
+def test_the_quantiles_interpolate_between_few_samples():
+    g = Gate(device=0, idle_gap=1.0)
+    for n, latency in enumerate([0.4, 0.1, 0.3, 0.2], 1):
+        g.observe({"pid": 1, "last": {"n": n, "reason": "inference", "asked": 10.0, "at": 10.0 + latency}})
     s = g.stats()
-    assert s["requests"] == 2 and s["pauses"] == 1
-    assert abs(s["pause_latency_p50"] - 0.25) < 1e-9
-
-
-def test_a_request_that_finds_training_paused_or_absent_takes_no_sample():
-    g = Gate(device=0, idle_gap=1.0)
-    g.begin(training=False, paused_at=time.time())  # paused by its owner, nothing pending
-    g.begin(training=False)                          # no job on the device
-    g.paused(time.time())
-    assert g.stats()["pauses"] == 0 and g.stats()["in_flight"] == 2
-
-
-def test_one_busy_period_is_one_sample_from_its_first_request():
-    g = Gate(device=0, idle_gap=1.0)
-    g.begin(training=True)
-    first = g.pending
-    g.begin(training=True)  # still training: the sample keeps the first request's time
-    assert g.pending == first
-    g.paused(first + 0.5)
-    assert g.stats()["pauses"] == 1 and g.stats()["pause_latency_p99"] == 0.5
-
-
-def test_a_request_starts_a_sample_only_while_training_and_all_acknowledgements_close_it():
-    """What the service hands the gate: each job's last acknowledgement on the device."""
-    g = Gate(device=0, idle_gap=1.0)
-    g.arrive([{"state": "paused", "time": 5.0}, {"state": "running", "time": 4.0}])  # one still trains
-    assert g.pending is not None
-    g.acknowledged([{"state": "paused", "time": g.pending + 0.5}, {"state": "running"}], g.pending + 0.5)
-    assert g.stats()["pauses"] == 0  # not all of them yet
-    t0 = g.pending
-    g.acknowledged([{"state": "paused", "time": t0 + 0.5}, {"state": "paused", "time": t0 + 0.75}], t0 + 0.5)
-    assert g.stats()["pauses"] == 1 and abs(g.stats()["pause_latency_p50"] - 0.75) < 1e-9
-    g.arrive([])  # nobody on the device: no sample to start
-    assert g.pending is None and g.stats()["requests"] == 2
+    assert s["pauses"] == 4 and abs(s["pause_latency_p50"] - 0.25) < 1e-9
+    assert abs(s["pause_latency_p99"] - 0.397) < 1e-9  # 0.3 + 0.97 x (0.4 - 0.3), not the largest
+    g.begin()
+    assert g.stats()["requests"] == 1 and g.stats()["in_flight"] == 1
