@@ -10,7 +10,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -124,8 +124,11 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
         seed_all(recipe.train.seed + world.rank)
     fingerprint = data_fingerprint(recipe.data.files, bundle.tokenizer)
     if world.main:
-        manifest = run_manifest(recipe, recipe_file, device, threads, world, fingerprint)
-        _record_inputs(run, bundle, fingerprint, threads, manifest, allow_change, events)
+        # The manifest (git state of two folders, the package list) is built only when recorded:
+        # a resume over unchanged data keeps the first attempt's, as it always did.
+        _record_inputs(run, bundle, fingerprint, threads,
+                       lambda: run_manifest(recipe, recipe_file, device, threads, world, fingerprint),
+                       allow_change, events)
         run.record["performance"] = performance(bundle, recipe, device, threads, world.size)
         run.save_record()
         tokens_path = tokenize(recipe.data, bundle.tokenizer, fingerprint, events, recipe.eval)
@@ -330,8 +333,9 @@ def device_label(device: torch.device, devices: int = 1) -> str:
 
 
 def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: int,
-                   manifest: dict[str, Any], allow_change: bool, events: Events) -> None:
-    """Record model and data identity once; refuse a resume over changed data."""
+                   manifest: Callable[[], dict[str, Any]], allow_change: bool, events: Events) -> None:
+    """Record model and data identity, and the manifest (`manifest()`, built only then), when
+    the run begins or its data changed; refuse a resume over changed data."""
     old = run.record.get("data_fingerprint")
     if old is not None and old != fingerprint:
         if not allow_change and run.has_checkpoints():
@@ -342,4 +346,4 @@ def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: 
         run.record["recipe_changes"].append({"time": time.time(), "data_fingerprint": [old, fingerprint]})
     if old != fingerprint or "manifest" not in run.record:
         run.record.update(data_fingerprint=fingerprint, model=bundle.source, threads=threads,
-                          manifest=manifest, data_files=data_file_hashes(run.record["recipe"]["data"]["files"]))
+                          manifest=manifest(), data_files=data_file_hashes(run.record["recipe"]["data"]["files"]))
