@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.errors import EmberError
 from ember.parallel.mesh import Mesh
 from ember.parallel.strategy import Cost, Footprint, Ranks, Step
 
@@ -66,6 +65,15 @@ class PP:
 
     def check(self, recipe: Any, ranks: int) -> str | None:
         """What a recipe asks that a pipeline run cannot do yet (None: nothing)."""
+        from ember.models import config_fields
+        fields = config_fields(recipe.model.path)
+        layers = getattr(fields, "num_hidden_layers", None)
+        if layers is not None and ranks > layers:
+            return (f"{ranks} stages (one per rank) for the model's {layers} decoder layers: a stage "
+                    f"would hold none; use at most {layers} ranks")
+        if getattr(fields, "tie_word_embeddings", False):
+            return ("the model's head shares the embeddings' weight (tie_word_embeddings), which would "
+                    "sit on the first and the last stage at once; use strategy 'fsdp'")
         if recipe.eval.holdout or recipe.eval.files:
             return ("the held-out evaluation runs the whole model's forward in one process, which no "
                     "stage holds; set [eval] holdout = 0 and files = [] (evaluate afterwards on the "
@@ -81,9 +89,3 @@ def pipeline_of(model: Any) -> Any:
     any other model."""
     return getattr(model, "ember_pipeline", None)
 
-
-def check_layers(layers: int, stages: int) -> None:
-    """Refuse more stages than decoder layers (a stage with no layer)."""
-    if stages > layers:
-        raise EmberError(f"[distributed] strategy = 'pp' over {stages} ranks: the model has {layers} decoder "
-                         f"layers, fewer than the stages (one per rank); use at most {layers} ranks")

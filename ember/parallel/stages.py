@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ember.errors import EmberError
-from ember.parallel.pp import check_layers
 
 
 def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
@@ -37,7 +36,9 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
                          "(tie_word_embeddings), which would sit on the first and the last stage at once; "
                          "use strategy 'fsdp'")
     n = len(inner.layers)
-    check_layers(n, stages)
+    if stages > n:  # ember.parallel.pp refuses it before launch, from the model's config
+        raise EmberError(f"[distributed] strategy = 'pp' over {stages} ranks: the model has {n} decoder layers, "
+                         f"fewer than the stages (one per rank); use at most {n} ranks")
     stage = dist.get_rank()
     mine = layer_range(n, stages, stage)
     inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in mine})
