@@ -11,9 +11,11 @@ waits, and one send of the activations per stage boundary and micro-batch, each 
 checkpoint: each stage writes its own parameters and optimizer state under their names in the
 whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded.py).
 
-What it does not do yet, refused where a recipe asks: a second dimension (stages x DDP replicas,
-stages x FSDP/TP), LoRA, the held-out evaluation (its forward needs every stage), and models whose
-head shares the embeddings' weight (they would sit on two stages). The torch side is
+LoRA composes: peft's adapters sit in the layers a stage keeps, and each micro-batch's dropout
+keys are set as the schedule starts its forward. What it does not do yet, refused where a recipe
+asks: a second dimension (stages x DDP replicas, stages x FSDP/TP), the held-out evaluation (its
+forward needs every stage), LoRA dropout under activation checkpointing, and models whose head
+shares the embeddings' weight (they would sit on two stages). The torch side is
 ember/parallel/stages.py, imported when a run applies it."""
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ class PP:
     name = "pp"
     summary = ("(pipeline parallelism) splits the decoder layers into one stage per rank and runs the "
                "step's grad_accum micro-batches through them under [distributed] schedule")
-    lora_conflict = ("splits the model into stages whose forward LoRA's per-sample dropout keys "
-                     "(set per micro-batch) cannot reach inside the schedule")
+    lora_conflict = ""
     whole_model = False
 
     def mesh(self, world: int, tp_size: int) -> Mesh:
@@ -78,6 +79,10 @@ class PP:
             return ("the held-out evaluation runs the whole model's forward in one process, which no "
                     "stage holds; set [eval] holdout = 0 and files = [] (evaluate afterwards on the "
                     "final weights), or use strategy 'ddp'")
+        if recipe.method.kind == "lora" and recipe.method.dropout and recipe.train.activation_checkpointing:
+            return ("LoRA's dropout with [train] activation_checkpointing: 1F1B runs a micro-batch's "
+                    "backward (where checkpointing recomputes its dropout) after later forwards, which "
+                    "moved the dropout's keys on; set [method] dropout = 0 or activation_checkpointing = false")
         if recipe.train.compile is True:
             return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
                     "'auto' or false (the stages run eagerly)")

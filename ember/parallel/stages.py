@@ -23,8 +23,10 @@ from ember.errors import EmberError
 
 
 def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
-    """Keep this rank's stage of `model` (in place) and attach its Pipeline as `ember_pipeline`."""
-    lm = model
+    """Keep this rank's stage of `model` (in place) and attach its Pipeline as `ember_pipeline`.
+    Under LoRA `model` is peft's wrapper: the stage is cut in the causal LM under it, whose
+    layers carry the adapters, and the parameters keep the wrapper's names."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(lm, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             or not hasattr(lm, "lm_head"):
@@ -47,8 +49,8 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
         inner.embed_tokens = None
     if not last:
         inner.norm, lm.lm_head = None, None
-    lm.ember_pipeline = Pipeline(lm, stage, stages, device)
-    return lm
+    model.ember_pipeline = Pipeline(model, lm, stage, stages, device)
+    return model
 
 
 def layer_range(layers: int, stages: int, stage: int) -> range:
@@ -66,11 +68,14 @@ class StageForward(nn.Module):
         super().__init__()
         self.__dict__["lm"] = lm  # not a submodule: see the class docstring
         self.first, self.last = first, last
+        self.at: Any = lambda first: None  # told each micro-batch's first row before its forward (LoRA's dropout)
         for i, p in enumerate(lm.parameters()):  # PipelineStage reads its module's parameters
             self.register_parameter(f"p{i}", p)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`rows`: each row's position in the data stream (the schedule splits it with the rows)."""
         from transformers.masking_utils import create_causal_mask
+        self.at(int(rows[0]))
         inner = self.lm.model
         h = inner.embed_tokens(x) if self.first else x
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None,
@@ -85,8 +90,8 @@ class Pipeline:
     """This rank's stage under a schedule of torch.distributed.pipelining, built at the first step
     (it needs the step's micro-batch count and the recipe's schedule)."""
 
-    def __init__(self, lm: nn.Module, stage: int, stages: int, device: torch.device):
-        self.lm, self.stage, self.stages, self.device = lm, stage, stages, device
+    def __init__(self, root: nn.Module, lm: nn.Module, stage: int, stages: int, device: torch.device):
+        self.root, self.lm, self.stage, self.stages, self.device = root, lm, stage, stages, device
         self.forward = StageForward(lm, stage == 0, stage == stages - 1)
         self.schedule: Any = None
         self.shape: tuple[int, int] | None = None
@@ -108,10 +113,12 @@ class Pipeline:
         # scale_grads=False: each micro-batch's loss is already its share of the step's mean
         self.schedule = cls(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
 
-    def step(self, batches: list[Any], normalizer: float, kind: str) -> float:
+    def step(self, batches: list[Any], normalizer: float, kind: str, at: Any = lambda first: None) -> float:
         """Forward and backward of the step's micro-batches (ember.data.loader.MicroBatch, on the
         device) through every stage; the step's loss (the sum of the micro-batches' losses), the
-        same on every stage (one all-reduce from the last: a sync point)."""
+        same on every stage (one all-reduce from the last: a sync point). `at(first)` is called
+        before each micro-batch's forward with its first row's stream position (LoRA's dropout
+        keys, which activation checkpointing's recomputation in backward would also need: refused)."""
         if self.schedule is None:
             self._build(kind, len(batches))
         shape = tuple(batches[0].ids.shape)
@@ -123,15 +130,17 @@ class Pipeline:
                              f"tensors of one fixed shape; set [data] packing = 'documents' or 'mixed' "
                              f"(rows of seq_len tokens) rather than 'padded'")
         self.normalizer = normalizer
+        self.forward.at = at
         ids = torch.cat([b.ids for b in batches])
         positions = torch.cat([b.positions if b.positions is not None else
                                torch.arange(b.ids.shape[1], device=b.ids.device).expand_as(b.ids)
                                for b in batches])
         labels = torch.cat([b.labels if b.labels is not None else b.ids for b in batches])
+        rows = torch.cat([torch.arange(b.ids.shape[0]) + b.first for b in batches])
         losses: list[torch.Tensor] = []
         args = (ids,) if self.stage == 0 else ()
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None,
-                           return_outputs=False, position_ids=positions)
+                           return_outputs=False, position_ids=positions, rows=rows)
         total = torch.tensor([sum(float(x) for x in losses) if self.last else 0.0], dtype=torch.float64)
         dist.all_reduce(total)  # the last stage's loss, to every stage
         return float(total)
@@ -143,9 +152,16 @@ class Pipeline:
         return float(t)
 
     def gathered_weights(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's trained weights on rank 0 (each stage's, gathered; None elsewhere)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        mine = {k: v.detach().cpu() for k, v in get_model_state_dict(self.lm).items()}
+        """The whole model's weights on rank 0 (each stage's, gathered; None elsewhere). Under LoRA
+        the adapter's alone, as peft saves them: peft picks a model's adapter weights by visiting
+        its LoRA layers, which only the stage that holds them can do."""
+        if hasattr(self.root, "peft_config"):
+            from peft import get_peft_model_state_dict
+            sd = get_peft_model_state_dict(self.root)
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+            sd = get_model_state_dict(self.root)
+        mine = {k: v.detach().cpu() for k, v in sd.items()}
         out: list[Any] | None = [None] * self.stages if dist.get_rank() == 0 else None
         dist.gather_object(mine, out, dst=0)
         return {k: v for part in out for k, v in part.items()} if out is not None else None

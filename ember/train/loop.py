@@ -184,7 +184,8 @@ def complete(job: Job, record: RunRecorder) -> int:
     weights = (pipe.gathered_weights() if pipe else full_weights(job.model)) if world.distributed else None
     if not world.main:
         return EXIT_OK
-    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights))
+    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights,
+                                                          adapter=pipe is not None and r.method.kind == "lora"))
     record.final_saved(t0)
     why = early_stop_reason(state, r.eval.patience) if state.step < r.train.max_steps else None
     job.run.mark_completed(state.step, why)
@@ -274,7 +275,8 @@ def train_step(job: Steppable, data: Data) -> StepResult:
     pipe = pipeline_of(model)  # pipeline parallelism: its schedule runs every micro-batch (ember.parallel.pp)
     if pipe is not None:
         with autocast(job.device, r.precision.mode):
-            loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, r.distributed.schedule)
+            loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, r.distributed.schedule,
+                                 lambda first: job.dropout.at(state.step + 1, first))
         ordinals = [o for o, _ in fetched]
         timer.lap("backward")
         for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
