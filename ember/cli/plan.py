@@ -82,8 +82,11 @@ def render_parallel(a: Any, out: Console) -> None:
               "device at the step's peak; eff.: one device's step / (n x this step); "
               f"ember runs each ({', '.join(most)} and {last}): --set distributed.strategy=NAME", markup=False)
     if a.recommended is not None:
-        out.print(f"recommended: [bold]{escape(a.recommended.strategy)} on {a.recommended.devices}[/bold]: "
-                  + escape("; ".join(a.reasons)))
+        rec = a.recommended
+        run = (f" (ember run RECIPE --out OUT --nproc {rec.devices} --set distributed.strategy={rec.strategy})"
+               if rec.devices > 1 else "")
+        out.print(f"recommended: [bold]{escape(rec.strategy)} on {rec.devices}[/bold]: "
+                  + escape("; ".join(a.reasons) + run))
     else:
         out.print("recommended: none: " + escape("; ".join(a.reasons)))
 
@@ -136,7 +139,7 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
         render_parallel(p.parallel, out)
     else:
         out.print("parallelism: no interconnect measured from this machine; `ember doctor --comm` measures it "
-                  f"and then this plan compares {', '.join(STRATEGIES)} and pipeline layouts", markup=False)
+                  f"and then this plan compares the layouts ember runs: {', '.join(STRATEGIES)}", markup=False)
     for n in p.notes:
         out.print(f"note: {n}", markup=False)
 

@@ -45,10 +45,12 @@ class PP:
         temporaries = max(0.0, fp.peak - fp.state - fp.activations)
         return fp.state / n + fp.activations + temporaries
 
-    def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost:
+    def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Compute split n ways and stretched by the bubble; one send of the activations per
         boundary and micro-batch, forward and backward, none of it hidden."""
         p, m = ranks.n, step.accum
+        if p > step.layers:  # a stage would hold no layer: refused at launch
+            return None
         bubble = (p - 1) / (m + p - 1)
         link = ranks.net.all_reduce  # point-to-point priced as one hop of the fitted link
         sends = 2 * (p - 1) * m * (link.latency + step.act_bytes / link.bandwidth)

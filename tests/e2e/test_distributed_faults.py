@@ -33,7 +33,7 @@ def test_a_rank_killed_mid_step_resumes_bit_for_bit(baselines, tmp_path):
     assert_same_result(out, baselines["ddp"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pp"])
 def test_ranks_killed_at_random_moments_resume_bit_for_bit(baselines, tmp_path, strategy):
     """SIGKILL of a random rank at random moments (seeded: the same in every run of the suite),
     twice; the supervisor restarts the group each time from its last durable checkpoint."""

@@ -79,7 +79,7 @@ def test_a_registered_strategy_is_checked_by_the_run_and_priced_by_the_plan(monk
     with pytest.raises(EmberError, match="recipe.toml: 5 ranks do not divide into replicate x shard x tp x pp = 2 x 2 x 1 x 1"):
         check_distributed(r, 5, "recipe.toml")
     r.method.kind = "lora"
-    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp' or 'fsdp' for LoRA"):
+    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp', 'fsdp' or 'pp' for LoRA"):
         check_distributed(r, 4, "recipe.toml")
     m = ModelShape("llama", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000)
     t = TrainShape(micro_batch=4, seq_len=64)
