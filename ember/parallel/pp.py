@@ -14,8 +14,8 @@ whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded
 LoRA composes: peft's adapters sit in the layers a stage keeps, and each micro-batch's dropout
 keys are set as the schedule starts its forward. What it does not do yet, refused where a recipe
 asks: a second dimension (stages x DDP replicas, stages x FSDP/TP), the held-out evaluation (its
-forward needs every stage), LoRA dropout under activation checkpointing, and models whose head
-shares the embeddings' weight (they would sit on two stages). The torch side is
+forward needs every stage), LoRA dropout under activation checkpointing, fp16's loss scaling,
+and models whose head shares the embeddings' weight (they would sit on two stages). The torch side is
 ember/parallel/stages.py, imported when a run applies it."""
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ class PP:
             return ("LoRA's dropout with [train] activation_checkpointing: 1F1B runs a micro-batch's "
                     "backward (where checkpointing recomputes its dropout) after later forwards, which "
                     "moved the dropout's keys on; set [method] dropout = 0 or activation_checkpointing = false")
+        if recipe.precision.mode == "fp16":
+            return ("[precision] mode = 'fp16' scales the loss before backward (GradScaler), and the "
+                    "schedule runs backward itself on the unscaled loss; use 'bf16' or 'fp32'")
         if recipe.train.compile is True:
             return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
                     "'auto' or false (the stages run eagerly)")

@@ -72,6 +72,7 @@ def test_lora_on_two_stages_trains_what_one_process_trains(pipeline, tmp_path):
     (2, ["method.kind=lora", "method.dropout=0.1", "train.activation_checkpointing=true"],
      "LoRA's dropout with [train] activation_checkpointing"),
     (2, ["eval.holdout=0.1"], "the held-out evaluation runs the whole model's forward"),
+    (2, ["precision.mode=fp16"], "the schedule runs backward itself on the unscaled loss"),
 ])
 def test_what_a_pipeline_cannot_do_is_refused_with_the_fix(tmp_path, ranks, sets, said):
     r = load_recipe(recipe(tmp_path), ["distributed.strategy=pp", *sets])
