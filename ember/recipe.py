@@ -245,6 +245,8 @@ class PlanConfig:
 # How the ranks of a distributed run split the work: one member per strategy of the registry
 # (ember/parallel/registry.py), named like it ('fsdp+tp' is FSDP_TP).
 Strategy = StrEnum("Strategy", {name.upper().replace("+", "_"): name for name in STRATEGIES})
+# The pipeline schedules of strategy 'pp' (ember/parallel/pp.py), torch.distributed.pipelining's.
+PipelineSchedule = StrEnum("PipelineSchedule", {"GPIPE": "gpipe", "ONE_F_ONE_B": "1f1b"})
 
 
 @dataclass
@@ -257,6 +259,12 @@ class DistributedConfig:
         "tensor-parallel group compute the same ones (under 'tp', every rank computes all of them).")
     tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
                            "within one node).", min=2)
+    schedule: PipelineSchedule = setting(
+        PipelineSchedule.ONE_F_ONE_B, "Under strategy 'pp', the order the stages run the step's grad_accum "
+        "micro-batches in: '1f1b' (a backward as soon as a micro-batch's forward reaches the last stage: "
+        "at most one micro-batch per stage in flight) or 'gpipe' (every forward, then every backward: "
+        "every micro-batch's activations held at once). Both compute the same gradients; the idle share "
+        "(the bubble) is (stages - 1) / (grad_accum + stages - 1) for either.")
     timeout_seconds: float = setting(300.0, "A collective (gradient all-reduce, the stop agreement, "
                                      "a checkpoint barrier) that waits longer than this fails the "
                                      "group instead of hanging it.", min=1)

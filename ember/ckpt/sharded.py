@@ -8,7 +8,10 @@ Under fixed keys: `model` and `optim` as torch.distributed.checkpoint.state_dict
 parameter name, the same for a plain, DDP and FSDP model: so a checkpoint saved by N ranks loads
 into M ranks and into another strategy; DCP reshards), and `rank{R}`: rank R's RunState (its
 RNG streams), scheduler and grad-scaler state, as bytes. `model` holds the trained parameters
-alone (LoRA: the adapters), as a one-process checkpoint does: `trained_state`.
+alone (LoRA: the adapters), as a one-process checkpoint does: `trained_state`. The stages of a
+pipeline-parallel run hold different parameters, so their optimizers' param_groups differ: they
+save `optim` flattened (torch's flatten_optimizer_state_dict: the hyperparameters under each
+parameter's name, as torchtitan saves every run), and a load reads the form the metadata holds.
 
 A one-process run's checkpoint (model.safetensors, optimizer.safetensors, train_state.pt: see
 ember.ckpt.contents) loads into a distributed run too: `read_full` hands the full tensors to
@@ -28,13 +31,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ember.ckpt.contents import MODEL_FILE, STATE_FILE, read_optimizer
 from ember.ckpt.state import RunState
+from ember.parallel.pp import pipeline_of
 from ember.world import World
 
 METADATA = ".metadata"
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapters, as a one-process run
-# Loading: the frozen weights are the model's own (LoRA's base) and not in the checkpoint, which a
-# strict load_state_dict calls missing; `_load` checks instead that every trained one was there.
-LOADING = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def is_sharded(folder: Path) -> bool:
@@ -49,12 +50,13 @@ def _extra(state: RunState, scheduler: Any, scaler: Any) -> io.BytesIO:
     return buf
 
 
-def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool = False) -> tuple[dict, dict]:
     """The model's trained parameters and the optimizer's state, by parameter name. DCP's
     ignore_frozen_params drops a frozen parameter under its first name only: a frozen weight tied
     under a second one (LoRA on a model whose head shares the embeddings: SmolLM2's 28M-parameter
     lm_head) stayed in every checkpoint. Kept here: the names of parameters that train."""
-    msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
+    options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=flat)
+    msd, osd = get_state_dict(model, optimizer, options=options)
     trained = _trained(model)
     return {k: v for k, v in msd.items() if k in trained}, osd
 
@@ -77,7 +79,7 @@ def write_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.O
                   scaler: Any, state: RunState, world: World) -> None:
     """Every rank writes its part into `folder` (a collective). DCP's writer fsyncs each file it
     writes (sync_files), before the store checksums them."""
-    msd, osd = trained_state(model, optimizer)
+    msd, osd = trained_state(model, optimizer, flat=pipeline_of(model) is not None)
     sd = {"model": msd, "optim": osd, f"rank{world.rank}": _extra(state, scheduler, scaler)}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
 
@@ -96,10 +98,14 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     names = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     saved = {k.partition(".")[0] for k in names if k.startswith("rank")}
     key = f"rank{world.rank}" if f"rank{world.rank}" in saved else "rank0"
-    msd, osd = trained_state(model, optimizer)  # what to read: older checkpoints hold more, never less
+    flat = not any(k.startswith("optim.param_groups.0.") for k in names)  # saved by a pipeline's stages
+    msd, osd = trained_state(model, optimizer, flat)  # what to read: older checkpoints hold more, never less
     sd = {"model": msd, "optim": osd, key: io.BytesIO()}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
-    _load(model, optimizer, sd["model"], sd["optim"], LOADING)
+    # The frozen weights are the model's own (LoRA's base) and not in the checkpoint, which a strict
+    # load_state_dict calls missing; `_load` checks instead that every trained one was there.
+    options = StateDictOptions(ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=flat)
+    _load(model, optimizer, sd["model"], sd["optim"], options)
     sd[key].seek(0)
     extra = torch.load(sd[key], weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])

@@ -74,17 +74,19 @@ def render_parallel(a: Any, out: Console) -> None:
               f"a hop):", markup=False)
     t = Table("n", "layout", "step", "comm", "memory", "eff.", box=None, padding=(0, 1))
     for o in a.options:
-        mark = "*" if o.advice_only else ""
-        t.add_row(str(o.devices), o.strategy + mark, f"{o.step_seconds:.3g} s", f"{o.exposed_seconds:.3g} s",
+        t.add_row(str(o.devices), o.strategy, f"{o.step_seconds:.3g} s", f"{o.exposed_seconds:.3g} s",
                   _gib(o.memory_bytes) + ("" if o.fits else " (no fit)"), f"{o.efficiency:.0%}")
     out.print(t)
     *most, last = STRATEGIES
     out.print("step: predicted optimizer step; comm: communication the compute does not hide; memory: per "
-              "device at the step's peak; eff.: one device's step / (n x this step); *: advice only "
-              f"(ember runs {', '.join(most)} and {last})", markup=False)
+              "device at the step's peak; eff.: one device's step / (n x this step); "
+              f"ember runs each ({', '.join(most)} and {last}): --set distributed.strategy=NAME", markup=False)
     if a.recommended is not None:
-        out.print(f"recommended: [bold]{escape(a.recommended.strategy)} on {a.recommended.devices}[/bold]: "
-                  + escape("; ".join(a.reasons)))
+        rec = a.recommended
+        run = (f" (ember run RECIPE --out OUT --nproc {rec.devices} --set distributed.strategy={rec.strategy})"
+               if rec.devices > 1 else "")
+        out.print(f"recommended: [bold]{escape(rec.strategy)} on {rec.devices}[/bold]: "
+                  + escape("; ".join(a.reasons) + run))
     else:
         out.print("recommended: none: " + escape("; ".join(a.reasons)))
 
@@ -140,7 +142,7 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
         render_parallel(p.parallel, out)
     else:
         out.print("parallelism: no interconnect measured from this machine; `ember doctor --comm` measures it "
-                  f"and then this plan compares {', '.join(STRATEGIES)} and pipeline layouts", markup=False)
+                  f"and then this plan compares the layouts ember runs: {', '.join(STRATEGIES)}", markup=False)
     for n in p.notes:
         out.print(f"note: {n}", markup=False)
 

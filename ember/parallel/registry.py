@@ -8,10 +8,11 @@ from collections.abc import Iterable
 from ember.parallel.ddp import DDP
 from ember.parallel.fsdp import FSDP
 from ember.parallel.fsdp_tp import FSDPTP
+from ember.parallel.pp import PP
 from ember.parallel.strategy import Strategy
 from ember.parallel.tp import TP
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP(), FSDP(), TP(), FSDPTP())}
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP(), FSDP(), TP(), FSDPTP(), PP())}
 
 
 def either(names: Iterable[str]) -> str:

@@ -5,10 +5,8 @@ at 1, 2, 4 and 8 devices, and one recommendation with its reasons.
 A collective's cost is the ring model of ember/parallel/collectives.py (hops x latency + share x
 bytes / bandwidth), with latency and bandwidth fitted here (`fit`) to the sizes measured. Each
 strategy ember runs (ember.parallel.registry) prices its step and its memory per device itself,
-its module's docstring says how; one more layout is advice only:
-
-    pp         the bubble (p-1)/(m+p-1) and one send of the activations per stage boundary
-               and micro-batch, each way
+its module's docstring says how (pipeline parallelism, ember/parallel/pp.py: the bubble
+(p-1)/(m+p-1) and one send of the activations per stage boundary and micro-batch, each way).
 
 Compute splits n ways (TP splits the layers' matmuls; the embeddings and head stay whole on
 every rank). Communication hides behind the backward pass only where the device computes while
@@ -56,7 +54,6 @@ class Option:
     fits: bool
     efficiency: float        # one device's step time / (devices x this step time)
     bytes_per_step: float    # moved over each rank's link
-    advice_only: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -70,7 +67,7 @@ class Advice:
 
 def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float,
                ic: Interconnect, free: int, overlap: bool, slots: int | None = None) -> list[Option]:
-    """Every strategy at n devices, and pipeline parallelism as advice (see the module docstring).
+    """Every strategy at n devices (see the module docstring).
     `slots`: how many ranks can compute at once (CPU ranks on one machine share its cores); None
     for accelerators."""
     fp = footprint(m, b)  # what each strategy's arithmetic reads (ember.plan.layout)
@@ -79,11 +76,11 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     out = []
 
     def add(strategy: str, comp: float, comm: float, hidden: float, memory: float, moved: float,
-            advice_only: bool = False, notes: list[str] | None = None) -> None:
+            notes: list[str] | None = None) -> None:
         exposed = max(0.0, comm - hidden)
         step = comp + exposed
         out.append(Option(strategy, n, step, comp, comm, exposed, int(memory), memory <= free,
-                          one_step / (n * step) if step > 0 else 0.0, moved, advice_only, notes or []))
+                          one_step / (n * step) if step > 0 else 0.0, moved, notes or []))
 
     if n == 1:
         add("one device", one_step, 0.0, 0.0, b.peak, 0.0)
@@ -93,13 +90,6 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     for strategy in STRATEGIES.values():
         if (c := strategy.cost(fp, step, ranks)) is not None:
             add(strategy.name, c.compute, c.comm, c.hidden, c.memory, c.moved, notes=list(c.notes))
-    p, micro = n, accum
-    bubble = (p - 1) / (micro + p - 1)
-    sends = 2 * (p - 1) * micro * (ic.all_reduce.latency + act_bytes / ic.all_reduce.bandwidth)
-    add("pp", one_step / p * busy / (1 - bubble), sends, 0.0, fp.state / p + b.activations * p + b.temporaries,
-        2 * micro * act_bytes, advice_only=True,
-        notes=[f"advice only (ember does not run pipeline parallelism yet); bubble {bubble:.0%} with {micro} "
-               f"micro-batches over {p} stages"])
     return out
 
 
@@ -119,7 +109,7 @@ def advise(m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: flo
     machine's `cores`, where known, name core sharing as the cause when ranks outnumber them)."""
     overlap = ic.backend == "nccl"
     options = [o for n in counts for o in options_at(n, m, t, b, accum, one_step, ic, free, overlap, slots)]
-    runnable = [o for o in options if o.fits and not o.advice_only]
+    runnable = [o for o in options if o.fits]
     single = next((o for o in options if o.devices == 1), None)
     wide = [o for o in runnable if o.devices > 1 and o.efficiency >= MIN_EFFICIENCY]
     reasons = []

@@ -19,6 +19,7 @@ from ember.ckpt.state import RunState
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.ledger.goodput import EventKind
+from ember.parallel.pp import pipeline_of
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
@@ -184,10 +185,12 @@ def complete(job: Job, record: RunRecorder) -> int:
                          f"(see the warnings above); the run is not completed. Raise [data] seq_len or set "
                          f"[data] long_records = \"keep_answer\"")
     t0 = time.time()
-    weights = full_weights(job.model) if world.distributed else None  # a collective under FSDP
+    pipe = pipeline_of(job.model)  # each stage holds its own layers: rank 0 gathers them
+    weights = (pipe.gathered_weights() if pipe else full_weights(job.model)) if world.distributed else None
     if not world.main:
         return EXIT_OK
-    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights))
+    final = job.run.write_final(lambda folder: save_final(job.bundle, folder, r.method, weights,
+                                                          adapter=pipe is not None and r.method.kind == "lora"))
     record.final_saved(t0)
     why = early_stop_reason(state, r.eval.patience) if state.step < r.train.max_steps else None
     job.run.mark_completed(state.step, why)
@@ -267,7 +270,16 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
     tokens = world.mean_over_replicas([sum(b.targets() for _, b in fetched)])[0]
     per_rank = max(tokens, 1) / world.dp_size
     timer.wait("sync")
-    for i, (ordinal, batch) in enumerate(fetched):
+    pipe = pipeline_of(model)  # pipeline parallelism: its schedule runs every micro-batch (ember.parallel.pp)
+    if pipe is not None:
+        with autocast(job.device, r.precision.mode):
+            loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, r.distributed.schedule,
+                                 lambda first: job.dropout.at(state.step + 1, first))
+        ordinals = [o for o, _ in fetched]
+        timer.lap("backward")
+        for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
+            faults.point("train.micro_batch")
+    for i, (ordinal, batch) in enumerate(fetched if pipe is None else []):
         if between(i):  # a pause waits here; a stop undoes the step (ember.train.between)
             return None
         batch = batch.to(job.device, non_blocking=True)
@@ -288,7 +300,7 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
     timer.lap("sync")
     job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
     params = trainable_parameters(model)
-    grad_norm = clip_gradients(params, r.optimizer.grad_clip)
+    grad_norm = clip_gradients(params, r.optimizer.grad_clip, pipe.sum_over_stages if pipe else None)
     loss_value = loss_sum / world.dp_size if tokens else math.nan  # no learned token: its mean is 0/0
     verdict = stability.judge(loss_value, grad_norm, tokens, state.loss_window, r.guard,
                               scaler_handles_inf=job.scaler.is_enabled())

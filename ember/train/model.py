@@ -251,12 +251,16 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def save_final(bundle: ModelBundle, folder: Path, method: MethodConfig,
-               weights: dict[str, torch.Tensor] | None = None) -> None:
+               weights: dict[str, torch.Tensor] | None = None, adapter: bool = False) -> None:
     """Write the trained weights as safetensors (the adapter alone for LoRA) and the tokenizer.
-    `weights`: the full state dict, when the live model is sharded over ranks."""
+    `weights`: the full state dict, when the live model is sharded over ranks; `adapter`: they
+    are LoRA's adapter as peft saves it, gathered from pipeline stages (ember.parallel.stages)."""
     folder.mkdir(parents=True)
     bundle.model.save_pretrained(folder, safe_serialization=True,
-                                 **({"state_dict": weights} if weights is not None else {}))
+                                 **({"state_dict": weights} if weights is not None and not adapter else {}))
+    if adapter and weights is not None:  # over the file of this stage's layers alone
+        from safetensors.torch import save_file
+        save_file(weights, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     bundle.tokenizer.save(folder)
     if method.kind == "lora" and method.export_merged:
         merged = bundle.model.merge_and_unload()

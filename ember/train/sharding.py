@@ -5,6 +5,7 @@ are split. A one-process run gets its model back unchanged."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
     if lora and s.lora_conflict:
         raise EmberError(f"{where}: [distributed] strategy = '{s.name}' {s.lora_conflict}; use strategy "
                          f"{either(n for n, x in STRATEGIES.items() if not x.lora_conflict)} for LoRA")
+    if (own := getattr(s, "check", None)) and (why := own(recipe, ranks)):  # a strategy's own limits
+        raise EmberError(f"{where}: [distributed] strategy = '{s.name}': {why}")
     dp = mesh(recipe, ranks, where).dp  # the ranks that read different rows
     rows = t.micro_batch * t.grad_accum
     if rows % dp:  # each rank takes whole micro-batches, or equal slices of each (data.row_parts)
@@ -70,8 +73,9 @@ def parallelize(model: nn.Module, recipe: Recipe, world: World, device: torch.de
 
 
 def tp_degree(recipe: Recipe, ranks: int) -> int:
-    """Ranks per tensor-parallel group (they read the same rows)."""
-    return mesh(recipe, ranks).tp
+    """Ranks that read the same rows: a tensor-parallel group's, a pipeline's stages."""
+    m = mesh(recipe, ranks)
+    return m.tp * m.pp
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -79,8 +83,11 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
+def clip_gradients(params: list[nn.Parameter], max_norm: float,
+                   stages: Callable[[float], float] | None = None) -> float:
     """Clip the global gradient norm to max_norm (0: only measure it); return the norm before.
+    `stages`: under pipeline parallelism, sums a value over the stages, each of which holds its
+    own parameters (their squares add up to the whole model's).
     Under tensor parallelism some gradients are DTensors (shards, on one mesh or, with fsdp+tp,
     on two) and some plain (replicated on every rank): each sharded tensor's norm is reduced
     over its shards, the plain ones are whole already, and they add up as squares."""
@@ -88,13 +95,20 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
     sharded = [g for g in grads if hasattr(g, "full_tensor")]
     plain = [g for g in grads if not hasattr(g, "full_tensor")]
     meshes = {id(g.device_mesh) for g in sharded}
+    if stages is not None:
+        return _scale(grads, stages(float(torch.nn.utils.get_total_norm(grads)) ** 2 if grads else 0.0) ** 0.5,
+                      max_norm)
     if not sharded or (not plain and len(meshes) == 1):  # one process, DDP, FSDP: torch's own
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         return float(torch.nn.utils.get_total_norm(grads))
     squares = sum(float(torch.linalg.vector_norm(g).full_tensor()) ** 2 for g in sharded)
     squares += float(torch.nn.utils.get_total_norm(plain)) ** 2 if plain else 0.0
-    total = squares ** 0.5
+    return _scale(grads, squares ** 0.5, max_norm)
+
+
+def _scale(grads: list[torch.Tensor], total: float, max_norm: float) -> float:
+    """Scale `grads` so that their global norm `total` becomes max_norm (0: leave them); `total`."""
     scale = max_norm / (total + 1e-6)  # as torch's clip_grad_norm_, which clamps it at 1
     if max_norm > 0 and scale < 1:
         with torch.no_grad():

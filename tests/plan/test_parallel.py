@@ -59,7 +59,6 @@ def test_a_fast_link_recommends_the_fastest_efficient_layout():
     b = estimate(M, T)
     a = advise(M, T, b, accum=8, one_step=10.0, ic=net(10_000 * MB), free=1 << 40, counts=(1, 2, 4, 8))
     assert (a.recommended.strategy, a.recommended.devices) == ("ddp", 8)
-    assert not a.recommended.advice_only
 
 
 def test_cores_shared_by_ranks_do_not_add_compute():

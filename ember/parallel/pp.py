@@ -1,0 +1,101 @@
+"""Pipeline parallelism (torch.distributed.pipelining): the decoder layers split into one stage
+per rank, in order and as evenly as they go (the embeddings on the first stage, the final norm,
+the head and the loss on the last); the step's grad_accum micro-batches flow through the stages
+under a schedule, [distributed] schedule: 'gpipe' (every forward, then every backward) or '1f1b'
+(one forward, one backward once the pipeline is full: at most `stages` micro-batches' activations
+held at once). Each stage sends its micro-batch's hidden states to the next and their gradient
+back; every rank reads the same rows (the first stage needs the ids, the last the labels).
+
+Its cost: the bubble, (p-1)/(m+p-1) of the step with m micro-batches over p stages, when a stage
+waits, and one send of the activations per stage boundary and micro-batch, each way. Its
+checkpoint: each stage writes its own parameters and optimizer state under their names in the
+whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded.py).
+
+LoRA composes: peft's adapters sit in the layers a stage keeps, and each micro-batch's dropout
+keys are set as the schedule starts its forward. What it does not do yet, refused where a recipe
+asks: a second dimension (stages x DDP replicas, stages x FSDP/TP), the held-out evaluation (its
+forward needs every stage), LoRA dropout under activation checkpointing, fp16's loss scaling,
+and models whose head shares the embeddings' weight (they would sit on two stages). The torch side is
+ember/parallel/stages.py, imported when a run applies it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.parallel.mesh import Mesh
+from ember.parallel.strategy import Cost, Footprint, Ranks, Step
+
+SCHEDULES = ("gpipe", "1f1b")  # [distributed] schedule; torch's ScheduleGPipe and Schedule1F1B
+
+
+class PP:
+    name = "pp"
+    summary = ("(pipeline parallelism) splits the decoder layers into one stage per rank and runs the "
+               "step's grad_accum micro-batches through them under [distributed] schedule")
+    lora_conflict = ""
+    whole_model = False
+
+    def mesh(self, world: int, tp_size: int) -> Mesh:
+        """Every rank a stage (one pipeline: no replicas yet)."""
+        return Mesh(world, pp=world)
+
+    def memory(self, fp: Footprint, n: int) -> float:
+        """Its stage's share of the state; the activations of up to n micro-batches in flight, each
+        of its share of the layers (1F1B's bound; GPipe holds all of them: priced the same here)."""
+        temporaries = max(0.0, fp.peak - fp.state - fp.activations)
+        return fp.state / n + fp.activations + temporaries
+
+    def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
+        """Compute split n ways and stretched by the bubble; one send of the activations per
+        boundary and micro-batch, forward and backward, none of it hidden."""
+        p, m = ranks.n, step.accum
+        if p > step.layers:  # a stage would hold no layer: refused at launch
+            return None
+        bubble = (p - 1) / (m + p - 1)
+        link = ranks.net.all_reduce  # point-to-point priced as one hop of the fitted link
+        sends = 2 * (p - 1) * m * (link.latency + step.act_bytes / link.bandwidth)
+        notes = [f"bubble {bubble:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
+        if m < p:
+            notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
+        return Cost(ranks.compute(step.seconds) / (1 - bubble), sends, 0.0, self.memory(fp, p),
+                    2 * m * step.act_bytes, tuple(notes))
+
+    def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
+        """This rank's stage of the model (the other stages' modules removed), carrying the
+        pipeline that runs it (`pipeline_of`)."""
+        from ember.parallel.stages import split_into_stage
+        return split_into_stage(model, mesh.pp, device)
+
+    def check(self, recipe: Any, ranks: int) -> str | None:
+        """What a recipe asks that a pipeline run cannot do yet (None: nothing)."""
+        from ember.models import config_fields
+        fields = config_fields(recipe.model.path)
+        layers = getattr(fields, "num_hidden_layers", None)
+        if layers is not None and ranks > layers:
+            return (f"{ranks} stages (one per rank) for the model's {layers} decoder layers: a stage "
+                    f"would hold none; use at most {layers} ranks")
+        if getattr(fields, "tie_word_embeddings", False):
+            return ("the model's head shares the embeddings' weight (tie_word_embeddings), which would "
+                    "sit on the first and the last stage at once; use strategy 'fsdp'")
+        if recipe.eval.holdout or recipe.eval.files:
+            return ("the held-out evaluation runs the whole model's forward in one process, which no "
+                    "stage holds; set [eval] holdout = 0 and files = [] (evaluate afterwards on the "
+                    "final weights), or use strategy 'ddp'")
+        if recipe.method.kind == "lora" and recipe.method.dropout and recipe.train.activation_checkpointing:
+            return ("LoRA's dropout with [train] activation_checkpointing: 1F1B runs a micro-batch's "
+                    "backward (where checkpointing recomputes its dropout) after later forwards, which "
+                    "moved the dropout's keys on; set [method] dropout = 0 or activation_checkpointing = false")
+        if recipe.precision.mode == "fp16":
+            return ("[precision] mode = 'fp16' scales the loss before backward (GradScaler), and the "
+                    "schedule runs backward itself on the unscaled loss; use 'bf16' or 'fp32'")
+        if recipe.train.compile is True:
+            return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
+                    "'auto' or false (the stages run eagerly)")
+        return None
+
+
+def pipeline_of(model: Any) -> Any:
+    """The pipeline a pipeline-parallel stage carries (ember.parallel.stages.Pipeline); None for
+    any other model."""
+    return getattr(model, "ember_pipeline", None)
+

@@ -1,0 +1,167 @@
+"""The torch side of pipeline parallelism (ember/parallel/pp.py): this rank's stage of a causal
+LM and the pipeline that trains it.
+
+A stage is the model itself with the other stages' modules removed: its decoder layers become a
+ModuleDict keyed by their index in the whole model, so every parameter keeps its name
+("model.layers.3.mlp.up_proj.weight") and a stage's state dict, optimizer state and checkpoint
+are the whole model's, restricted to the stage. Its forward (`StageForward`) is the decoder's
+own, cut where the stage ends: the first stage embeds the ids, every stage builds the causal
+mask and the rotary embeddings from the micro-batch's positions (each rank reads the same rows)
+and runs its layers, the last applies the final norm and the head, and the schedule applies the
+model's own loss (transformers' ForCausalLMLoss) to the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ember.errors import EmberError
+
+
+def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
+    """Keep this rank's stage of `model` (in place) and attach its Pipeline as `ember_pipeline`.
+    Under LoRA `model` is peft's wrapper: the stage is cut in the causal LM under it, whose
+    layers carry the adapters, and the parameters keep the wrapper's names."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(lm, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(lm, "lm_head"):
+        raise EmberError(f"[distributed] strategy = 'pp': {type(model).__name__} is not a decoder laid out as "
+                         f"model.embed_tokens / model.layers / model.norm / lm_head (Llama, Qwen, Mistral, "
+                         f"SmolLM); use strategy 'fsdp'")
+    if lm.lm_head.weight is inner.embed_tokens.weight:
+        raise EmberError("[distributed] strategy = 'pp': the model's head shares the embeddings' weight "
+                         "(tie_word_embeddings), which would sit on the first and the last stage at once; "
+                         "use strategy 'fsdp'")
+    n = len(inner.layers)
+    if stages > n:  # ember.parallel.pp refuses it before launch, from the model's config
+        raise EmberError(f"[distributed] strategy = 'pp' over {stages} ranks: the model has {n} decoder layers, "
+                         f"fewer than the stages (one per rank); use at most {n} ranks")
+    stage = dist.get_rank()
+    mine = layer_range(n, stages, stage)
+    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in mine})
+    first, last = stage == 0, stage == stages - 1
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm, lm.lm_head = None, None
+    model.ember_pipeline = Pipeline(model, lm, stage, stages, device)
+    return model
+
+
+def layer_range(layers: int, stages: int, stage: int) -> range:
+    """The decoder layers of `stage`: consecutive, the first stages one more when they do not split evenly."""
+    base, extra = divmod(layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+class StageForward(nn.Module):
+    """One stage's forward over the stage model's modules (held, not owned: `lm` is registered
+    outside the module tree so the stage model stays the one that names the parameters)."""
+
+    def __init__(self, lm: nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.__dict__["lm"] = lm  # not a submodule: see the class docstring
+        self.first, self.last = first, last
+        self.at: Any = lambda first: None  # told each micro-batch's first row before its forward (LoRA's dropout)
+        for i, p in enumerate(lm.parameters()):  # PipelineStage reads its module's parameters
+            self.register_parameter(f"p{i}", p)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`rows`: each row's position in the data stream (the schedule splits it with the rows)."""
+        from transformers.masking_utils import create_causal_mask
+        self.at(int(rows[0]))
+        inner = self.lm.model
+        h = inner.embed_tokens(x) if self.first else x
+        mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        rope = inner.rotary_emb(h, position_ids=position_ids)
+        for layer in inner.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, use_cache=False)
+        return self.lm.lm_head(inner.norm(h)) if self.last else h
+
+
+class Pipeline:
+    """This rank's stage under a schedule of torch.distributed.pipelining, built at the first step
+    (it needs the step's micro-batch count and the recipe's schedule)."""
+
+    def __init__(self, root: nn.Module, lm: nn.Module, stage: int, stages: int, device: torch.device):
+        self.root, self.lm, self.stage, self.stages, self.device = root, lm, stage, stages, device
+        self.forward = StageForward(lm, stage == 0, stage == stages - 1)
+        self.schedule: Any = None
+        self.shape: tuple[int, int] | None = None
+        self.normalizer = 1.0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the model's own loss, as the one-process step computes it (sum over learned tokens / the step's count)
+        return self.lm.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1],
+                                     num_items_in_batch=self.normalizer)
+
+    def _build(self, kind: str, micro_batches: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        stage = PipelineStage(self.forward, self.stage, self.stages, self.device)
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
+        # scale_grads=False: each micro-batch's loss is already its share of the step's mean
+        self.schedule = cls(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+
+    def step(self, batches: list[Any], normalizer: float, kind: str, at: Any = lambda first: None) -> float:
+        """Forward and backward of the step's micro-batches (ember.data.loader.MicroBatch, on the
+        device) through every stage; the step's loss (the sum of the micro-batches' losses), the
+        same on every stage (one all-reduce from the last: a sync point). `at(first)` is called
+        before each micro-batch's forward with its first row's stream position (LoRA's dropout
+        keys, which activation checkpointing's recomputation in backward would also need: refused)."""
+        if self.schedule is None:
+            self._build(kind, len(batches))
+        shape = tuple(batches[0].ids.shape)
+        if self.shape is None:
+            self.shape = shape
+        if any(tuple(b.ids.shape) != self.shape for b in batches):
+            raise EmberError(f"[distributed] strategy = 'pp': a micro-batch of shape "
+                             f"{[tuple(b.ids.shape) for b in batches]} after {self.shape}: the stages exchange "
+                             f"tensors of one fixed shape; set [data] packing = 'documents' or 'mixed' "
+                             f"(rows of seq_len tokens) rather than 'padded'")
+        self.normalizer = normalizer
+        self.forward.at = at
+        ids = torch.cat([b.ids for b in batches])
+        positions = torch.cat([b.positions if b.positions is not None else
+                               torch.arange(b.ids.shape[1], device=b.ids.device).expand_as(b.ids)
+                               for b in batches])
+        labels = torch.cat([b.labels if b.labels is not None else b.ids for b in batches])
+        rows = torch.cat([torch.arange(b.ids.shape[0]) + b.first for b in batches])
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.stage == 0 else ()
+        self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None,
+                           return_outputs=False, position_ids=positions, rows=rows)
+        total = torch.tensor([sum(float(x) for x in losses) if self.last else 0.0], dtype=torch.float64)
+        dist.all_reduce(total)  # the last stage's loss, to every stage
+        return float(total)
+
+    def sum_over_stages(self, value: float) -> float:
+        """`value` summed over the stages (a gradient norm's squares: each stage holds its own parameters)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    def gathered_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (each stage's, gathered; None elsewhere). Under LoRA
+        the adapter's alone, as peft saves them: peft picks a model's adapter weights by visiting
+        its LoRA layers, which only the stage that holds them can do."""
+        if hasattr(self.root, "peft_config"):
+            from peft import get_peft_model_state_dict
+            sd = get_peft_model_state_dict(self.root)
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+            sd = get_model_state_dict(self.root)
+        mine = {k: v.detach().cpu() for k, v in sd.items()}
+        out: list[Any] | None = [None] * self.stages if dist.get_rank() == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        return {k: v for part in out for k, v in part.items()} if out is not None else None
