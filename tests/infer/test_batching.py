@@ -55,3 +55,44 @@ def test_a_seeded_sample_is_the_same_in_a_batch_as_alone(engine: Engine):
     alone = [engine.generate("base", p, s).text() for p, s in zip(PROMPTS, seeded)]
     assert together(engine, seeded) == alone
     assert len(set(alone)) == len(alone)
+
+
+def test_concurrent_http_requests_share_steps_and_each_get_their_solo_text(engine: Engine):
+    """Through the worker's app: two plain completions and a streamed chat, sent at once."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from ember.web.infer_worker import create_app
+    bodies = [("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 20}),
+              ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 12}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})]
+
+    def text(client: TestClient, path: str, body: dict, stream: bool) -> str:
+        r = client.post(path, json={**body, "temperature": 0, "stream": stream})
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if "message" in choice else choice["text"]
+        events = r.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""], r.text[-200:]
+        chunks = [json.loads(e.removeprefix("data: "))["choices"] for e in events[:-2]]
+        return "".join(c[0].get("text") or c[0].get("delta", {}).get("content") or "" for c in chunks if c)
+
+    with TestClient(create_app(engine)) as client:
+        alone = [text(client, path, body, False) for path, body in bodies]
+        answers: list[str] = [""] * len(bodies)
+
+        def one(i: int) -> None:
+            answers[i] = text(client, *bodies[i], stream=i == 2)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        engine.batcher.widest = 0
+        with engine.lock:
+            for t in threads:
+                t.start()
+            wait_until("all requests queued", lambda: len(engine.batcher.waiting) == len(bodies), 60, 0.01)
+        for t in threads:
+            t.join(120)
+    assert answers == alone and all(alone)
+    assert engine.batcher.widest >= 2  # they shared decode steps (one may end at its first tokens)
