@@ -52,11 +52,12 @@ def q(xs: list[float], p: float) -> float:
 
 
 @contextmanager
-def process(argv: list[str], cwd: Path, log: Path, url: str | None = None, ready: str = "/health"):
+def process(argv: list[str], cwd: Path, log: Path, url: str | None = None, ready: str = "/health",
+            env: dict[str, str] | None = None):
     """Run a server; yield its URL once /v1/models answers; stop it on exit."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE if url is None else out, stderr=out,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         if url is None:  # an ember worker says where it listens on its first line
             url = proc.stdout.readline().split()[-1]
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--before", default="48f2c7b")
     ap.add_argument("--model", default=SMOLLM2_GGUF)
     ap.add_argument("--engines", nargs="+", default=["before", "after", "llama"])
+    ap.add_argument("--before-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS for `before` (0: torch's default, all cores); `after` "
+                         "takes half the cores by itself, as llama.cpp does")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
     gguf = resolve_path(args.model)
@@ -116,7 +120,8 @@ def main() -> None:
                 subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
             urls[name] = stack.enter_context(process(
                 [sys.executable, "-m", "ember.web.infer_worker", "--model", args.model, "--port", "0"],
-                where, tmp / f"{name}.log"))
+                where, tmp / f"{name}.log",
+                env={"OMP_NUM_THREADS": str(args.before_threads)} if name == "before" and args.before_threads else None))
         for url in urls.values():
             ask(url, prompt, 4)  # warm-up: first-call costs are not latency
         lat: dict[tuple[str, int, int], list[float]] = {}
@@ -135,7 +140,8 @@ def main() -> None:
                         short += [f"{name}: {n} of {tokens}" for _, n, _ in got if n != tokens]
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(f"model {args.model}, prompt {len(prompt)} characters, {args.rounds} rounds, greedy; "
-          f"llama.cpp with its default threads; cpu count {os.cpu_count()}")
+          f"llama.cpp with its default threads; cpu count {os.cpu_count()}; before's threads "
+          f"{args.before_threads or 'torch default'}")
     print(f"{'new tokens':>10} {'requests':>8} " + " ".join(f"{n + ' p50':>12} {n + ' p99':>12}" for n in names)
           + (" " + " ".join(f"{n}/llama p50,p99" for n in names if n != "llama") if "llama" in names else ""))
     for tokens in args.tokens:

@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from queue import Queue
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ember import faults
-
-if TYPE_CHECKING:
-    from ember.infer.engine import Engine, Sampling
 
 PREFILL_CHUNK = 128  # prompt tokens per forward pass while others wait for their next token
 MAX_BATCH = 8        # requests decoded together; more wait their turn
@@ -50,7 +47,7 @@ class Job:
     """One request in the loop: `started()` waits for its turn, `tokens()` yields its new token
     ids as they are made, `cancel()` ends it before the next step."""
 
-    def __init__(self, model: str, ids: list[int], sampling: Sampling):
+    def __init__(self, model: str, ids: list[int], sampling: Any):  # an ember.infer.engine.Sampling
         self.model, self.ids, self.sampling = model, ids, sampling
         self.out: Queue = Queue()  # _START (or what refused it), token ids, None at the end
         self.cancelled = threading.Event()
@@ -88,7 +85,7 @@ class Job:
 class Batcher:
     """The decode loop of one engine: a thread started at the first request."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Any):  # the ember.infer.engine.Engine it runs (imported there: no cycle)
         self.engine = engine
         self.wake = threading.Condition()
         self.waiting: deque[Job] = deque()
