@@ -25,6 +25,7 @@ users of the model (next_token_logits, adapter swaps) go between steps.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -96,6 +97,7 @@ class Batcher:
         self.model = ""                         # the model name the running batch serves
         self.widest = 0                         # the most rows one decode step has run
         self.thread: threading.Thread | None = None
+        self.closed = False
 
     def submit(self, job: Job) -> None:
         """Queue a job; the loop admits it between two steps."""
@@ -104,12 +106,24 @@ class Batcher:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="ember-batcher", daemon=True)
                 self.thread.start()
+                atexit.register(self.close)
             self.wake.notify()
+
+    def close(self) -> None:
+        """End the loop after its current step (at exit: a loop thread left alive makes the C++
+        runtime print "terminate called without an active exception")."""
+        with self.wake:
+            self.closed = True
+            self.wake.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
 
     def _loop(self) -> None:
         while True:
             with self.wake:
-                self.wake.wait_for(lambda: self.waiting or self.prefilling or self.rows)
+                self.wake.wait_for(lambda: self.closed or self.waiting or self.prefilling or self.rows)
+                if self.closed:
+                    return
             try:
                 with self.engine.lock, torch.inference_mode():
                     self._admit()

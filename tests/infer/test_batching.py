@@ -96,3 +96,4 @@ def test_concurrent_http_requests_share_steps_and_each_get_their_solo_text(engin
             t.join(120)
     assert answers == alone and all(alone)
     assert engine.batcher.widest >= 2  # they shared decode steps (one may end at its first tokens)
+
