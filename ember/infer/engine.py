@@ -15,14 +15,16 @@ copy of the model, which its `final/` folder is (`--model RUN/final`).
 A run is served only on the base it was trained on: the same model files (by the hashes in its
 run.json), and for builtin:tiny, a random init, the same seed (`Engine(seed=...)`).
 
-One generation runs at a time (`Engine.lock`): the model and its active adapter are shared.
+Generations run in ember's own decode loop (ember.infer.batching): concurrent requests for the
+same model name are decoded together, one batch step at a time; requests for different names
+take turns, since peft has one active adapter. `Engine.lock` is held by each step of the loop
+and by anything else that uses the model or swaps adapters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import queue
 import threading
 import time
 import warnings
@@ -33,15 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
-from ember import faults
 from ember.ckpt.state import seed_all
 from ember.ckpt.store import committed_in
 from ember.device import pick_device
 from ember.errors import EmberError
 from ember.events import Events
+from ember.infer.batching import Batcher, Job
 from ember.infer.adapters import (BASE, RequestError, check_roots, checkpoint_identity, copy_adapter_weights,
                                   find_runs, lora_method, servable_record, verified_weights)
 from ember.models import BYTE_EOS, resolve_path
@@ -84,7 +84,7 @@ class _Adapter:
 
 
 class Engine:
-    """A base model and the LoRA adapters of registered runs, one generation at a time."""
+    """A base model and the LoRA adapters of registered runs, generating in batches."""
 
     def __init__(self, spec: str, runs: list[Path] = (), device: str = "cpu", seed: int = 0,
                  events: Events | None = None):
@@ -100,7 +100,7 @@ class Engine:
         self.spec, self.seed, self.events = spec, seed, events or Events()
         self.roots = [Path(p) for p in runs]
         check_roots(self.roots, self.events)
-        self.lock = threading.Lock()  # held by the one generation (or adapter swap) in progress
+        self.lock = threading.Lock()  # held by each decode step (or adapter swap) in progress
         self.model: Any = None        # the base transformers model; set last by load()
         self.tokenizer: Any = None
         self.source: dict[str, Any] = {}
@@ -112,6 +112,8 @@ class Engine:
         self._peft: Any = None  # the peft wrapper around self.model, once an adapter was added
         self._adapters: dict[str, _Adapter] = {}
         self._slots = itertools.count()
+        self._active = BASE  # the model name whose adapter is active now
+        self.batcher = Batcher(self)
 
     @property
     def status(self) -> str:
@@ -225,6 +227,7 @@ class Engine:
 
     def _activate(self, model: str) -> None:
         """Make `model`'s adapter the active one, loading its newest checkpoint if it changed."""
+        self._active = model
         if model == BASE:
             return
         path, method = self._lora_run(model)
@@ -267,6 +270,12 @@ class Engine:
         if old is not None:
             self._peft.delete_adapter(old.slot)
 
+    def _serving(self, model: str) -> Any:
+        """A context with `model` active as the loop last activated it (no rescan of its run)."""
+        if model != self._active:  # next_token_logits activated another one between two steps
+            self._activate(model)
+        return self._adapters_off(model)
+
     def _adapters_off(self, model: str) -> Any:
         # With no adapter loaded (the first one failed to), the LoRA layers hold none: that is the base.
         return self._peft.disable_adapter() if model == BASE and self._adapters else nullcontext()
@@ -274,35 +283,14 @@ class Engine:
     # -- generating -------------------------------------------------------------------------
 
     def _run(self, usage: Usage, model: str, ids: list[int], s: Sampling) -> Iterator[str]:
-        with self.lock:
-            self._activate(model)
-            with self._adapters_off(model):
-                yield ""  # the model is active: what fails from here on is not the request's fault
-                tokens, cancel = _TokenQueue(), threading.Event()
-                thread = threading.Thread(target=self._generate_into, args=(ids, s, tokens, cancel),
-                                          name="ember-generate", daemon=True)
-                thread.start()
-                try:
-                    yield from self._pieces(usage, tokens, s.stop)
-                finally:
-                    cancel.set()  # a stop string, or the client left: generate() ends at its next token
-                    thread.join()
-
-    def _generate_into(self, ids: list[int], s: Sampling, out: _TokenQueue, cancel: threading.Event) -> None:
+        job = Job(model, ids, s)
+        self.batcher.submit(job)
         try:
-            if s.seed is not None:
-                torch.manual_seed(s.seed)
-            # top_k 0: OpenAI's sampling has no top-k; None unsets a model's defaults when greedy
-            how = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0} \
-                if s.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None,
-                                           "top_k": None}
-            prompt = torch.tensor([ids], device=self.device)
-            with torch.inference_mode():
-                self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=s.max_tokens,
-                                    streamer=out, stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
-                                    pad_token_id=min(self.eos_ids), **how)
-        except BaseException as e:  # raised again in the request's thread, which reports it
-            out.fail(e)
+            job.started()  # its turn came and its model is active (or it was refused)
+            yield ""  # what fails from here on is not the request's fault
+            yield from self._pieces(usage, job.tokens(), s.stop)
+        finally:
+            job.cancel()  # a stop string, or the client left: the loop drops it before its next step
 
     def _pieces(self, usage: Usage, tokens: Iterator[int], stops: tuple[str, ...]) -> Iterator[str]:
         """Text as tokens arrive: a character split across tokens waits for its last byte, and
@@ -379,41 +367,6 @@ def chat_text(messages: list[dict[str, Any]], tok: Any = None) -> str:
     if tok is not None:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
-class _TokenQueue(BaseStreamer):
-    """generate()'s new token ids, handed to another thread (the prompt, sent first, is skipped)."""
-
-    def __init__(self):
-        self.items: queue.Queue = queue.Queue()
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.prompt_seen:
-            self.items.put(value.reshape(-1).tolist())
-        self.prompt_seen = True
-
-    def end(self) -> None:
-        self.items.put(None)
-
-    def fail(self, error: BaseException) -> None:
-        self.items.put(error)
-
-    def __iter__(self) -> Iterator[int]:
-        while (item := self.items.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield from item
-
-
-class _Cancelled(StoppingCriteria):
-    def __init__(self, cancel: threading.Event):
-        self.cancel = cancel
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        faults.point("infer.token")  # EMBER_FAULT_HANG here: a generation that takes that long
-        return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool,
-                          device=input_ids.device)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -5,7 +5,7 @@ shapes are ember.infer.openai's.
 `ember serve` runs it as a child process and forwards requests to it, as it would to llama.cpp:
 
     python -m ember.web.infer_worker --model SPEC [--runs DIR ...] [--host 127.0.0.1]
-                                     [--port P] [--device cpu] [--seed N]
+                                     [--port P] [--device cpu] [--seed N] [--threads N]
 
 With --port 0 it binds a free port. The first line on stdout is `listening on http://HOST:PORT`
 (flushed), and nothing else goes to stdout, so a parent that reads one line never blocks it. The
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -189,7 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 = a free port (default)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, auto")
     parser.add_argument("--seed", type=int, default=0, help="builtin:tiny's init seed: the runs' train.seed")
+    parser.add_argument("--threads", type=int, default=default_threads(),
+                        help="CPU threads for the model (default: half the cores, as llama.cpp)")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        print(f"error: --threads {args.threads}: give 1 or more", file=sys.stderr)
+        return EXIT_ERROR
+    # Half the cores, not all: beside training (or any busy program), torch's threads spin at
+    # each barrier while the others hold the cores; measured on 2 busy cores, 2 threads took
+    # 2.0 s a token where 1 took 0.14 s (bench/README.md, the built-in engine).
+    torch.set_num_threads(args.threads)
     try:
         engine = Engine(args.model, args.runs, device=args.device, seed=args.seed, events=Events(report))
         sock = listen(args.host, args.port, f"--host {args.host} --port {args.port}")
@@ -204,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     server.handle_exit = lambda signum, frame: stop(server)  # uvicorn installs it for SIGTERM and SIGINT
     server.run(sockets=[sock])
     return EXIT_OK
+
+
+def default_threads() -> int:
+    """Half the CPU cores this process may use, at least 1."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def stop(server) -> None:

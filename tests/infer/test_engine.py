@@ -359,3 +359,12 @@ def test_the_worker_exits_promptly_on_sigterm_even_mid_generation(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_the_worker_takes_half_the_cores_and_refuses_no_threads(capsys):
+    """Half the cores by default, as llama.cpp: beside a busy program, torch's threads on every
+    core spin at each barrier (bench/README.md: 2.0 s a token against 0.14 s on 2 busy cores)."""
+    from ember.web.infer_worker import default_threads
+    assert default_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert main(["--model", "builtin:tiny", "--threads", "0"]) == EXIT_ERROR
+    assert "--threads 0" in capsys.readouterr().err
