@@ -17,7 +17,9 @@ Ranking: the longest sequence first (shorter ones only when nothing fits at a lo
 predicted seconds per token, then fewer settings changed, then the larger micro batch. The
 planner predicts the same time for every split of the batch (same FLOPs), so each combination of
 the other settings is listed once, with the largest micro batch that fits: larger matmuls run
-more efficiently, which the estimate does not model.
+more efficiently, which the estimate does not model. A memory saver (int8 state, activation
+checkpointing) that buys no larger micro batch than the same configuration without it is left
+out: it would only slow the step, or change the training, for nothing.
 """
 
 from __future__ import annotations
@@ -169,23 +171,25 @@ def _order(c: Candidate) -> tuple:
     return -c.seq_len, c.flops_per_token, _knobs(c), -c.micro_batch
 
 
-def _dominated(c: Candidate, by: Candidate) -> bool:
-    """`by` is as fast (and as long) with as large a micro batch and fewer changes: `c` adds nothing
-    (8-bit state that buys no larger micro batch, say)."""
-    return (by.seq_len >= c.seq_len and by.flops_per_token <= c.flops_per_token
-            and by.micro_batch >= c.micro_batch and _knobs(by) < _knobs(c))
+def _buys_nothing(c: Candidate, kept: dict[tuple, Candidate]) -> bool:
+    """`c` turns on a memory saver (int8 state, activation checkpointing) that buys no larger micro
+    batch: the same configuration without it fits a micro batch as large, as fast or faster."""
+    def key(x: Candidate, state: str, ac: bool) -> tuple:
+        return x.method, x.rank, state, ac, x.seq_len
+    without = [key(c, "fp32", c.activation_checkpointing) if c.state_dtype != "fp32" else None,
+               key(c, c.state_dtype, False) if c.activation_checkpointing else None]
+    return any(k in kept and kept[k].micro_batch >= c.micro_batch for k in without if k is not None)
 
 
 def rank_fitting(found: list[Candidate]) -> list[Candidate]:
     """The candidates that fit, each combination once (its largest micro batch), fastest first,
-    without those another one dominates."""
+    without the memory savers that buy nothing."""
     best: dict[tuple, Candidate] = {}
     for c in (c for c in found if c.fits):
         key = (c.method, c.rank, c.state_dtype, c.activation_checkpointing, c.seq_len)
         if key not in best or c.micro_batch > best[key].micro_batch:
             best[key] = c
-    kept = [c for c in best.values() if not any(_dominated(c, d) for d in best.values())]
-    return sorted(kept, key=_order)
+    return sorted((c for c in best.values() if not _buys_nothing(c, best)), key=_order)
 
 
 def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False,
