@@ -37,7 +37,7 @@ from ember.models import check_against_model, config_fields
 from ember.plan.memory import ModelShape, TrainShape, estimate
 from ember.plan.planner import estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
-from ember.recipe import MethodConfig, Recipe, load_recipe
+from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
 
 TOP = 5             # the pick and the next four
 MIN_SEQ = 16        # allow_seq halves the sequence down to this (or the recipe's, if shorter)
@@ -125,10 +125,8 @@ def _changes(r: Recipe, method: str, rank: int | None, state: str, ac: bool, seq
     """The recipe changes of a combination (all but the batch split), only those that differ."""
     want = {**methods()[method], "method.rank": rank, "optimizer.state_dtype": state,
             "train.activation_checkpointing": ac, "data.seq_len": seq}
-    have = {"method.rank": r.method.rank, "optimizer.state_dtype": r.optimizer.state_dtype,
-            "train.activation_checkpointing": r.train.activation_checkpointing, "data.seq_len": r.data.seq_len,
-            "method.kind": r.method.kind}
-    return {k: v for k, v in want.items() if v is not None and v != have.get(k, object())}
+    have = r.to_dict()
+    return {k: v for k, v in want.items() if v is not None and v != get_dotted(have, k)}
 
 
 def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False) -> list[Candidate]:
