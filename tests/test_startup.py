@@ -84,3 +84,13 @@ def test_a_plan_of_a_lora_model_seen_before_imports_neither_torch_nor_transforme
     wrong, seen = imports_of(tmp_path, env, "plan", str(recipe), "--set", 'method.target_modules=["nope"]')
     assert wrong.returncode != 0 and "no layer named 'nope' in this model" in wrong.stderr, wrong.stderr
     assert "q_proj" in wrong.stderr and not seen & set(HEAVY), (wrong.stderr, seen)
+
+
+def test_a_plan_fit_imports_neither_torch_nor_transformers(tmp_path):
+    """`ember plan --fit` is the plan's arithmetic over a few hundred configurations: torch-free
+    like the plan (LoRA over all linear layers needs no module names)."""
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    recipe = write_recipe(tmp_path, cost={"peak_tflops": 1.0})  # no CPU peak to measure: that would import torch
+    done, seen = imports_of(tmp_path, env, "plan", str(recipe), "--fit", "2MB", "--fit-seq")
+    assert done.returncode == 0 and "1. fastest that fits" in done.stdout, done.stderr
+    assert not seen & set(HEAVY), f"`ember plan --fit` imported {sorted(seen)}"

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ember.cli.render import stderr_events
-from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
+from ember.errors import EXIT_ERROR, EXIT_OK, BadInput, EmberError
 from ember.parallel.registry import STRATEGIES
 from ember.plan.memory import GiB, MiB
 
@@ -34,6 +34,13 @@ def add_parsers(sub: Any) -> None:
                       help="write the recipe with the best remedy that fits applied")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="plan for a device with this much free memory (another machine, or a cap)")
+    plan.add_argument("--fit", nargs="?", const="device", metavar="MEM",
+                      help="search for the fastest configuration that fits MEM (e.g. 8GiB; 'device' or no "
+                      "value: the device's free memory, or --device-memory): method, LoRA rank, optimizer-state "
+                      "precision, activation checkpointing, micro batch x accumulation; print it and the next "
+                      "four as --set lines")
+    plan.add_argument("--fit-seq", action="store_true",
+                      help="with --fit: also try shorter sequences (halved, down to 16) when nothing fits")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--ledger", type=Path, help="the ledger (default $EMBER_HOME/ledger.db)")
 
@@ -49,6 +56,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.fit is not None or args.fit_seq:
+        return cmd_fit(args)
     from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
     result = plan_recipe(PlanRequest(args.recipe, args.overrides, args.target_micro_batch, args.calibrate,
                                      args.device_memory, args.ledger, args.apply), stderr_events())
@@ -66,6 +75,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
         start = f"; start it with `ember run {args.apply} --out DIR {launch}`" if launch else ""
         err.print(f"wrote {args.apply}: {result.applied.name} ({changes}){start}", markup=False, highlight=False)
     return EXIT_OK
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from ember.plan.fit import FitRequest, fit_recipe
+    if args.fit is None:
+        raise BadInput("--fit-seq goes with --fit MEM: it lets the search shorten the sequences")
+    if args.calibrate or args.target_micro_batch is not None:
+        raise BadInput("--fit searches by the plan's estimate alone: drop --calibrate and --target-micro-batch "
+                       "(it searches the micro batch itself)")
+    f = fit_recipe(FitRequest(args.recipe, args.overrides, args.fit, args.fit_seq, args.device_memory, args.apply),
+                   stderr_events().warn)
+    if args.json:
+        print(json.dumps(asdict(f) | {"best": [asdict(c) | {"overrides": c.overrides()} for c in f.best]},
+                         indent=1, default=str))
+    else:
+        render_fit(f, Console(soft_wrap=True))
+    if f.applied is not None:
+        Console(stderr=True, soft_wrap=True).print(f"wrote {f.applied}: the recipe with the first configuration "
+                                                   f"applied", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def render_fit(f: Any, out: Console) -> None:
+    """`ember plan --fit` as printed: what was searched, the fastest that fit, each as --set lines."""
+    s = f.space
+    ranks = ", ".join(map(str, s["rank"]))
+    out.print(f"fit: {f.budget_source}, with the {f.margin:.0%} [plan] memory_margin; {f.searched} configurations "
+              f"searched, {f.fitting} fit", markup=False)
+    out.print(f"searched: method {', '.join(s['method'])} (LoRA rank {ranks}); optimizer state "
+              f"{', '.join(s['state_dtype'])}; activation checkpointing off, on; micro batch "
+              f"{', '.join(map(str, s['micro_batch']))} (micro batch x accum held); seq "
+              f"{', '.join(map(str, s['seq_len']))}", markup=False)
+    out.print(f"time: {f.time_source}", markup=False)
+    if f.as_written is not None:
+        w = f.as_written
+        out.print(f"as written: {_gib(w.peak)} peak, {_gib(w.with_margin)} with margin, "
+                  f"{'fits' if w.fits else 'does NOT fit'}, {_seconds(w.step_seconds)}", markup=False)
+    for i, c in enumerate(f.best, 1):
+        head = "fastest that fits" if i == 1 else "next"
+        out.print(f"{i}. {head}: {c.describe()}: {_gib(c.peak)} peak ({_gib(c.with_margin)} with margin), "
+                  f"{_seconds(c.step_seconds)}", markup=False)
+        sets = " ".join(f"--set {o}" for o in c.overrides()) or "(the recipe as written)"
+        out.print(f"   {sets}", markup=False, highlight=False)
+    out.print("add the --set lines to `ember run RECIPE` or `ember plan RECIPE`; `ember preflight RECIPE --set ...` "
+              "measures the peak", markup=False)
+    for n in f.notes:
+        out.print(f"note: {n}", markup=False)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.4g} s/step predicted" if s == s else "step time unknown"
 
 
 def render_parallel(a: Any, out: Console) -> None:

@@ -1,5 +1,5 @@
 """`ember plan` as one library call: the plan's arithmetic, with a measured step when asked for
-(--calibrate) or when the estimator does not know the architecture, and the best remedy written
+(--calibrate), its step traced when the estimator does not know the family, and the best remedy written
 out as a recipe (--apply). The measuring is why this lives with the doctor, not in ember/plan."""
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from pathlib import Path
 from ember.errors import EmberError
 from ember.events import Events
 from ember.doctor.comm import to_interconnect
-from ember.hardware import for_run
 from ember.ledger import comm_rows as comm
 from ember.ledger import database as ledger_store
-from ember.plan.memory import GiB, estimate
+from ember.plan.memory import estimate
 from ember.plan.advisor import Advice, advise
-from ember.plan.planner import Plan, UnknownArchitecture, make_plan
+from ember.plan.planner import Plan, UnknownArchitecture, make_plan, planned_devices
 from ember.plan.remedies import Remedy, train_shape
 from ember.recipe import Recipe, load_recipe
 
@@ -50,11 +49,7 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
         if req.target_micro_batch < 1:
             raise EmberError(f"--target-micro-batch {req.target_micro_batch}: must be >= 1")
         r = r.with_changes({"train.micro_batch": req.target_micro_batch}, "--target-micro-batch")
-    devices = for_run(r.train.device)
-    if req.device_memory_gib is not None:
-        if req.device_memory_gib <= 0:
-            raise EmberError(f"--device-memory {req.device_memory_gib:g}: must be > 0 GiB")
-        devices = [d.capped(int(req.device_memory_gib * GiB)) for d in devices]
+    devices = planned_devices(r, req.device_memory_gib)
     con = ledger_store.connect_or_warn(req.ledger, events.warn)  # this machine's history
     measured = calibrate(r) if req.calibrate else None  # a plan without it imports no torch
     try:

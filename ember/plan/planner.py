@@ -16,12 +16,12 @@ from ember.hardware import Device, for_run, host_device
 from ember.ledger import history
 from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
-from ember.metrics.peaks import select_peak
+from ember.metrics.peaks import Peak, select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
 from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
-from ember.plan.remedies import Remedy, architecture, fits, remedies, train_shape
+from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 
 # Bandwidths for the checkpoint cost when the ledger has no checkpoint of this machine yet
@@ -155,6 +155,17 @@ class MemoryPlan:
     notes: list[str]
 
 
+def planned_devices(r: Recipe, device_memory_gib: float | None = None) -> list[Device]:
+    """The devices recipe `r` would run on (ember.hardware.for_run), each capped at
+    `device_memory_gib` GiB free when given (`--device-memory`: another machine, or a cap)."""
+    devices = for_run(r.train.device)
+    if device_memory_gib is None:
+        return devices
+    if device_memory_gib <= 0:
+        raise EmberError(f"--device-memory {device_memory_gib:g}: must be > 0 GiB")
+    return [d.capped(int(device_memory_gib * GiB)) for d in devices]
+
+
 def plan_memory(r: Recipe, calibration: Calibration | None = None,
                 devices: list[Device] | None = None, traced: Traced | None = None) -> MemoryPlan:
     """The estimated peak per device for recipe `r`, whether it fits, and the remedies; from the
@@ -230,8 +241,8 @@ def _memory(m: ModelShape | None, t: TrainShape, calibration: Calibration | None
                      b.activations, b.loss_buffers, b.temporaries, b.phases)
     elif traced is not None:
         x = traced
-        out = Memory(x.peak_bytes, "the traced step's high point", margin, int(x.peak_bytes * (1 + margin)), x.weights, x.gradients,
-                     x.optimizer)
+        out = Memory(x.peak_bytes, "the traced step's high point", margin, int(x.peak_bytes * (1 + margin)),
+                     x.weights, x.gradients, x.optimizer)
     else:
         peak = int(calibration.peak_bytes)
         out = Memory(peak, "measured", margin, int(peak * (1 + margin)))
@@ -256,8 +267,13 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         achieved = mfu(tokens_per_step / step_s, fpt.total, peak.flops) if fpt else None
     elif fpt is not None and peak.flops:
         achieved = r.plan.assumed_mfu
-        step_s = fpt.total * tokens_per_step / (peak.flops * achieved)
-        how = (f"{fpt.formula} = {fpt.total:.3g} FLOPs/token x {tokens_per_step} tokens / "
+        if m is not None:
+            step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved)
+            extra = recompute_flops(m, t)
+        else:  # the traced count has the recomputation in it: its backward ran it
+            step_s, extra = fpt.total * tokens_per_step / (peak.flops * achieved), 0
+        again = f" + {extra:.3g} recomputed" if extra else ""
+        how = (f"({fpt.formula} = {fpt.total:.3g}{again}) FLOPs/token x {tokens_per_step} tokens / "
                f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})")
     else:
         step_s, achieved = float("nan"), None
@@ -271,6 +287,11 @@ class CountedFlops:
     """FLOPs per token counted on the traced step (torch's FlopCounterMode), not by formula."""
     total: float
     formula: str = "counted on the model's module graph"
+
+
+def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak, assumed_mfu: float) -> float:
+    """The optimizer step's time without measuring: its FLOPs over the peak at the assumed MFU."""
+    return step_flops(m, t, grad_accum) / (peak.flops * assumed_mfu)
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:

@@ -33,6 +33,28 @@ def architecture(m: ModelShape, t: TrainShape) -> Architecture:
     return Architecture(matmul, trainable_params(m, t), m.layers, m.heads, m.head_dim, t.seq_len, t.lora)
 
 
+def recompute_flops(m: ModelShape, t: TrainShape) -> float:
+    """FLOPs per token a step spends beyond the FLOPs formula: activation checkpointing's second
+    forward through the layers (2N and a third of attention), the chunked loss's second pass
+    through the output layer."""
+    a, extra = architecture(m, t), 0.0
+    if t.activation_checkpointing:
+        extra += 2 * (a.matmul_params - m.vocab * m.hidden) + 4 * a.layers * a.heads * a.head_dim * a.seq_len
+    if t.loss_chunk:
+        extra += 2 * m.hidden * m.vocab
+    return extra
+
+
+def step_flops(m: ModelShape, t: TrainShape, grad_accum: int) -> float:
+    """FLOPs of one optimizer step: the FLOPs formula and `recompute_flops` over its tokens."""
+    return (flops_per_token(architecture(m, t)).total + recompute_flops(m, t)) * t.tokens * grad_accum
+
+
+def bitsandbytes_installed() -> bool:
+    """Whether 8-bit optimizer state can run here (found, not imported: planning stays torch-free)."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def size(n: float) -> str:
     """Bytes as GiB, or MiB below one GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
@@ -76,15 +98,14 @@ def _applicable(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: fl
     out = _accumulation(m, r, t, budget, margin)
     if not t.activation_checkpointing:
         b = estimate(m, replace(t, activation_checkpointing=True))
-        a = architecture(m, t)  # one more forward through the layers: 2N and a third of attention
-        extra = (2 * (a.matmul_params - m.vocab * m.hidden) + 4 * a.layers * a.heads * a.head_dim * a.seq_len) / f
+        extra = recompute_flops(m, replace(t, activation_checkpointing=True, loss_chunk=0)) / f
         out.append(Remedy("activation checkpointing", {"train.activation_checkpointing": True}, b.peak,
                           1 + extra, fits(b.peak, budget, margin), f"keep each layer's input only and recompute the layer in "
                           f"backward: one more forward through the layers, +{extra:.0%} FLOPs"))
     if not t.loss_chunk:
         chunk = min(1024, t.tokens)
         b = estimate(m, replace(t, loss_chunk=chunk))
-        extra = 2 * m.hidden * m.vocab / max(f, 1)
+        extra = recompute_flops(m, replace(t, activation_checkpointing=False, loss_chunk=chunk)) / max(f, 1)
         out.append(Remedy("chunked loss", {"train.loss_chunk": chunk}, b.peak, 1 + extra, fits(b.peak, budget, margin),
                           f"cross-entropy over {chunk}-token chunks: the {t.tokens} x {m.vocab} fp32 "
                           f"logits never exist at once; the output layer runs twice, +{extra:.0%} FLOPs"))
@@ -127,7 +148,7 @@ def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: 
 def _eight_bit(m: ModelShape, t: TrainShape, budget: int, margin: float) -> Remedy:
     """AdamW's moments in 8 bits ([optimizer] state_dtype = 'int8'), when bitsandbytes is installed."""
     full, b = estimate(m, t), estimate(m, replace(t, optimizer="adamw8bit"))
-    installed = importlib.util.find_spec("bitsandbytes") is not None  # not imported: planning stays torch-free
+    installed = bitsandbytes_installed()
     return Remedy("8-bit optimizer state", {"optimizer.state_dtype": "int8"}, b.peak, 1.0, fits(b.peak, budget, margin),
                   f"AdamW moments in 8 bits (bitsandbytes' blockwise AdamW8bit): {size(full.optimizer)} -> "
                   f"{size(b.optimizer)}; same FLOPs, but on CPU the update is slower and dequantizes each "

@@ -1,0 +1,264 @@
+"""`ember plan --fit MEM`: the fastest configuration of a recipe that fits a memory budget, by the
+plan's own arithmetic (no formula of its own).
+
+The search tries every combination of
+    method                    methods(): every [method] kind the recipe takes (full, lora, ...)
+    LoRA rank                 half, the recipe's, double (methods with adapters)
+    optimizer-state precision fp32, int8 (8-bit AdamW, where bitsandbytes is installed)
+    activation checkpointing  off, on
+    micro batch x accumulation every split of the recipe's micro_batch x grad_accum (held)
+    sequence length           the recipe's; with allow_seq also 1/2, 1/4, 1/8 of it (down to 16)
+Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe with its changes),
+and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
+its step time is the planner's estimate (estimated_seconds: FLOPs, with activation checkpointing's
+recomputation, over the device's peak at [plan] assumed_mfu).
+
+Ranking: the longest sequence first (shorter ones only when nothing fits at a longer one), then
+predicted seconds per token, then fewer settings changed, then the larger micro batch. The
+planner predicts the same time for every split of the batch (same FLOPs), so each combination of
+the other settings is listed once, with the largest micro batch that fits: larger matmuls run
+more efficiently, which the estimate does not model. A memory saver (int8 state, activation
+checkpointing) that buys no larger micro batch than the same configuration without it is left
+out: it would only slow the step, or change the training, for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ember.errors import BadInput, EmberError
+from ember.hardware import Device, parse_size
+from ember.metrics.peaks import Peak, select_peak
+from ember.models import check_against_model, config_fields
+from ember.plan.memory import ModelShape, TrainShape, estimate
+from ember.plan.planner import estimated_seconds, planned_devices
+from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
+from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
+
+TOP = 5             # the pick and the next four
+MIN_SEQ = 16        # allow_seq halves the sequence down to this (or the recipe's, if shorter)
+SEQ_HALVINGS = 3    # ... at most this many times
+
+
+class NothingFits(EmberError):
+    """No configuration the search tries fits the budget."""
+
+
+def methods() -> dict[str, dict[str, Any]]:
+    """The methods the search tries, each as the recipe changes that select it: every kind
+    [method] kind takes (a new kind, e.g. QLoRA, is searched once the recipe and the memory
+    estimate's train_shape know it). Every one but 'full' trains adapters of a rank."""
+    kinds = typing.get_args(typing.get_type_hints(MethodConfig)["kind"])
+    return {kind: {"method.kind": kind} for kind in kinds}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: what it changes in the recipe, its predicted peak and step time."""
+    changes: dict[str, Any]     # dotted recipe keys -> values, only those that differ from the recipe
+    method: str
+    rank: int | None            # None: no adapters
+    state_dtype: str
+    activation_checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    peak: int                   # bytes at the step's peak (ember.plan.memory.estimate)
+    with_margin: int            # peak x (1 + [plan] memory_margin), what must fit
+    fits: bool
+    step_seconds: float         # the planner's estimate; nan where the device's peak is unknown
+    flops_per_token: float      # the step's FLOPs per token (what the time ranks by)
+
+    def overrides(self) -> list[str]:
+        """The changes as `--set` values (section.key=value) that `ember run`/`plan` read back."""
+        return [f"{k}={_toml(v)}" for k, v in self.changes.items()]
+
+    def describe(self) -> str:
+        """The configuration in words."""
+        method = self.method + (f" rank {self.rank}" if self.rank is not None else "")
+        return (f"{method}, {self.state_dtype} optimizer state, activation checkpointing "
+                f"{'on' if self.activation_checkpointing else 'off'}, micro batch {self.micro_batch} x accum "
+                f"{self.grad_accum}, seq {self.seq_len}")
+
+
+@dataclass
+class Fit:
+    budget: int
+    budget_source: str
+    margin: float
+    searched: int                       # candidates estimated
+    fitting: int                        # of them, how many fit
+    best: list[Candidate]               # the fastest that fit, at most TOP, fastest first
+    as_written: Candidate | None        # the recipe itself, for comparison
+    space: dict[str, list[Any]]         # the values searched, per setting
+    time_source: str                    # how the step time is predicted
+    notes: list[str] = field(default_factory=list)
+    applied: Path | None = None         # where the pick was written (--apply)
+
+
+def _toml(v: Any) -> str:
+    """A value as `--set` reads it back (ember.recipe.parse_override: TOML, else a plain string)."""
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def space(r: Recipe, allow_seq: bool = False) -> dict[str, list[Any]]:
+    """The values the search tries for each setting, for recipe `r`."""
+    rank = r.method.rank
+    seqs = [r.data.seq_len]
+    while allow_seq and len(seqs) <= SEQ_HALVINGS and seqs[-1] // 2 >= min(MIN_SEQ, r.data.seq_len):
+        seqs.append(seqs[-1] // 2)
+    return {"method": list(methods()), "rank": sorted({max(1, rank // 2), rank, 2 * rank}),
+            "state_dtype": ["fp32", "int8"] if bitsandbytes_installed() else ["fp32"],
+            "activation_checkpointing": [False, True],
+            "micro_batch": _divisors(r.train.micro_batch * r.train.grad_accum), "seq_len": seqs}
+
+
+def _changes(r: Recipe, method: str, rank: int | None, state: str, ac: bool, seq: int) -> dict[str, Any]:
+    """The recipe changes of a combination (all but the batch split), only those that differ."""
+    want = {**methods()[method], "method.rank": rank, "optimizer.state_dtype": state,
+            "train.activation_checkpointing": ac, "data.seq_len": seq}
+    have = r.to_dict()
+    return {k: v for k, v in want.items() if v is not None and v != get_dotted(have, k)}
+
+
+def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False) -> list[Candidate]:
+    """Every configuration of the search space (module docstring) with its predicted peak and time."""
+    s, margin, effective = space(r, allow_seq), r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum
+    out = []
+    for method in s["method"]:
+        for rank in (s["rank"] if method != "full" else [None]):
+            for state in s["state_dtype"]:
+                for ac in s["activation_checkpointing"]:
+                    for seq in s["seq_len"]:
+                        changes = _changes(r, method, rank, state, ac, seq)
+                        t = train_shape(r.with_changes(changes, "--fit"))  # the planner's own reading
+                        per_token = step_flops(m, replace(t, micro_batch=1), 1) / t.seq_len
+                        for mb in s["micro_batch"]:
+                            out.append(_candidate(r, m, replace(t, micro_batch=mb), changes, rank, effective // mb,
+                                                  budget, margin, peak, per_token))
+    return out
+
+
+def _candidate(r: Recipe, m: ModelShape, t: TrainShape, changes: dict[str, Any], rank: int | None, accum: int,
+               budget: int, margin: float, peak: Peak, per_token: float) -> Candidate:
+    """One point of the search: the memory estimate and the planner's time for shape `t`."""
+    split = {} if (t.micro_batch, accum) == (r.train.micro_batch, r.train.grad_accum) else \
+        {"train.micro_batch": t.micro_batch, "train.grad_accum": accum}
+    b = estimate(m, t)
+    seconds = estimated_seconds(m, t, accum, peak, r.plan.assumed_mfu) if peak.flops else math.nan
+    method = changes.get("method.kind", r.method.kind)
+    return Candidate({**changes, **split}, method, rank, changes.get("optimizer.state_dtype", r.optimizer.state_dtype),
+                     t.activation_checkpointing, t.micro_batch, accum, t.seq_len, b.peak, b.with_margin(margin),
+                     fits(b.peak, budget, margin), seconds, per_token)
+
+
+def _knobs(c: Candidate) -> int:
+    """Settings a candidate changes, a batch split counting once."""
+    return len(set(c.changes) - {"train.grad_accum"})
+
+
+def _order(c: Candidate) -> tuple:
+    return -c.seq_len, c.flops_per_token, _knobs(c), -c.micro_batch
+
+
+def _buys_nothing(c: Candidate, kept: dict[tuple, Candidate]) -> bool:
+    """`c` turns on a memory saver (int8 state, activation checkpointing) that buys no larger micro
+    batch: the same configuration without it fits a micro batch as large, as fast or faster."""
+    def key(x: Candidate, state: str, ac: bool) -> tuple:
+        return x.method, x.rank, state, ac, x.seq_len
+    without = [key(c, "fp32", c.activation_checkpointing) if c.state_dtype != "fp32" else None,
+               key(c, c.state_dtype, False) if c.activation_checkpointing else None]
+    return any(k in kept and kept[k].micro_batch >= c.micro_batch for k in without if k is not None)
+
+
+def rank_fitting(found: list[Candidate]) -> list[Candidate]:
+    """The candidates that fit, each combination once (its largest micro batch), fastest first,
+    without the memory savers that buy nothing."""
+    best: dict[tuple, Candidate] = {}
+    for c in (c for c in found if c.fits):
+        key = (c.method, c.rank, c.state_dtype, c.activation_checkpointing, c.seq_len)
+        if key not in best or c.micro_batch > best[key].micro_batch:
+            best[key] = c
+    return sorted((c for c in best.values() if not _buys_nothing(c, best)), key=_order)
+
+
+def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False,
+           budget_source: str = "") -> Fit:
+    """The fastest configurations of recipe `r` that fit `budget` bytes (module docstring);
+    NothingFits, with the smallest peak found and what to try, when none does."""
+    found = candidates(r, m, budget, peak, allow_seq)
+    ranked = rank_fitting(found)
+    margin = r.plan.memory_margin
+    where = f"{size(budget)}" + (f" ({budget_source})" if budget_source else "")
+    if not ranked:
+        low = min(found, key=lambda c: c.peak)
+        tries = ["a budget of at least " + size(low.with_margin)]
+        if not allow_seq:
+            tries.append("--fit-seq to allow shorter sequences")
+        if "int8" not in space(r)["state_dtype"]:
+            tries.append("installing bitsandbytes (8-bit optimizer state)")
+        tries.append("sharding over devices (`ember plan RECIPE` lists the FSDP remedy) or a smaller model")
+        raise NothingFits(
+            f"--fit: nothing fits {where}: the smallest predicted peak of the {len(found)} configurations "
+            f"searched is {size(low.peak)} ({size(low.with_margin)} with the {margin:.0%} [plan] memory_margin), "
+            f"for {low.describe()}; try {', '.join(tries)}")
+    how = (f"FLOPs (with activation checkpointing's recomputation) over {peak.source} at [plan] assumed_mfu "
+           f"{r.plan.assumed_mfu:.0%}" if peak.flops else f"unknown ({peak.source}): ranked by FLOPs per token")
+    notes = [] if "int8" in space(r)["state_dtype"] else \
+        ["int8 optimizer state not searched: the bitsandbytes package is not installed"]
+    as_written = next((c for c in found if not c.changes), None)  # None: int8 without bitsandbytes
+    return Fit(budget, where, margin, len(found), sum(c.fits for c in found), ranked[:TOP], as_written,
+               space(r, allow_seq), how, notes)
+
+
+@dataclass
+class FitRequest:
+    recipe_file: Path
+    overrides: list[str] = field(default_factory=list)
+    budget: str = "device"              # a size ("8GiB"), or "device": the device's free memory
+    allow_seq: bool = False
+    device_memory_gib: float | None = None
+    apply: Path | None = None           # write the recipe with the pick applied
+
+
+def budget_bytes(text: str, devices: list[Device]) -> tuple[int, str]:
+    """`--fit`'s value in bytes, and where it came from: a size with its unit, or 'device'."""
+    if text == "device":
+        d = devices[0]
+        return d.free, f"free memory of {d.name}"
+    if text.strip().replace(".", "", 1).isdigit():
+        raise BadInput(f"--fit {text}: give a unit, e.g. --fit {text}GiB, or --fit device")
+    n = parse_size(text, f"--fit {text}")
+    if n <= 0:
+        raise BadInput(f"--fit {text}: must be more than 0 bytes")
+    return n, f"--fit {text}"
+
+
+def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None) -> Fit:
+    """`ember plan RECIPE --fit`: load the recipe, find its model's shape and the device, search."""
+    r = load_recipe(req.recipe_file, req.overrides, warn)
+    devices = planned_devices(r, req.device_memory_gib)
+    budget, source = budget_bytes(req.budget, devices)
+    cfg = config_fields(r.model.path)
+    for changes in methods().values():  # what `ember run` would refuse of each method, refused here
+        check_against_model(r.data.seq_len, r.with_changes(changes, "--fit").method, cfg)
+    try:
+        m = ModelShape.from_config(cfg)
+    except ValueError as e:
+        raise EmberError(f"--fit searches with the memory formulas, and {e}: `ember plan RECIPE` plans "
+                         f"it as written (its step traced), with --set to try another configuration") from None
+    d = devices[0]
+    peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
+    result = search(r, m, budget, peak, req.allow_seq, source)
+    if req.apply is not None:
+        req.apply.write_text(r.with_changes(result.best[0].changes, "--fit").to_toml())
+        result.applied = req.apply
+    return result

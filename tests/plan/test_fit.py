@@ -1,0 +1,133 @@
+"""`ember plan --fit MEM` (ember/plan/fit.py): the pick fits by the plan's own numbers and nothing
+that fits is predicted faster; the effective batch is held; the sequence is kept unless allowed;
+an impossible budget says what the smallest peak was; the printed --set lines, applied to the
+recipe, plan to the printed peak and step time."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ember.hardware import Device, Kind
+from ember.metrics.peaks import Peak
+from ember.models import config_fields
+from ember.plan.fit import NothingFits, candidates, search
+from ember.plan.memory import ModelShape
+from ember.plan.planner import make_plan, plan_memory
+from ember.plan.remedies import fits
+from ember.recipe import load_recipe
+from tests.helpers import run_ember, write_recipe
+
+PEAK = Peak(1e12, "test: 1 TFLOP/s")
+BUDGET = 2_000_000  # builtin:tiny, micro batch 4 x accum 2 x seq 32: 3.2 MiB as written; some fit, some not
+
+
+@pytest.fixture
+def path(tmp_path):
+    return write_recipe(tmp_path, train={"micro_batch": 4, "grad_accum": 2}, cost={"peak_tflops": 1.0})
+
+
+@pytest.fixture
+def tiny():
+    return ModelShape.from_config(config_fields("builtin:tiny"))
+
+
+def test_the_pick_fits_by_the_plans_numbers_and_nothing_that_fits_is_predicted_faster(path, tiny):
+    r, budget = load_recipe(path), 1_000_000  # only adapters with checkpointing, micro batch 1, fit
+    found = candidates(r, tiny, budget, PEAK)
+    assert any(c.fits for c in found) and not all(c.fits for c in found)  # the budget decides something
+    pick = search(r, tiny, budget, PEAK).best[0]
+    assert pick.fits and fits(pick.peak, budget, r.plan.memory_margin) and pick.with_margin <= budget
+    assert all(c.step_seconds >= pick.step_seconds for c in found if c.fits)
+    assert any(c.step_seconds < pick.step_seconds for c in found if not c.fits)  # faster ones exist, too big
+    assert pick.changes  # as written it does not fit
+
+
+def test_the_effective_batch_is_held_over_every_split(path, tiny):
+    r = load_recipe(path)
+    found = candidates(r, tiny, BUDGET, PEAK)
+    assert {c.micro_batch * c.grad_accum for c in found} == {8}
+    assert {(c.micro_batch, c.grad_accum) for c in found} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+
+
+def test_the_sequence_is_kept_unless_allowed(path, tiny):
+    r = load_recipe(path)
+    kept = candidates(r, tiny, BUDGET, PEAK)
+    assert {c.seq_len for c in kept} == {32} and not any("data.seq_len" in c.changes for c in kept)
+    small = 900_000  # nothing fits at seq 32 (930,124 bytes at the least, with margin); something at 16
+    with pytest.raises(NothingFits):
+        search(r, tiny, small, PEAK)
+    allowed = search(r, tiny, small, PEAK, allow_seq=True)
+    assert {c.seq_len for c in allowed.best} == {16} and allowed.best[0].changes["data.seq_len"] == 16
+    assert {c.micro_batch * c.grad_accum for c in allowed.best} == {8}
+
+
+def test_an_impossible_budget_names_the_smallest_peak_and_what_to_try(path, tiny):
+    r = load_recipe(path)
+    smallest = min(candidates(r, tiny, 1000, PEAK), key=lambda c: c.peak)
+    with pytest.raises(NothingFits) as e:
+        search(r, tiny, 1000, PEAK)
+    text = str(e.value)
+    assert f"smallest predicted peak of the {len(candidates(r, tiny, 1000, PEAK))} configurations" in text
+    assert f"{smallest.peak / 2**20:.1f} MiB" in text and smallest.describe() in text
+    assert "--fit-seq" in text and "a budget of at least" in text
+
+
+def test_the_printed_set_lines_plan_to_the_printed_peak_and_time(path, tiny):
+    r = load_recipe(path)
+    fit = search(r, tiny, BUDGET, PEAK)
+    assert len(fit.best) >= 3
+    device = [Device(0, "test", Kind.CUDA, 80 * 2**30, 80 * 2**30)]  # peak_tflops: the time needs no table
+    for c in fit.best:
+        again = load_recipe(path, c.overrides())
+        assert plan_memory(again, None, device).memory.peak == c.peak
+        assert again.train.micro_batch * again.train.grad_accum == 8
+        planned = make_plan(again, None, None, device).time.step_seconds
+        assert math.isclose(planned * 1e12 / PEAK.flops, c.step_seconds, rel_tol=1e-12)
+
+
+def test_plan_time_counts_activation_checkpointings_recomputation(path):
+    """The time `ember plan` predicts (and --fit ranks by) includes the second forward that
+    activation checkpointing costs: the remedy's own compute factor."""
+    device = [Device(0, "test", Kind.CUDA, 2**20, 2**20)]  # too small: the remedies are listed
+    off = make_plan(load_recipe(path), None, None, device)
+    on = make_plan(load_recipe(path, ["train.activation_checkpointing=true"]), None, None, device)
+    factor = next(x.flops_factor for x in off.remedies if x.name == "activation checkpointing")
+    assert factor > 1.1
+    assert math.isclose(on.time.step_seconds, off.time.step_seconds * factor, rel_tol=1e-9)
+
+
+def test_int8_state_that_buys_nothing_is_not_listed(path, tiny):
+    """LoRA adapters of the tiny model are all under the 8-bit threshold: int8 state changes a
+    setting and saves nothing there, so no listed LoRA configuration carries it; full fine-tuning's
+    large tensors do save, and int8 is listed where it buys a larger micro batch."""
+    r = load_recipe(path)
+    found = candidates(r, tiny, BUDGET, PEAK)
+    same = [(c, next(d for d in found if d.state_dtype == "fp32" and d.changes == {
+        k: v for k, v in c.changes.items() if k != "optimizer.state_dtype"})) for c in found
+        if c.method == "lora" and c.state_dtype == "int8"]
+    assert same and all(c.peak == d.peak and c.fits == d.fits for c, d in same) and any(c.fits for c, _ in same)
+    best = search(r, tiny, BUDGET, PEAK).best
+    assert not any(c.method == "lora" and c.state_dtype == "int8" for c in best)
+    full8 = next(c for c in best if c.method == "full")
+    assert full8.state_dtype == "int8" and not any(
+        c.fits and c.method == "full" and c.state_dtype == "fp32" and c.micro_batch >= full8.micro_batch for c in found)
+
+
+def test_ember_plan_fit_prints_the_pick_as_set_lines(path):
+    done = run_ember("plan", path, "--fit", "2MB")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("1. fastest that fits: "))
+    assert "MiB peak" in lines[first] and "s/step predicted" in lines[first]
+    assert lines[first + 1].strip().startswith("--set ")
+    as_json = run_ember("plan", path, "--fit", "2MB", "--json")
+    got = json.loads(as_json.stdout)
+    assert got["budget"] == BUDGET and got["best"][0]["overrides"] == [
+        x.removeprefix("--set ") for x in lines[first + 1].strip().split(" --set ")]
+    never = run_ember("plan", path, "--fit", "1kB")
+    assert never.returncode == 1 and "nothing fits" in never.stderr and "Traceback" not in never.stderr
+    unitless = run_ember("plan", path, "--fit", "8")
+    assert unitless.returncode == 2 and "give a unit" in unitless.stderr
