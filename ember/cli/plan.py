@@ -168,7 +168,8 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
         out.print(f"model: {m.family}-style, {m.layers} layers, hidden {m.hidden}, {m.heads}/{m.kv_heads} heads, "
                   f"vocab {m.vocab:,}; {p.model.params:,} parameters, {p.model.trainable:,} trained")
     rc = p.recipe
-    out.print(f"recipe: {rc.method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
+    method = f"{rc.method} over a 4-bit {rc.quantize} base" if rc.quantize != "none" else rc.method
+    out.print(f"recipe: {method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
               f"{rc.precision}, activation checkpointing {'on' if rc.activation_checkpointing else 'off'}, "
               f"loss chunk {rc.loss_chunk or 'off'}, optimizer state {rc.optimizer_state}")
     out.print(memory_table(mem))

@@ -1,7 +1,8 @@
 """`ember export`: a completed run's weights in the forms serving engines load.
 
     hf     a merged Hugging Face folder (config.json, tokenizer, model.safetensors):
-           transformers, vLLM, TGI. LoRA runs are merged into their base.
+           transformers, vLLM, TGI. LoRA runs are merged into their base; a QLoRA run's
+           ([method] quantize = 'nf4') into the base quantized as it trained on it, dequantized.
     peft   the LoRA adapter with a base_model_name_or_path that loads: peft, vLLM's --lora-modules.
     gguf   one GGUF file (llama family): llama.cpp, Ollama. Written by ember.infer.gguf_export.
 
@@ -40,6 +41,7 @@ from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.train.model import ByteTokenizer, load_model, load_tokenizer
+from ember.train.quantize import merge_adapters, quantize_base
 from ember.runfolder import RUN_FILE, RunDir, remote_job
 
 FORMATS = ("hf", "peft", "gguf")
@@ -237,17 +239,19 @@ def checkpoint_model(trained: TrainedRun, events: Events) -> torch.nn.Module:
 
 def merged_model(trained: TrainedRun, events: Events) -> torch.nn.Module:
     """The trained model in float32: the final weights (or the checkpoint's), or the base with
-    the adapter merged in."""
+    the adapter merged in (a QLoRA run's base quantized as in training, then dequantized)."""
     from transformers import AutoModelForCausalLM
     if trained.checkpoint is not None:
         model = checkpoint_model(trained, events)
-        return model.merge_and_unload() if trained.kind == "lora" else model
+        return merge_adapters(model) if trained.kind == "lora" else model
     if trained.kind != "lora":
         return AutoModelForCausalLM.from_pretrained(trained.final, dtype=torch.float32)
     from peft import PeftModel
     base = base_model(trained, events)
+    if trained.record["recipe"]["method"].get("quantize", "none") == "nf4":
+        quantize_base(base)  # as the run did: its adapter was trained over the 4-bit base
     events.stage(f"merging the LoRA adapter of {trained.path} into its base")
-    return PeftModel.from_pretrained(base, trained.final).merge_and_unload()
+    return merge_adapters(PeftModel.from_pretrained(base, trained.final))
 
 
 def tokenizer_of(trained: TrainedRun, events: Events) -> Tokenizer:

@@ -12,6 +12,9 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
                     linear in the layer's position, so one of the two ends is highest)
     backward end    weights + optimizer state + all gradients (activations are freed by now)
     optimizer step  weights + gradients + optimizer state + the update's temporaries
+    4-bit dequantize  (QLoRA, [method] quantize = 'nf4') the largest linear's weight dequantized
+                    to fp32 for its matmul, at the end of forward or inside a layer's backward
+                    (measured -2%..+4% on tiny shapes: tests/plan/test_memory.py)
 
 Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
 SmolLM), as PyTorch autograd keeps them on the SDPA path: every figure below was checked
@@ -32,6 +35,8 @@ F32 = 4
 MiB = 1 << 20
 GiB = 1 << 30
 INT8_BLOCK = 256  # bitsandbytes' blockwise 8-bit state: one fp32 scale per 256 elements
+NF4_BLOCK = 64  # [method] quantize = 'nf4': an absmax per 64 weights (ember.train.quantize)
+NF4_NESTED_BLOCK = 256  # double quantization: an fp32 scale per 256 absmaxes
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class TrainShape:
     autocast: bool = False  # bf16/fp16 autocast over fp32 weights
     loss_chunk: int = 0  # tokens per chunk of the memory-efficient loss (0 = the plain loss)
     optimizer: str = "adamw"  # or "adamw8bit": [optimizer] state_dtype = 'int8' (bitsandbytes)
+    quantize: str = "none"  # or "nf4": [method] quantize, the decoder layers' linears in 4 bits (QLoRA)
 
     @property
     def tokens(self) -> int:
@@ -112,6 +118,28 @@ class Breakdown:
 
     def with_margin(self, share: float) -> int:
         return int(self.peak * (1 + share))
+
+
+def qlora(t: TrainShape, rank: int = 16) -> TrainShape:
+    """`t` as QLoRA: LoRA adapters of `rank` on every decoder linear over a 4-bit NF4 base."""
+    return replace(t, lora=True, lora_rank=rank, lora_targets=frozenset(LINEARS), quantize="nf4")
+
+
+def nf4_bytes(n: int) -> int:
+    """Bytes of one n-element weight in NF4 with double quantization, as bitsandbytes' Params4bit
+    holds it: the codes two to a byte, an 8-bit absmax per block of 64, an fp32 scale per 256
+    absmaxes, their fp32 offset, and the two fp32 code maps (16 and 256 entries)."""
+    blocks = -(-n // NF4_BLOCK)
+    return -(-n // 2) + blocks + F32 * (-(-blocks // NF4_NESTED_BLOCK) + 1 + 16 + 256)
+
+
+def base_bytes(m: ModelShape, t: TrainShape) -> int:
+    """Bytes of the model's own weights: fp32, or (quantize 'nf4') the decoder layers' linears in
+    NF4 and the rest (embeddings, norms, output head, biases) in fp32."""
+    if t.quantize != "nf4":
+        return m.params() * F32
+    linears = [i * o for i, o in m.linear_shapes().values()]
+    return (m.params() - m.layers * sum(linears)) * F32 + m.layers * sum(nf4_bytes(n) for n in linears)
 
 
 def trainable_params(m: ModelShape, t: TrainShape) -> int:
@@ -158,8 +186,16 @@ def layer_activations(m: ModelShape, t: TrainShape, first: bool = False) -> floa
         # Each adapter's own dropped-out input copy and the dropout mask (one byte each).
         b += sum(w * (a + 1) for name, w in inputs.items() if name in adapted)
     b += (q + 2 * kv + q) * a + n * F32  # SDPA keeps q, k, v, output, log-sum-exp
-    b += 3 * f * a  # gate output (for SiLU), SiLU output and up output (for the product)
+    # Gate output (for SiLU), SiLU output and up output (for the product); a 4-bit linear
+    # returns its input's dtype, so over fp32 norms these are fp32 under autocast too.
+    b += 3 * f * mlp_bytes(t)
     return norm1 + norm2 + b
+
+
+def mlp_bytes(t: TrainShape) -> int:
+    """Bytes of an element of the gate and up outputs: half precision under autocast, except
+    from a 4-bit linear, which casts its output back to its (fp32) input's dtype."""
+    return 2 if t.autocast and t.quantize != "nf4" else F32
 
 
 def weight_copies(m: ModelShape, t: TrainShape) -> int:
@@ -169,9 +205,18 @@ def weight_copies(m: ModelShape, t: TrainShape) -> int:
         return 0
     if t.activation_checkpointing:
         return 2 * m.vocab * m.hidden
-    linear = m.layers * sum(i * o for i, o in m.linear_shapes().values()) + m.vocab * m.hidden
+    # A 4-bit linear casts inside its own matmul (autograd keeps the packed weight, not a copy).
+    layers = 0 if t.quantize == "nf4" else m.layers * sum(i * o for i, o in m.linear_shapes().values())
     adapters = trainable_params(m, t) if t.lora else 0
-    return 2 * (linear + adapters)
+    return 2 * (layers + m.vocab * m.hidden + adapters)
+
+
+def dequantized(m: ModelShape, t: TrainShape) -> int:
+    """Bytes a 4-bit linear's matmul allocates for its weight, in forward and in backward: the
+    largest linear dequantized to fp32, and its half-precision cast under autocast."""
+    if t.quantize != "nf4":
+        return 0
+    return max(i * o for i, o in m.linear_shapes().values()) * (F32 + (2 if t.autocast else 0))
 
 
 def fixed_activations(m: ModelShape, t: TrainShape) -> float:
@@ -246,7 +291,9 @@ def layer_backward(m: ModelShape, t: TrainShape, i: int) -> tuple[int, int, int]
         own = layer_activations(m, t, first=i == 0)
     adapters = trainable_params(m, t) // m.layers if t.lora else 0  # one layer's
     copies = 0
-    if t.autocast:  # the half-precision weights of the layers still holding activations
+    if t.autocast and t.quantize == "nf4":  # only the adapters' (see weight_copies)
+        copies = 2 * held * adapters
+    elif t.autocast:  # the half-precision weights of the layers still holding activations
         copies = 2 * (held * (sum(x * y for x, y in m.linear_shapes().values()) + adapters) - f * h)
     rope = 2 * t.seq_len * m.head_dim * F32
     acts = int((below + own - down_in + 8) * T) + rope + copies  # 8: the batch's token ids
@@ -255,7 +302,7 @@ def layer_backward(m: ModelShape, t: TrainShape, i: int) -> tuple[int, int, int]
     # size for act(gate) and one for up; the gate, SiLU and up outputs saved for it and for the
     # SiLU are still kept (in `own`). Beside them, the residual stream's gradient entering the
     # layer (fp32 under autocast too).
-    temps = int((3 * f * a + h * F32) * T)
+    temps = int((3 * f * mlp_bytes(t) + h * F32) * T)
     if t.lora:  # the adapters of the layers above, and of this layer's down_proj
         grads = (m.layers - 1 - i) * adapters + (t.lora_rank * (f + h) if "down_proj" in t.lora_targets else 0)
     else:  # all but this layer's and those below it (down_proj's is done); untied: no embedding's
@@ -267,7 +314,7 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     """The step's peak memory (from the second step on, once optimizer state exists)."""
     T, V = t.tokens, m.vocab
     params, trainable = m.params(), trainable_params(m, t)
-    weights = (params + (trainable if t.lora else 0)) * F32
+    weights = base_bytes(m, t) + (trainable * F32 if t.lora else 0)
     grads = trainable * F32
     optim = optimizer_bytes(m, t)  # AdamW: exp_avg and exp_avg_sq
     update_tmp = update_temporaries(m, t)
@@ -289,6 +336,11 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
         "backward end": (grads, 0, 0, 2 * T * m.hidden * F32),
         "optimizer step": (grads, 0, 0, update_tmp),
     }
+    if t.quantize == "nf4":  # a layer's weight dequantized, late in forward or during a layer's backward
+        dq = dequantized(m, t)
+        # In backward beside it: the gradient it receives and the one it makes for its input.
+        back = dq + T * (m.hidden * F32 + m.intermediate * (2 if t.autocast else F32))
+        parts["4-bit dequantize"] = max((0, acts, 0, dq), (layer[0], layer[1], 0, back), key=sum)
     phases = {name: weights + optim + sum(p) for name, p in parts.items()}
     phase = max(phases, key=phases.__getitem__)
     g, a, loss, tmp = parts[phase]

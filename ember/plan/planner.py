@@ -69,6 +69,7 @@ class PlanRecipe:
     loss_chunk: int
     max_steps: int
     optimizer_state: str = "fp32"  # [optimizer] state_dtype
+    quantize: str = "none"  # [method] quantize: 'nf4' stores the base's linears in 4 bits (QLoRA)
 
 
 @dataclass
@@ -222,7 +223,7 @@ def make_plan(r: Recipe, con: sqlite3.Connection | None = None, calibration: Cal
     return Plan(
         recipe=PlanRecipe(r.model.path, r.method.kind, r.train.micro_batch, r.data.seq_len, r.train.grad_accum,
                           r.precision.mode, r.train.activation_checkpointing, r.train.loss_chunk, r.train.max_steps,
-                          r.optimizer.state_dtype),
+                          r.optimizer.state_dtype, r.method.quantize),
         devices=devices + ([host_device()] if dev.accelerator else []),
         model=(ModelInfo(m, m.params(), trainable_params(m, t)) if m else
                ModelInfo(None, traced.params, traced.trainable, traced.family) if traced else None),

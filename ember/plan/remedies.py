@@ -12,7 +12,8 @@ from typing import Any
 from ember.hardware import Device
 from ember.metrics.flops import Architecture, flops_per_token
 from ember.plan.layout import rank_memory
-from ember.plan.memory import LINEARS, GiB, MiB, Breakdown, ModelShape, TrainShape, estimate, trainable_params
+from ember.plan.memory import (LINEARS, GiB, MiB, Breakdown, ModelShape, TrainShape, estimate, qlora,
+                               trainable_params)
 from ember.recipe import Recipe
 
 
@@ -23,7 +24,8 @@ def train_shape(r: Recipe) -> TrainShape:
                       lora_rank=r.method.rank, lora_targets=frozenset(targets & set(LINEARS)),
                       lora_dropout=r.method.dropout, activation_checkpointing=r.train.activation_checkpointing,
                       autocast=r.precision.mode != "fp32", loss_chunk=r.train.loss_chunk,
-                      optimizer="adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw")
+                      optimizer="adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw",
+                      quantize=r.method.quantize)
 
 
 def architecture(m: ModelShape, t: TrainShape) -> Architecture:
@@ -127,6 +129,8 @@ def _applicable(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: fl
                           f"{m.params():,}: gradients and optimizer state only for the adapters; no weight "
                           f"gradients for the base ({ratio - 1:+.0%} FLOPs); a different job: adapters, "
                           f"not new weights"))
+    if t.quantize != "nf4":
+        out.append(_qlora(m, t, budget, margin))
     return out
 
 
@@ -155,6 +159,26 @@ def _eight_bit(m: ModelShape, t: TrainShape, budget: int, margin: float) -> Reme
                   f"tensor's moments to fp32 while it updates it, which can raise the peak where one tensor (a "
                   f"large embedding) dominates (bench/optimizer_state.py); training differs a little from fp32 "
                   f"moments; one process only"
+                  + ("" if installed else "; needs the bitsandbytes package, which is not installed here"),
+                  available=installed)
+
+
+def _qlora(m: ModelShape, t: TrainShape, budget: int, margin: float) -> Remedy:
+    """The base's decoder linears in 4-bit NF4 under LoRA adapters ([method] quantize = 'nf4'):
+    a LoRA recipe keeps its adapters; a full one becomes rank-16 LoRA on every linear."""
+    q = replace(t, quantize="nf4") if t.lora else qlora(t)
+    b, before = estimate(m, q), estimate(m, t)
+    changes: dict[str, Any] = {"method.quantize": "nf4"}
+    if not t.lora:
+        changes = {"method.kind": "lora", "method.rank": q.lora_rank, **changes}
+    installed = importlib.util.find_spec("bitsandbytes") is not None  # not imported: planning stays torch-free
+    ratio = flops_per_token(architecture(m, q)).total / flops_per_token(architecture(m, t)).total
+    return Remedy("QLoRA (4-bit base)", changes, b.peak, ratio, fits(b.peak, budget, margin),
+                  f"the decoder layers' linears in 4-bit NF4 (bitsandbytes, double quantization), weights "
+                  f"{size(before.weights)} -> {size(b.weights)}; each matmul dequantizes its weight, slower "
+                  f"on CPU; the adapters learn over the quantized base, so results differ from LoRA's"
+                  + ("" if t.lora else f"; a different job: rank-{q.lora_rank} adapters, not new weights")
+                  + "; one process only"
                   + ("" if installed else "; needs the bitsandbytes package, which is not installed here"),
                   available=installed)
 
@@ -208,12 +232,12 @@ def _not_applicable(full: Breakdown, device: Device, margin: float) -> list[Reme
 
 
 def _combined(m: ModelShape, r: Recipe, single: list[Remedy], budget: int, margin: float) -> list[Remedy]:
-    """When no single remedy fits: the available ones of one process (not LoRA, not sharding)
+    """When no single remedy fits: the available ones of one process (not a switch to LoRA, not sharding)
     added in order of cost until the estimate fits; that combination, or none."""
     combo: dict[str, Any] = {}
     factor = 1.0
     for rem in sorted((x for x in single if x.available and not x.launch
-                       and x.name != "LoRA instead of full fine-tuning"),
+                       and "method.kind" not in x.changes),  # LoRA, QLoRA from full: another job
                       key=lambda x: x.flops_factor):
         combo.update(rem.changes)
         factor *= rem.flops_factor

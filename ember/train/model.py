@@ -18,6 +18,7 @@ from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.chat import tool_name
 from ember.data.tokenizer import TextEncoder, Tokenizer
+from ember.train.quantize import merge_adapters, quantize_base
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -203,6 +204,8 @@ def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointi
     model.config.use_cache = False
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if method.quantize == "nf4":
+        quantize_base(model)  # before LoRA wraps the linears: peft adapts the 4-bit ones
     if method.kind == "lora":
         model = apply_lora(model, method)
     if activation_checkpointing:
@@ -263,7 +266,7 @@ def save_final(bundle: ModelBundle, folder: Path, method: MethodConfig,
         save_file(weights, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     bundle.tokenizer.save(folder)
     if method.kind == "lora" and method.export_merged:
-        merged = bundle.model.merge_and_unload()
+        merged = merge_adapters(bundle.model)
         merged.config.use_cache = True  # for inference (training turned the KV cache off)
         merged.save_pretrained(folder / "merged", safe_serialization=True)
         bundle.tokenizer.save(folder / "merged")

@@ -3,19 +3,18 @@ measurement (the doctor's calibration and DDP experiment), so both take the same
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ember.ckpt.state import RunState
-from ember.errors import EmberError
 from ember.recipe import INT8_STATE_MIN_ELEMENTS, OptimizerConfig, Recipe
 from ember.train.breakdown import StepTimer
 from ember.train.compiled import Compiler, Eager
 from ember.train.dropout import DropoutKeys
 from ember.train.model import trainable_parameters
+from ember.train.quantize import bitsandbytes
 from ember.train.schedule import ScaledSchedule
 from ember.world import World
 
@@ -53,20 +52,7 @@ _STATE_KEY = {"fp32": "exp_avg", "int8": "state1"}  # a key each kind's per-para
 
 
 def _bitsandbytes() -> Any:
-    """bitsandbytes, imported quietly: on CPUs with AVX512-BF16 it logs a warning at import about
-    a 4-bit matmul kernel ember never uses, and below the commands nothing prints."""
-    try:
-        log = logging.getLogger("bitsandbytes")
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            import bitsandbytes
-        finally:
-            log.setLevel(level)
-    except ImportError as e:
-        raise EmberError(f"[optimizer] state_dtype = 'int8' needs the bitsandbytes package ({e}); install it "
-                         f"(pip install 'bitsandbytes>=0.50'), or set state_dtype = 'fp32'") from None
-    return bitsandbytes
+    return bitsandbytes("[optimizer] state_dtype = 'int8'", "set state_dtype = 'fp32'")
 
 
 def check_state(optimizer: torch.optim.Optimizer, state_dtype: str) -> None:

@@ -59,7 +59,9 @@ def smollm2_fields() -> dict:
 
 
 def train(root: Path, model: Path, kind: str) -> Path:
-    lora = {"kind": "lora", "rank": 4, "alpha": 32} if kind == "lora" else {"kind": "full"}
+    lora = {"kind": "lora", "rank": 4, "alpha": 32} if kind != "full" else {"kind": "full"}
+    if kind == "qlora":
+        lora["quantize"] = "nf4"
     recipe = write_recipe(root / f"recipe-{kind}", model={"path": str(model)}, method=lora,
                           optimizer={"lr": 2e-2}, schedule={"warmup_steps": 0},
                           train={"max_steps": 3, "micro_batch": 2, "seed": 7, "threads": 1},
@@ -72,6 +74,11 @@ def train(root: Path, model: Path, kind: str) -> Path:
 @pytest.fixture(scope="module")
 def lora_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train(tmp_path_factory.mktemp("runs"), tiny_llama, "lora")
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tmp_path_factory.mktemp("runs"), tiny_llama, "qlora")
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,48 @@ def test_peft_export_loads_on_the_base_it_names(lora_run, tiny_llama):
     assert Path(base) == tiny_llama.resolve()
     got = logits(PeftModel.from_pretrained(base_model(Path(base)), out))
     assert max_diff(got, trained_logits(lora_run, tiny_llama)) < F32_TOL
+
+
+def qlora_trained_logits(run: Path, base: Path) -> torch.Tensor:
+    """What a QLoRA run trained, computed as training did: the adapter unmerged over the base
+    quantized to 4 bits."""
+    from peft import PeftModel
+    from ember.train.quantize import quantize_base
+    model = base_model(base)
+    quantize_base(model)
+    return logits(PeftModel.from_pretrained(model, run / "final"))
+
+
+def test_hf_export_of_a_qlora_run_is_the_adapter_merged_into_the_dequantized_base(qlora_run, tiny_llama, tmp_path):
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import load_file
+    out = export_run(qlora_run, "hf", tmp_path / "hf", "f32")
+    assert out.kind == "lora" and not (tmp_path / "hf" / "adapter_config.json").exists()
+    exported = base_model(tmp_path / "hf").state_dict()
+    base = base_model(tiny_llama).state_dict()
+    adapter = load_file(qlora_run / "final" / "adapter_model.safetensors")
+    scale = 32 / 4  # alpha / rank
+    for name, w in base.items():
+        key = f"base_model.model.{name.removesuffix('.weight')}"
+        if f"{key}.lora_A.weight" in adapter:  # every decoder linear: 4-bit in training
+            codes, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+            want = bnbf.dequantize_4bit(codes, state) + adapter[f"{key}.lora_B.weight"] @ adapter[f"{key}.lora_A.weight"] * scale
+            torch.testing.assert_close(exported[name], want, rtol=0, atol=1e-6)
+        else:  # embeddings, norms: the base's own
+            assert torch.equal(exported[name], w), name
+    want = qlora_trained_logits(qlora_run, tiny_llama)
+    assert max_diff(want, logits(base_model(tiny_llama))) > TRAINED_AT_LEAST
+    assert max_diff(logits(base_model(tmp_path / "hf")), want) < F32_TOL
+    # and not the adapter merged into the fp32 base (what a plain LoRA export would write)
+    assert max_diff(logits(base_model(tmp_path / "hf")), trained_logits(qlora_run, tiny_llama)) > 10 * F32_TOL
+    step = export_run(qlora_run, "hf", tmp_path / "ckpt", "f32", checkpoint="last")  # a checkpoint's: the same merge
+    assert max_diff(logits(base_model(Path(step.path))), want) < F32_TOL
+
+
+def test_gguf_export_of_a_qlora_run_has_the_trained_logits(qlora_run, tiny_llama):
+    require_llama_cpp()
+    path = Path(export_run(qlora_run, "gguf", dtype="f32").path)
+    assert max_diff(llama_logits(path), qlora_trained_logits(qlora_run, tiny_llama)) < GGUF_F32_TOL
 
 
 def llama(path: Path):

@@ -14,6 +14,7 @@ from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
 from ember.recipe import MethodConfig
 from ember.train.loss import causal_lm_loss
 from ember.train.model import apply_lora, tiny_config
+from ember.train.quantize import quantize_base
 
 
 def test_full_fp32_by_hand():
@@ -85,6 +86,10 @@ CASES = [  # hidden, mlp, layers, heads, kv, vocab, b, s, method, checkpointing,
     # layer's backward (was planned 7.6% under); with LoRA, inside the last layer's (15.7% under).
     (64, 176, 2, 4, 2, 257, 8, 64, "full", True, "fp32", 0),
     (64, 176, 2, 4, 2, 257, 8, 64, "lora", True, "fp32", 0),
+    # QLoRA ([method] quantize = 'nf4'): 4-bit linears; under autocast their outputs stay fp32
+    (128, 352, 2, 4, 2, 2000, 2, 128, "qlora", False, "fp32", 0),
+    (128, 352, 2, 4, 2, 2000, 2, 64, "qlora", False, "bf16", 0),
+    (256, 704, 2, 4, 2, 1000, 1, 32, "qlora", True, "fp32", 0),  # the dequantized weight is the peak's edge
 ]
 
 
@@ -103,15 +108,18 @@ def test_estimate_matches_measured_peak(case):
     model = LlamaForCausalLM(config)
     if ac:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if method == "lora":
+    if method == "qlora":
+        quantize_base(model)
+    if method != "full":
         model = apply_lora(model, MethodConfig(kind="lora"))
     model.train()
     ids = torch.randint(0, vocab, (b, s))
     step = measured_step(model, ids, cpu, precision, chunk)
     step()
     measured = step_peak(step, cpu) - foreign
-    shape = TrainShape(b, s, lora=method == "lora", lora_targets=frozenset(LINEARS),
-                       activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk)
+    shape = TrainShape(b, s, lora=method != "full", lora_targets=frozenset(LINEARS),
+                       activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk,
+                       quantize="nf4" if method == "qlora" else "none")
     est = estimate(ModelShape.from_config(config), shape).peak
     assert -0.05 <= est / measured - 1 <= 0.10, (est, measured)
 
