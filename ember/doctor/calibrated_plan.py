@@ -18,7 +18,7 @@ from ember.ledger import comm_rows as comm
 from ember.ledger import database as ledger_store
 from ember.plan.memory import estimate
 from ember.plan.advisor import Advice, advise
-from ember.plan.planner import Plan, UnknownArchitecture, make_plan, planned_devices
+from ember.plan.planner import Plan, has_formulas, make_plan, planned_devices
 from ember.plan.remedies import Remedy, train_shape
 from ember.recipe import Recipe, load_recipe
 
@@ -52,11 +52,11 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
     devices = planned_devices(r, req.device_memory_gib)
     con = ledger_store.connect_or_warn(req.ledger, events.warn)  # this machine's history
     measured = calibrate(r) if req.calibrate else None  # a plan without it imports no torch
-    try:
-        plan = make_plan(r, con, measured, devices)
-    except UnknownArchitecture:
-        from ember.doctor.traced import traced_step  # a family without formulas: its step traced
-        plan = make_plan(r, con, measured, devices, traced_step(r))
+    traced = None
+    if not has_formulas(r):  # a family without formulas: its step traced (and measured, if asked)
+        from ember.doctor.traced import traced_step
+        traced = traced_step(r)
+    plan = make_plan(r, con, measured, devices, traced)
     if con is not None and plan.model is not None and plan.model.shape is not None:
         plan.parallel = parallel_advice(r, plan, con)
     result = PlanResult(plan, req.target_micro_batch)

@@ -167,6 +167,16 @@ def planned_devices(r: Recipe, device_memory_gib: float | None = None) -> list[D
     return [d.capped(int(device_memory_gib * GiB)) for d in devices]
 
 
+def has_formulas(r: Recipe) -> bool:
+    """Whether the memory estimate has formulas for the recipe's model family (else its step is
+    traced: ember.doctor.traced)."""
+    try:
+        ModelShape.from_config(config_fields(r.model.path))
+    except ValueError:
+        return False
+    return True
+
+
 def plan_memory(r: Recipe, calibration: Calibration | None = None,
                 devices: list[Device] | None = None, traced: Traced | None = None) -> MemoryPlan:
     """The estimated peak per device for recipe `r`, whether it fits, and the remedies; from the

@@ -80,17 +80,23 @@ def test_bad_input(tmp_path):
     assert result.returncode == 1 and "--device-memory" in result.stderr
 
 
-def test_unknown_architecture_falls_back_to_measuring(tmp_path):
+def test_unknown_architecture_is_traced_and_calibrate_measures_it(tmp_path):
+    """A family without formulas is planned from its step traced on fake tensors (issue 30,
+    item 3; before, the plan measured a step); --calibrate still measures, beside the trace."""
     from transformers import GPT2Config, GPT2LMHeadModel
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=257, n_positions=256)).save_pretrained(folder)
     ByteTokenizer().save(folder)
-    result = run_ember("plan", write_recipe(tmp_path, model={"path": str(folder)}), "--json")
+    recipe = write_recipe(tmp_path, model={"path": str(folder)})
+    result = run_ember("plan", recipe, "--json")
     assert result.returncode == 0, result.stderr
-    assert "measuring a step here instead" in result.stderr
     plan = json.loads(result.stdout)
-    assert plan["memory"]["phase"] == "measured" and plan["memory"]["peak"] > 0
-    assert any("gpt2" in n for n in plan["notes"])
+    assert plan["memory"]["phase"] == "the traced step's high point" and plan["memory"]["peak"] > 0
+    assert any("gpt2" in n and "traced" in n for n in plan["notes"])
+    result = run_ember("plan", recipe, "--json", "--calibrate")
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout)["memory"]
+    assert measured["peak"] == plan["memory"]["peak"] and abs(measured["error"]) <= 0.02, measured
 
 
 def test_preflight_passes_on_a_healthy_recipe(tmp_path):
