@@ -77,6 +77,7 @@ $(BIN)/.llama-server-installed: $(BIN)/.ember-installed
 # .test-cache/, keyed by the code that builds them (tests/artifacts.py).
 PYTEST := $(BIN)/python -m pytest -q -rs
 test: $(BIN)/.ember-installed $(BIN)/.llama-server-installed
+	$(BIN)/python -m compileall -q ember tests  # bytecode once: PYTHONDONTWRITEBYTECODE=1 shells never write it
 	$(PYTEST) -n 4 --no-loadscope-reorder -m "not serial" --durations=40 tests
 	$(PYTEST) -m serial --durations=5 $$(grep -rlE --include="*.py" "mark\.serial" tests | sort)
 
