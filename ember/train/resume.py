@@ -14,6 +14,7 @@ from ember.ckpt import contents
 from ember.ckpt.sharded import is_sharded, read_full, read_sharded
 from ember.ckpt.state import RunState, seed_all
 from ember.ckpt.store import CheckpointStore, SetAside
+from ember.parallel.pp import pipeline_of
 from ember.errors import EmberError
 from ember.events import Events
 from ember.recipe import Recipe
@@ -90,6 +91,11 @@ def load_checkpoint(job: Resumable, path: Path) -> bool:
     if is_sharded(path):  # saved by several ranks (DCP): loads at any world size
         job.state, own_rng = read_sharded(path, job.model, job.optimizer, job.scheduler, job.scaler, job.world)
     elif job.world.distributed:  # saved by one process: every rank reads the full tensors
+        if pipeline_of(job.model) is not None:
+            raise EmberError(f"{path}: a checkpoint saved by one process cannot be resumed on pipeline stages "
+                             f"yet (its optimizer state is keyed by the whole model's parameter order, which a "
+                             f"stage does not hold); resume it in one process or with distributed.strategy = "
+                             f"\"ddp\" or \"fsdp\", or start the pipeline run in a new --out folder")
         names = [n for n, p in unwrapped(job.model).named_parameters() if p.requires_grad]
         job.state, own_rng = read_full(path, job.model, names, job.optimizer, job.scheduler, job.scaler), False
     else:

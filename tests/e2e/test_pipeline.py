@@ -88,3 +88,20 @@ def test_more_stages_than_layers_is_refused_before_launch(tmp_path):
     assert done.returncode != 0 and "the model's 2 decoder layers" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
+
+
+def test_a_one_process_checkpoint_is_refused_on_pipeline_stages_by_name(pipeline, tmp_path):
+    """A one-process checkpoint keys its optimizer state by the whole model's parameter order,
+    which a stage does not hold: resuming it on stages is refused, naming the checkpoint and the
+    ways on (before: an IndexError traceback from every rank, when the crash let its
+    asynchronous checkpoint commit first)."""
+    out = tmp_path / "run"
+    crashed = run_ember("run", pipeline["recipe"], "--out", out, "--no-ledger", "--set", "checkpoint.async=false",
+                        env={"EMBER_FAULT": "train.micro_batch@13"})  # synchronous: step 5's is committed
+    assert crashed.returncode != 0 and losses(out)[-1][0] == 6, crashed.stderr[-2000:]
+    assert (out / "checkpoints" / "step-000000005").is_dir()
+    refused = run_ember("run", pipeline["recipe"], "--out", out, "--no-ledger", "--set", "checkpoint.async=false",
+                        *PP)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert "cannot be resumed on pipeline stages yet" in refused.stderr and "step-000000005" in refused.stderr
+    assert "IndexError" not in refused.stderr, refused.stderr[-2000:]
