@@ -81,7 +81,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
     """Signal the child we started (by PID) and reap it."""
     if proc.poll() is None:
         proc.send_signal(sig)
-    proc.communicate(timeout=120)
+    proc.outputs = proc.communicate(timeout=120)  # (stdout, stderr), for a failing test to show
     return proc.returncode
 
 

@@ -85,7 +85,8 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, 
     assert stop(proc, sig) == 75, proc.stderr.read() if proc.stderr else ""
     stopped_at = losses(out)[-1][0]
     assert 7 <= stopped_at < 400
-    assert (out / "checkpoints" / f"step-{stopped_at:09d}").is_dir()  # checkpointed where it stopped
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert (out / "checkpoints" / f"step-{stopped_at:09d}").is_dir(), (saved, _tail(proc))  # checkpointed where it stopped
     # The baseline for a 400-step schedule: uninterrupted.
     resume_to_end(recipe, out)
     assert_same_result(out, uninterrupted("400", {"train": {"max_steps": 400}}))
@@ -148,3 +149,9 @@ def test_damaged_newest_checkpoint_falls_back_and_still_ends_identical(damage, b
     assert "resuming from" in result.stderr and "step-000000005" in result.stderr
     assert list((out / "checkpoints").glob("corrupt-step-000000010.*"))  # kept for inspection
     assert_same_result(out, baselines("full"))
+
+
+def _tail(proc) -> str:
+    """The end of what a stopped run printed (tests.helpers.stop keeps it)."""
+    outputs = getattr(proc, "outputs", None) or ("", "")
+    return "\n".join(str(x or "")[-3000:] for x in outputs)
