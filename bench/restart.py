@@ -34,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from startup import source_at  # noqa: E402  (bench/startup.py: another commit's tree as an arm)
 from tests.helpers import GENESIS, assert_same_result, write_recipe  # noqa: E402
 
 JOB = {"data": {"files": [str(GENESIS)], "seq_len": 128}, "optimizer": {"lr": 1e-3},
@@ -174,13 +176,7 @@ def main() -> None:
     ap.add_argument("--before", metavar="COMMIT", help="also run ember at this commit, alternating")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ember-restart-"))
-    roots = {"now": ROOT}
-    if args.before:
-        before = work / "before-src"
-        before.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
-        roots["before"] = before
+    roots = {"now": ROOT, **({"before": source_at(args.before, work / "before-src")} if args.before else {})}
     for root in roots.values():  # each arm's modules compiled once, as an installed package has them
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "ember")], check=True,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})

@@ -151,6 +151,14 @@ def hf_arm(work: Path, env: dict, name: str, folder: Path) -> dict:
     return {"first_step": rec["end"] - t0, "setup": rec["begin"] - t0, "step": rec["end"] - rec["begin"]}
 
 
+def source_at(commit: str, folder: Path) -> Path:
+    """ember's tree at `commit`, written into `folder` (git archive): another arm of a bench."""
+    folder.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
 def command_seconds(env: dict, root: Path, *args: str) -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "ember", *args], env={**env, "PYTHONPATH": str(root)}, cwd=root,
@@ -192,13 +200,7 @@ def main() -> None:
     (work / "home").mkdir()
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; work folder {work}", flush=True)
-    roots = {"now": ROOT}
-    if args.before:
-        before = work / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
-        roots["before"] = before
+    roots = {"now": ROOT, **({"before": source_at(args.before, work / "before")} if args.before else {})}
     for root in roots.values():  # compiled once (an archive has no __pycache__): untimed
         command_seconds(env, root, "--help")
     commands(work, env, max(args.rounds, 5), roots)
