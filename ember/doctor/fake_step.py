@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ember.device import autocast
 from ember.errors import EmberError
-from ember.models import model_config, tiny_config
+from ember.models import model_config
 from ember.plan.memory import moment_bytes
 from ember.plan.planner import Traced
 from ember.recipe import Recipe
@@ -29,7 +29,7 @@ def trace(r: Recipe) -> Traced:
     """Build the recipe's model on fake tensors and count two of its steps (see the module)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config() if r.model.path == "builtin:tiny" else model_config(r.model.path)
+    config = model_config(r.model.path)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from ember.durable import write_durable
-from ember.models import TINY, config_fields
+from ember.models import config_fields
 from ember.paths import home
 from ember.plan.planner import Traced
 from ember.recipe import Recipe
@@ -52,8 +52,7 @@ def traced_step(r: Recipe) -> Traced:
 
 def _key(r: Recipe) -> str:
     from importlib import metadata
-    fields = dict(vars(config_fields(r.model.path))) if r.model.path != "builtin:tiny" else dict(TINY)
-    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    fields = {k: v for k, v in vars(config_fields(r.model.path)).items() if not k.startswith("_")}
     shaping = {name: dataclasses.asdict(getattr(r, name)) for name in SHAPING}
     shaping["step"] = [r.train.micro_batch, r.data.seq_len, min(r.train.grad_accum, 2), r.train.loss_chunk,
                        r.train.activation_checkpointing, r.optimizer.state_dtype]
