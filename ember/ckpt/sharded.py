@@ -23,19 +23,22 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ember.ckpt.contents import MODEL_FILE, STATE_FILE, read_optimizer
 from ember.ckpt.state import RunState
 from ember.parallel.pp import pipeline_of
 from ember.world import World
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+# torch.distributed.checkpoint (DTensor, sympy: 0.4 s) is imported where a sharded checkpoint is
+# written or read, not by every run that imports this module.
+
 METADATA = ".metadata"
-TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapters, as a one-process run
 
 
 def is_sharded(folder: Path) -> bool:
@@ -55,6 +58,7 @@ def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat
     ignore_frozen_params drops a frozen parameter under its first name only: a frozen weight tied
     under a second one (LoRA on a model whose head shares the embeddings: SmolLM2's 28M-parameter
     lm_head) stayed in every checkpoint. Kept here: the names of parameters that train."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=flat)
     msd, osd = get_state_dict(model, optimizer, options=options)
     trained = _trained(model)
@@ -69,6 +73,7 @@ def _trained(model: torch.nn.Module) -> set[str]:
 def _load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, msd: dict, osd: dict,
           options: StateDictOptions) -> None:
     """set_state_dict, refusing a model state that leaves out a parameter that trains."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
     result = set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
     missing = sorted(_trained(model) & {k.removeprefix("module.") for k in result.missing_keys})
     if missing:
@@ -79,6 +84,7 @@ def write_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.O
                   scaler: Any, state: RunState, world: World) -> None:
     """Every rank writes its part into `folder` (a collective). DCP's writer fsyncs each file it
     writes (sync_files), before the store checksums them."""
+    import torch.distributed.checkpoint as dcp
     msd, osd = trained_state(model, optimizer, flat=pipeline_of(model) is not None)
     sd = {"model": msd, "optim": osd, f"rank{world.rank}": _extra(state, scheduler, scaler)}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
@@ -95,6 +101,8 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     """Load a DCP checkpoint into the live objects at any world size (DCP reshards); return the
     RunState and whether it is this rank's own (False: saved by fewer ranks, so this rank starts
     from rank 0's RNG streams)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
     names = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     saved = {k.partition(".")[0] for k in names if k.startswith("rank")}
     key = f"rank{world.rank}" if f"rank{world.rank}" in saved else "rank0"
@@ -116,12 +124,14 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 def read_model(folder: Path, model: torch.nn.Module) -> None:
     """Load a DCP checkpoint's trainable weights alone into a whole model in one process (no
     process group: `ember export`)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    sd = {"model": get_model_state_dict(model, options=TRAINABLE)}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    trainable = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapters, as a one-process run
+    sd = {"model": get_model_state_dict(model, options=trainable)}
     with warnings.catch_warnings():  # DCP says it loads in one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
-    set_model_state_dict(model, sd["model"], options=TRAINABLE)
+    set_model_state_dict(model, sd["model"], options=trainable)
 
 
 def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer: torch.optim.Optimizer,
@@ -130,6 +140,7 @@ def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer:
     tensors and set_state_dict keeps its own shard. `names`: the trainable parameters' names
     in the optimizer's order (the optimizer file keys its state by that position)."""
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
     weights = load_file(folder / MODEL_FILE)
     osd = read_optimizer(folder)
     by_name = {"state": {names[i]: s for i, s in osd["state"].items()},

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ember.paths import home
+from ember.train.dropout import eager_when_compiled
 from ember.train.loss import causal_lm_loss
 
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -65,6 +66,10 @@ class Compiler:
     def __init__(self, backend: str = "inductor") -> None:
         use_cache_dir()
         import torch._dynamo
+        import torch._inductor.config
+        # torch.use_deterministic_algorithms sets this too; ember.device sets the kernels' flag alone
+        torch._inductor.config.deterministic = torch.are_deterministic_algorithms_enabled()
+        eager_when_compiled()  # LoRA's keyed dropout stays eager
         from torch._dynamo.utils import counters
         self.counters = counters
         self.before = snapshot(counters)  # the counters are per process: this run's are the difference

@@ -45,7 +45,6 @@ class KeyedDropout(nn.Module):
         super().__init__()
         self.p, self.keys, self.layer = p, keys, layer
 
-    @torch.compiler.disable  # compiled ([train] compile): its keys change every step; eager, not a recompile each step
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
@@ -59,6 +58,19 @@ class KeyedDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer={self.layer}"
+
+
+def eager_when_compiled() -> None:
+    """Keep KeyedDropout's forward out of torch.compile's graphs (its keys change every step: a
+    recompile each step otherwise). Called when a compiled step is set up (ember.train.compiled):
+    marking it at import would import torch._dynamo, 0.75 s, into every run that never compiles."""
+    global _EAGER
+    if not _EAGER:
+        KeyedDropout.forward = torch.compiler.disable(KeyedDropout.forward)
+        _EAGER = True
+
+
+_EAGER = False
 
 
 def install(model: nn.Module, seed: int) -> DropoutKeys:

@@ -254,7 +254,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lambda done: False) -> StepResult | None:
     """One optimizer step: grad_accum micro-batches of forward and backward, clip, judge, update;
     None when `between(done)`, asked before each micro-batch, undid it (a stop)."""
-    r, model, opt, state = job.recipe, job.model, job.optimizer, job.state
+    r, model, state = job.recipe, job.model, job.state
     loss_sum, ordinals = 0.0, []
     world = job.world
     # This rank's share of the step's micro-batches (or of their slices of rows: data.row_parts).
@@ -272,13 +272,7 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
     timer.wait("sync")
     pipe = pipeline_of(model)  # pipeline parallelism: its schedule runs every micro-batch (ember.parallel.pp)
     if pipe is not None:
-        with autocast(job.device, r.precision.mode):
-            loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, r.distributed.schedule,
-                                 lambda first: job.dropout.at(state.step + 1, first))
-        ordinals = [o for o, _ in fetched]
-        timer.lap("backward")
-        for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
-            faults.point("train.micro_batch")
+        loss_sum, ordinals = pipeline_micro_batches(job, pipe, fetched, per_rank)
     for i, (ordinal, batch) in enumerate(fetched if pipe is None else []):
         if between(i):  # a pause waits here; a stop undoes the step (ember.train.between)
             return None
@@ -298,11 +292,34 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
         ordinals.append(ordinal)
     (loss_sum,) = world.mean_over_replicas([loss_sum])  # every rank judges the same global step
     timer.lap("sync")
-    job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
-    params = trainable_parameters(model)
-    grad_norm = clip_gradients(params, r.optimizer.grad_clip, pipe.sum_over_stages if pipe else None)
     loss_value = loss_sum / world.dp_size if tokens else math.nan  # no learned token: its mean is 0/0
-    verdict = stability.judge(loss_value, grad_norm, tokens, state.loss_window, r.guard,
+    grad_norm, verdict, applied, lr = update(job, loss_value, tokens, pipe)
+    timer.lap("optimizer")
+    phases = timer.end()
+    return StepResult(loss_value, grad_norm, lr, int(tokens), ordinals, data.advance(r.train.grad_accum),
+                      verdict.kind, applied, phases)
+
+
+def pipeline_micro_batches(job: Steppable, pipe: Any, fetched: list, per_rank: float) -> tuple[float, list[int]]:
+    """The step's micro-batches through the pipeline's schedule (ember.parallel.pp): this stage's
+    share of the step's loss and the micro-batches' ordinals."""
+    with autocast(job.device, job.recipe.precision.mode):
+        loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, job.recipe.distributed.schedule,
+                             lambda first: job.dropout.at(job.state.step + 1, first))
+    job.timer.lap("backward")
+    for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
+        faults.point("train.micro_batch")
+    return loss_sum, [o for o, _ in fetched]
+
+
+def update(job: Steppable, loss: float, tokens: float, pipe: Any) -> tuple[float, Any, bool, float]:
+    """Clip, judge the step (ember.train.stability) and apply it or not: the gradient norm, the
+    verdict, whether the update was applied and the learning rate it was taken at."""
+    r, opt = job.recipe, job.optimizer
+    job.scaler.unscale_(opt)  # no-op unless fp16: clip and measure true gradients
+    params = trainable_parameters(job.model)
+    grad_norm = clip_gradients(params, r.optimizer.grad_clip, pipe.sum_over_stages if pipe else None)
+    verdict = stability.judge(loss, grad_norm, tokens, job.state.loss_window, r.guard,
                               scaler_handles_inf=job.scaler.is_enabled())
     applied = verdict.kind == "ok" or (verdict.kind == "spike" and r.guard.spike_action == "warn")
     lr = job.scheduler.get_last_lr()[0]
@@ -314,10 +331,7 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
             job.scheduler.step()  # a rolled-back step is not a step: the schedule does not advance
     opt.zero_grad(set_to_none=True)
-    timer.lap("optimizer")
-    phases = timer.end()
-    return StepResult(loss_value, grad_norm, lr, int(tokens), ordinals, data.advance(r.train.grad_accum),
-                      verdict.kind, applied, phases)
+    return grad_norm, verdict, applied, lr
 
 
 def no_sync(model: torch.nn.Module) -> Any:
