@@ -9,7 +9,7 @@ import torch
 from ember.errors import EmberError
 from ember.models import BYTE_VOCAB
 from ember.recipe import MethodConfig, ModelConfig, load_recipe
-from ember.train.compiled import Compiler, break_warning, wanted
+from ember.train.compiled import CACHE_VARIABLE, Compiler, break_warning, wanted
 from ember.train.dropout import install
 from ember.train.model import load_model
 from tests.helpers import write_recipe
@@ -28,9 +28,13 @@ def test_the_recipe_takes_true_false_or_auto_and_says_so_for_anything_else(tmp_p
         load_recipe(write_recipe(tmp_path, train={"compile": "yes"}))
 
 
-def test_graph_breaks_are_counted_with_their_reasons_and_warned_of():
+def test_graph_breaks_are_counted_with_their_reasons_and_warned_of(tmp_path, monkeypatch):
     """LoRA's keyed dropout runs eagerly (its keys change every step): each is a graph break,
     which the summary counts and the warning names, instead of a silent slowdown."""
+    # A Compiler points inductor's cache at $EMBER_HOME through the environment, which the
+    # commands this worker starts later inherit: as if their user had chosen that folder
+    # (tests/e2e/test_compile.py then found its baseline's kernels elsewhere). Put back after.
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "inductor"))
     torch.manual_seed(0)
     model = load_model(ModelConfig(), MethodConfig(kind="lora", dropout=0.1, target_modules=["q_proj"]), False).model
     install(model, seed=0)
