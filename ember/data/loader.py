@@ -32,7 +32,7 @@ from ember.ckpt.state import DataCursor
 from ember.errors import EmberError
 from ember.events import Events
 from ember.paths import home
-from ember.proc import die_with_parent
+from ember.proc import born_blocking, die_with_parent, ended_only_by
 from ember.recipe import DataConfig, DataFormat, EvalConfig
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
@@ -289,7 +289,10 @@ def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
 
 def _worker_start(parent: int, _worker_id: int) -> None:
     # Ctrl-C (and a terminal's hang-up) reaches the whole process group; the training process
-    # decides what to do with it.
+    # decides what to do with it. So does a SIGTERM to the group (a service manager's stop), but
+    # the training process's shutdown ends a straggler with SIGTERM too: ember.proc says why
+    # this tells the two apart.
+    ended_only_by(parent, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # A SIGKILLed training process takes its workers along at once, not at torch's next
@@ -343,12 +346,22 @@ class RankShare:
         return len(self.sampler) * self.parts // self.ranks
 
 
+class _Loader(DataLoader):
+    """A DataLoader whose workers are born with SIGTERM blocked (they are forked when an iterator
+    starts): one sent to the group before a worker set itself up (`_worker_start`) waits for it,
+    where it would kill it (or run the training process's stop handler, copied by the fork)."""
+
+    def __iter__(self):
+        with born_blocking(signal.SIGTERM):
+            return super().__iter__()
+
+
 def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
                 skip: set[int] = frozenset(), rank: int = 0, ranks: int = 1, parts: int = 1) -> DataLoader:
     """Iterate this rank's share of the next `count` micro-batches (not counting skipped ones),
     in workers if asked; `parts`: row_parts() of the run."""
     sampler = SkippingSampler(batches.first_ordinal, count, set(skip))
-    return DataLoader(
+    return _Loader(
         batches, batch_size=None, sampler=RankShare(sampler, rank, ranks, parts) if ranks > 1 else sampler,
         num_workers=workers, pin_memory=pin,
         worker_init_fn=partial(_worker_start, os.getpid()) if workers else None,

@@ -45,7 +45,7 @@ from ember import faults
 from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
-from ember.proc import die_with_parent
+from ember.proc import born_blocking, die_with_parent, ended_only_by
 from ember.data.formats import _field, check, encode, run_format
 from ember.recipe import DataFormat
 from ember.data.progress import Progress
@@ -127,6 +127,18 @@ def _run(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: i
             progress.shard(found[i].records, shards[i].nbytes)
         forget_readers()
         return found
+    failed = _in_pool(shards, todo, work, args, procs, progress, found)
+    if any(isinstance(e, BrokenProcessPool) for e in failed.values()):
+        raise EmberError("a tokenization worker process died (killed, or out of memory); its work is removed: "
+                         "run again (with fewer [data] tokenize_workers if memory ran out)")
+    if failed:
+        raise failed[min(failed)]
+    return found
+
+
+def _in_pool(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: int, progress: Progress,
+             found: dict[int, Found]) -> dict[int, BaseException]:
+    """_run's pool of `procs`: fills `found`; the shards that failed, with why."""
     # spawn, not fork: the parent may hold torch's and the tokenizer's threads, which a fork
     # would copy mid-flight; each worker imports what it needs once.
     # The tokenizer goes to each worker once, with the initializer: pickled with every shard, it
@@ -134,36 +146,35 @@ def _run(shards: list[Shard], todo: list[int], work: Path, args: tuple, procs: i
     pool = ProcessPoolExecutor(procs, mp_context=get_context("spawn"), initializer=_worker_init,
                                initargs=(os.getpid(), *args))
     failed: dict[int, BaseException] = {}
-    try:
-        running = {pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}"): i for i in todo}
-        checking = False
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in done:
-                i = running.pop(fut)
-                if fut.cancelled():
-                    continue
-                if fut.exception() is not None:
-                    failed[i] = fut.exception()
-                    for other in running:  # those not begun never begin
-                        other.cancel()
-                    continue
-                found[i] = fut.result()
-                progress.shard(found[i].records, shards[i].nbytes)
-                if found[i].bad_count and not checking:  # the rest: only checked
-                    checking = True
-                    for other, j in list(running.items()):
-                        if other.cancel():
-                            del running[other]
-                            running[pool.submit(_tokenize_in_worker, shards[j], None)] = j
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    if any(isinstance(e, BrokenProcessPool) for e in failed.values()):
-        raise EmberError("a tokenization worker process died (killed, or out of memory); its work is removed: "
-                         "run again (with fewer [data] tokenize_workers if memory ran out)")
-    if failed:
-        raise failed[min(failed)]
-    return found
+    # The pool spawns its workers as shards are submitted: born with SIGTERM blocked (ember.proc),
+    # they take in hand a group SIGTERM sent during their start-up. This process acts on a stop
+    # only once the data is tokenized (ember.train.signals): its own SIGTERM may wait as long.
+    with born_blocking(signal.SIGTERM):
+        try:
+            running = {pool.submit(_tokenize_in_worker, shards[i], work / f"{i:06d}"): i for i in todo}
+            checking = False
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    i = running.pop(fut)
+                    if fut.cancelled():
+                        continue
+                    if fut.exception() is not None:
+                        failed[i] = fut.exception()
+                        for other in running:  # those not begun never begin
+                            other.cancel()
+                        continue
+                    found[i] = fut.result()
+                    progress.shard(found[i].records, shards[i].nbytes)
+                    if found[i].bad_count and not checking:  # the rest: only checked
+                        checking = True
+                        for other, j in list(running.items()):
+                            if other.cancel():
+                                del running[other]
+                                running[pool.submit(_tokenize_in_worker, shards[j], None)] = j
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return failed
 
 
 _WORKER_ARGS: tuple = ()  # in a worker process: the arguments of tokenize_shard after the shard's
@@ -173,7 +184,9 @@ def _worker_init(parent: int, *args: Any) -> None:
     global _WORKER_ARGS
     die_with_parent(signal.SIGKILL, parent)  # a run killed mid-tokenization takes its workers along
     # Ctrl-C (and a terminal's hang-up) reaches the whole process group; the parent decides (it
-    # stops the pool).
+    # stops the pool). So does a SIGTERM to the group, but the pool's shutdown ends a straggler
+    # with SIGTERM too: ember.proc says why this tells the two apart.
+    ended_only_by(parent, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # One thread per worker process: the pool is the parallelism (and a fork-safe tokenizer).
