@@ -68,6 +68,35 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
     return lookup_peak(name, dtype)
 
 
+# Memory bandwidth of the same devices, vendors' figures (bytes/s), for what a step spends moving
+# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.memory.dequant_bytes).
+BANDWIDTHS: list[tuple[str, float]] = [
+    ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12), ("a100", 2.039e12),
+    ("l40s", 0.864e12), ("l4", 0.3e12), ("a10g", 0.6e12), ("rtx 4090", 1.008e12), ("rtx 3090", 0.936e12),
+    ("mi300x", 5.3e12), ("mi250x", 3.2e12),
+]
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float | None   # None when unknown
+    source: str                 # "table: h100", "recipe override", or why unknown
+
+
+def memory_bandwidth(override_gbps: float, device_type: str, name: str) -> Bandwidth:
+    """The recipe's [cost] memory_gbps if set, else the table's figure for the device; unknown on
+    a CPU, where bitsandbytes' dequantization runs well below the memory's bandwidth."""
+    if override_gbps:
+        return Bandwidth(override_gbps * 1e9, "recipe [cost] memory_gbps")
+    if device_type == "cpu":
+        return Bandwidth(None, "a CPU's dequantization rate is not its memory bandwidth: set [cost] memory_gbps")
+    lowered = name.lower().replace("-", " ")
+    for key, rate in BANDWIDTHS:
+        if key in lowered or key.replace(" ", "") in lowered.replace(" ", ""):
+            return Bandwidth(rate, f"table: {key}")
+    return Bandwidth(None, f"unknown device '{name}': set [cost] memory_gbps")
+
+
 MAX_AGE_DAYS = 30      # a measured CPU peak older than this is measured again
 LOADED = 0.25          # other processes' share of the cores above which a measurement was under load
 QUIETER_BY = 0.2       # ... and measured again once the machine is this much quieter
