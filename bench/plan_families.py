@@ -11,7 +11,9 @@ fresh process, first with an empty $EMBER_HOME (traced) and again (from the cach
 --before COMMIT adds ember's tree at that commit as a second arm (bench/startup.py's source_at):
 its traced peaks beside this tree's against the same measurement, and its 7B plan's time.
 
-usage: python bench/plan_families.py [--no-7b] [--before COMMIT]
+--settings FAMILY ... runs every setting on those families instead of GPT-2 alone.
+
+usage: python bench/plan_families.py [--no-7b] [--before COMMIT] [--settings FAMILY ...]
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ FALCON_7B = {"hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads"
              "multi_query": True, "new_decoder_architecture": False, "parallel_attn": True, "bias": False}
 
 
-def accuracy(root: Path, before: Path | None) -> None:
+def accuracy(root: Path, before: Path | None, settings: list[str]) -> None:
     from tests.helpers import write_recipe
     from tests.plan.test_traced import FAMILIES, VARIANTS, model_folder, traced_and_measured
     cases = [(f, f"{f}, full, fp32", []) for f in sorted(FAMILIES)]
-    cases += [("gpt2", f"gpt2, {v}", o) for v, o in VARIANTS.items()]
+    cases += [(f, f"{f}, {v}", o) for f in settings for v, o in VARIANTS.items()]
     recipes = [(str(write_recipe(root / f"r{i}", model={"path": str(model_folder(root, family))},
                                  data={"seq_len": 128}, train={"micro_batch": 4})), overrides)
                for i, (family, _, overrides) in enumerate(cases)]
@@ -95,10 +97,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-7b", action="store_true")
     ap.add_argument("--before", metavar="COMMIT", help="also trace with ember's tree at this commit")
+    ap.add_argument("--settings", nargs="+", default=["gpt2"], metavar="FAMILY", help="families to run each setting on")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = source_at(args.before, Path(tmp) / "before-src") if args.before else None
-        accuracy(Path(tmp), before)
+        accuracy(Path(tmp), before, args.settings)
         if not args.no_7b:
             seven_b(Path(tmp), {"now": ROOT, **({"before": before} if before else {})})
 
