@@ -13,7 +13,7 @@ its traced peaks beside this tree's against the same measurement, and its 7B pla
 
 --settings FAMILY ... runs every setting on those families instead of GPT-2 alone.
 
-usage: python bench/plan_families.py [--no-7b] [--before COMMIT] [--settings FAMILY ...]
+usage: python bench/plan_families.py [--no-7b | --only-7b] [--before COMMIT] [--settings FAMILY ...]
 """
 
 from __future__ import annotations
@@ -96,12 +96,14 @@ def _children_cpu() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-7b", action="store_true")
+    ap.add_argument("--only-7b", action="store_true", help="time the 7B plan only (quick, for a quiet moment)")
     ap.add_argument("--before", metavar="COMMIT", help="also trace with ember's tree at this commit")
     ap.add_argument("--settings", nargs="+", default=["gpt2"], metavar="FAMILY", help="families to run each setting on")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = source_at(args.before, Path(tmp) / "before-src") if args.before else None
-        accuracy(Path(tmp), before, args.settings)
+        if not args.only_7b:
+            accuracy(Path(tmp), before, args.settings)
         if not args.no_7b:
             seven_b(Path(tmp), {"now": ROOT, **({"before": before} if before else {})})
 

@@ -236,8 +236,8 @@ class CostConfig:
     peak_tflops: float = setting(0.0, "Peak dense TFLOP/s of one device at the run's precision, "
                                  "for MFU (0 = ember's table, or a measured peak on CPU).", min=0)
     memory_gbps: float = setting(0.0, "Memory bandwidth of one device in GB/s, for the time QLoRA's 4-bit "
-                                 "dequantization takes in the plan (0 = ember's table; unknown on a CPU, where "
-                                 "it is not what limits bitsandbytes' dequantization).", min=0)
+                                 "dequantization takes in the plan (0 = ember's table; on a CPU, where the memory "
+                                 "is not what limits it, bitsandbytes' dequantization measured here).", min=0)
 
 
 @dataclass

@@ -8,6 +8,7 @@ peak and a reason, never a guess: a guessed peak is how a tool reports 563% MFU.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import time
@@ -83,13 +84,19 @@ class Bandwidth:
     source: str                 # "table: h100", "recipe override", or why unknown
 
 
-def memory_bandwidth(override_gbps: float, device_type: str, name: str) -> Bandwidth:
-    """The recipe's [cost] memory_gbps if set, else the table's figure for the device; unknown on
-    a CPU, where bitsandbytes' dequantization runs well below the memory's bandwidth."""
+def memory_bandwidth(override_gbps: float, device_type: str, name: str, threads: int = 0,
+                     bytes_of: Callable[[int], int] | None = None) -> Bandwidth:
+    """The recipe's [cost] memory_gbps if set, else the table's figure for the device; on a CPU,
+    where bitsandbytes' dequantization runs well below the memory's bandwidth, the rate it moves
+    `bytes_of(n)` bytes per n-weight dequantization at, measured (see measured_dequant_rate)."""
     if override_gbps:
         return Bandwidth(override_gbps * 1e9, "recipe [cost] memory_gbps")
     if device_type == "cpu":
-        return Bandwidth(None, "a CPU's dequantization rate is not its memory bandwidth: set [cost] memory_gbps")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            return Bandwidth(None, "no bitsandbytes to measure this CPU's dequantization: set [cost] memory_gbps")
+        if bytes_of is None:
+            return Bandwidth(None, "a CPU's dequantization rate is not its memory bandwidth: set [cost] memory_gbps")
+        return measured_dequant_rate(threads or os.cpu_count() or 1, bytes_of)
     lowered = name.lower().replace("-", " ")
     for key, rate in BANDWIDTHS:
         if key in lowered or key.replace(" ", "") in lowered.replace(" ", ""):
@@ -202,8 +209,14 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
     """fp32 matmul FLOP/s measured on this CPU with `threads` threads (see time_matmul), cached
     per machine with its date and load and measured again when stale (see choose_cpu_peak).
     `again`: measure anew, keeping the higher of the two."""
+    peak, how = cached_cpu_rate(cpu_peak_key(threads), lambda: time_matmul(threads, size, rounds), again)
+    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+
+
+def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = False) -> tuple[CpuPeak, str]:
+    """A rate of this CPU (higher is better) from the cache of measured CPU rates under `key`, or
+    `measure`d when stale (see choose_cpu_peak), and when and under what load it was measured."""
     cache = home().cpu_peak_cache
-    key = cpu_peak_key(threads)
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -211,13 +224,12 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
     record = _from_json(known.get(key))
     loaded = record is not None and record.others is not None and record.others > LOADED
     others_now = others_share() if loaded and not again else None  # only a loaded record needs it
-    peak, why = choose_cpu_peak(record, time.time(), others_now, lambda: time_matmul(threads, size, rounds), again)
+    peak, why = choose_cpu_peak(record, time.time(), others_now, measure, again)
     if why is not None:
         known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
-    how = peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
-    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+    return peak, peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
 
 
 def _from_json(value: object) -> CpuPeak | None:
@@ -236,3 +248,43 @@ def cpu_peak_key(threads: int) -> str:
     # torch's version without importing torch (the same string as torch.__version__): planning
     # from a cached peak stays torch-free
     return f"{os.uname().nodename}:{os.cpu_count()}:{threads}:{importlib.metadata.version('torch')}"
+
+
+def measured_dequant_rate(threads: int, bytes_of: Callable[[int], int], size: int = 1024) -> Bandwidth:
+    """bitsandbytes' NF4 dequantization on this CPU with `threads` threads, as bytes moved per
+    second (`bytes_of(n)` per n-weight dequantization), cached with the CPU peak by the same rules
+    (the record's 'flops' holds bytes/s)."""
+    rate, how = cached_cpu_rate(f"nf4 dequantize, {cpu_peak_key(threads)}",
+                                lambda: time_dequant(threads, bytes_of, size))
+    return Bandwidth(rate.flops, f"{how}: bitsandbytes' NF4 dequantization of a {size}x{size} weight, "
+                                 f"{threads} threads")
+
+
+def time_dequant(threads: int, bytes_of: Callable[[int], int], size: int = 1024, rounds: int = 5) -> CpuPeak:
+    """Bytes per second bitsandbytes moves dequantizing a size x size NF4 weight (double
+    quantization, blocks of 64) on this CPU, the best of `rounds` windows of 0.1 s, with other
+    processes' share of the cores while it ran."""
+    import logging
+    import torch
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its import warns about optional CPU kernels it does not need here
+    try:
+        import bitsandbytes.functional as bnb
+    finally:
+        log.setLevel(level)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    w = torch.randn(size, size, generator=torch.Generator().manual_seed(0))  # never the global RNG
+    codes, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    bnb.dequantize_4bit(codes, state)  # warm-up
+    first, mine, best = _cpu_jiffies(), time.process_time(), 0.0
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            bnb.dequantize_4bit(codes, state)
+            n += 1
+        best = max(best, bytes_of(size * size) * n / (time.perf_counter() - t0))
+    others = _others_since(first, mine) if first is not None else None
+    torch.set_num_threads(previous)
+    return CpuPeak(best, time.time(), others)

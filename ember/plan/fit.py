@@ -38,7 +38,7 @@ from ember.errors import BadInput, EmberError
 from ember.hardware import Device, parse_size
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.models import check_against_model, config_fields
-from ember.plan.memory import ModelShape, TrainShape, estimate
+from ember.plan.memory import ModelShape, TrainShape, dequantize_once, estimate
 from ember.plan.planner import estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
@@ -291,7 +291,8 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None) -> Fi
                          f"it as written (its step traced), with --set to try another configuration") from None
     d = devices[0]
     peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
-    bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name)
+    bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
+        if bitsandbytes_installed() else None  # a CPU measures its rate (cached), for QLoRA's time
     result = search(r, m, budget, peak, req.allow_seq, source, bandwidth)
     if req.apply is not None:
         req.apply.write_text(r.with_changes(result.best[0].changes, "--fit").to_toml())

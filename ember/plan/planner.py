@@ -20,8 +20,8 @@ from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
-from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, estimate, optimizer_bytes,
-                               trainable_params)
+from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, dequantize_once, estimate,
+                               optimizer_bytes, trainable_params)
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 
@@ -279,7 +279,8 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         achieved = mfu(tokens_per_step / step_s, fpt.total, peak.flops) if fpt else None
     elif fpt is not None and peak.flops:
         achieved = r.plan.assumed_mfu
-        bandwidth = memory_bandwidth(r.cost.memory_gbps, dev.kind, dev.name)
+        bandwidth = memory_bandwidth(r.cost.memory_gbps, dev.kind, dev.name, r.train.threads, dequantize_once) \
+            if t.quantize == "nf4" else None  # a CPU measures its rate: only where there is something to price
         if m is not None:
             step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved, bandwidth)
             extra = recompute_flops(m, t)
@@ -288,7 +289,7 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         again = f" + {extra:.3g} recomputed" if extra else ""
         how = (f"({fpt.formula} = {fpt.total:.3g}{again}) FLOPs/token x {tokens_per_step} tokens / "
                f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})"
-               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if t.quantize == "nf4" else ""))
+               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if bandwidth is not None else ""))
     else:
         step_s, achieved = float("nan"), None
         how = f"unknown: {peak.source}" if fpt is not None else "unknown"

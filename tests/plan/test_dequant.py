@@ -3,6 +3,7 @@ ember.plan.planner.dequant_seconds) and searched by `ember plan --fit` (ember/pl
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -96,7 +97,7 @@ def test_the_plans_time_adds_the_dequantization_over_the_bandwidth(tmp_path):
 def test_fit_searches_qlora_where_its_time_is_known(tmp_path):
     """With the bandwidth known, --fit tries QLoRA: where LoRA fits, LoRA (faster) is picked and
     QLoRA is listed only where it buys a larger micro batch; where only QLoRA fits, it is the pick.
-    Without a bandwidth (a CPU), QLoRA is left out and the note says why."""
+    Without a bandwidth, QLoRA is left out and the note says why."""
     path = write_recipe(tmp_path, train={"micro_batch": 4, "grad_accum": 2}, cost={"peak_tflops": 1.0})
     r, m = load_recipe(path), ModelShape.from_config(config_fields("builtin:tiny"))
     found = candidates(r, m, 10**9, PEAK, bandwidth=SLOW)
@@ -113,7 +114,20 @@ def test_fit_searches_qlora_where_its_time_is_known(tmp_path):
     assert all(c.with_margin > tight for c in found if c.method != "qlora")  # only QLoRA fits at its smallest
     only = search(r, m, tight, PEAK, bandwidth=SLOW)
     assert only.best[0].method == "qlora" and only.best[0].fits
-    cpu = memory_bandwidth(0.0, "cpu", "cpu")
-    assert cpu.bytes_per_s is None
-    left = search(r, m, 10**9, PEAK, bandwidth=cpu)
+    left = search(r, m, 10**9, PEAK, bandwidth=Bandwidth(None, "test: unknown"))
     assert "qlora" not in left.space["method"] and any("QLoRA not searched" in n for n in left.notes)
+
+
+def test_a_cpu_measures_its_dequantization_rate_once(tmp_path, monkeypatch):
+    """On a CPU the rate is bitsandbytes' own dequantization, measured and cached in
+    $EMBER_HOME like the CPU peak: the second plan reads it back; [cost] memory_gbps wins."""
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    first = memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once)
+    assert first.bytes_per_s and first.bytes_per_s > 0 and "measured" in first.source, first
+    cached = json.loads((tmp_path / "home/cache/cpu_peak.json").read_text())
+    (record,) = [v for k, v in cached.items() if k.startswith("nf4 dequantize")]
+    assert record["flops"] == first.bytes_per_s and record["at"] > 0  # bytes/s, with when and the load
+    assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first  # read back, not measured again
+    assert memory_bandwidth(3.0, "cpu", "cpu", 1, dequantize_once).bytes_per_s == 3e9
+    assert memory_bandwidth(0.0, "cuda", "NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
+    assert memory_bandwidth(0.0, "cuda", "test").bytes_per_s is None
