@@ -3,8 +3,9 @@ plan's own arithmetic (no formula of its own).
 
 The search tries every combination of
     method                    methods(): every [method] kind the recipe takes (full, lora), and QLoRA
-                              (lora over a 4-bit base) where bitsandbytes is installed and the
-                              device's memory bandwidth is known (its dequantization is priced)
+                              (lora over a 4-bit base) where bitsandbytes is installed and its
+                              dequantization can be priced (the device's memory bandwidth, or a
+                              CPU's measured dequantization rate: memory_bandwidth)
     LoRA rank                 half, the recipe's, double (methods with adapters)
     optimizer-state precision fp32, int8 (8-bit AdamW, where bitsandbytes is installed)
     activation checkpointing  off, on
