@@ -15,7 +15,7 @@ Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe 
 and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
 its step time is the planner's estimate (estimated_seconds: FLOPs, with activation checkpointing's
 recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's dequantization bytes over
-the memory bandwidth).
+that rate).
 
 Ranking: the longest sequence first (shorter ones only when nothing fits at a longer one), then
 predicted seconds per token, then fewer settings changed, then the larger micro batch. The
