@@ -235,6 +235,9 @@ class CostConfig:
     currency: str = setting("", "Currency of the prices ('' = machine.toml, else USD).")
     peak_tflops: float = setting(0.0, "Peak dense TFLOP/s of one device at the run's precision, "
                                  "for MFU (0 = ember's table, or a measured peak on CPU).", min=0)
+    memory_gbps: float = setting(0.0, "Memory bandwidth of one device in GB/s, for the time QLoRA's 4-bit "
+                                 "dequantization takes in the plan (0 = ember's table; on a CPU, where the memory "
+                                 "is not what limits it, bitsandbytes' dequantization measured here).", min=0)
 
 
 @dataclass
@@ -346,7 +349,7 @@ OPERATIONAL_KEYS = frozenset({
     "data.workers", "data.tokenize_workers", "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep_last",
     "checkpoint.keep_best", "checkpoint.async", "checkpoint.persist_nice", "checkpoint.loss_budget_seconds", "train.restarts", "train.restart_backoff_seconds",
     "method.export_merged", "cost.device_hour_price", "cost.devices", "cost.watts",
-    "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops", "checkpoint.interruption_hours",
+    "cost.energy_price_kwh", "cost.currency", "cost.peak_tflops", "cost.memory_gbps", "checkpoint.interruption_hours",
     "plan.local_max_hours", "plan.memory_margin", "plan.assumed_mfu",
     # How ranks split the work changes the order of floating-point sums, not the optimization:
     # a run may resume under another strategy or world size (within the tolerance in README).

@@ -90,7 +90,8 @@ def test_a_plan_fit_imports_neither_torch_nor_transformers(tmp_path):
     """`ember plan --fit` is the plan's arithmetic over a few hundred configurations: torch-free
     like the plan (LoRA over all linear layers needs no module names)."""
     env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
-    recipe = write_recipe(tmp_path, cost={"peak_tflops": 1.0})  # no CPU peak to measure: that would import torch
+    # no CPU peak nor CPU dequantization rate (QLoRA's time) to measure: that would import torch
+    recipe = write_recipe(tmp_path, cost={"peak_tflops": 1.0, "memory_gbps": 1.0})
     done, seen = imports_of(tmp_path, env, "plan", str(recipe), "--fit", "2MB", "--fit-seq")
     assert done.returncode == 0 and "1. fastest that fits" in done.stdout, done.stderr
     assert not seen & set(HEAVY), f"`ember plan --fit` imported {sorted(seen)}"

@@ -13,7 +13,11 @@ FlopCounterMode in the same pass.
 
 What it leaves out, said where it matters: bitsandbytes' 8-bit optimizer has no fake kernels, so
 the step runs torch's AdamW and its two fp32 moments are replaced by the 8-bit state's bytes
-(ember.plan.memory.moment_bytes) afterwards; the update's own temporaries are torch's.
+(ember.plan.memory.moment_bytes) afterwards; the update's own temporaries are torch's. The rows
+are traced as calibration measures them and "mixed" packing trains them, one sequence each:
+transformers, which cannot read a fake tensor's position ids, is told so, and takes the real
+step's attention path (SDPA with is_causal, no mask). Packing "documents" or "padded" passes
+restarting positions, and its real step builds the mask: the trace leaves that mask out.
 
 A trace depends only on the model's config, the recipe's settings that shape the step, and the
 library versions: it is kept in $EMBER_HOME/cache/traced/ by their digest, so a plan of a
@@ -57,6 +61,6 @@ def _key(r: Recipe) -> str:
     shaping["step"] = [r.train.micro_batch, r.data.seq_len, min(r.train.grad_accum, 2), r.train.loss_chunk,
                        r.train.activation_checkpointing, r.optimizer.state_dtype]
     versions = [metadata.version(d) for d in ("torch", "transformers", "peft")]
-    source = Path(__file__).read_bytes()
+    source = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("traced.py", "fake_step.py"))
     blob = json.dumps([fields, shaping, versions], sort_keys=True, default=str).encode() + source
     return hashlib.sha256(blob).hexdigest()[:32]

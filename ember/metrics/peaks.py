@@ -8,6 +8,7 @@ peak and a reason, never a guess: a guessed peak is how a tool reports 563% MFU.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import time
@@ -66,6 +67,41 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
     if device_type == "cpu":
         return measured_cpu_peak(threads or os.cpu_count() or 1, again)
     return lookup_peak(name, dtype)
+
+
+# Memory bandwidth of the same devices, vendors' figures (bytes/s), for what a step spends moving
+# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.memory.dequant_bytes).
+BANDWIDTHS: list[tuple[str, float]] = [
+    ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12), ("a100", 2.039e12),
+    ("l40s", 0.864e12), ("l4", 0.3e12), ("a10g", 0.6e12), ("rtx 4090", 1.008e12), ("rtx 3090", 0.936e12),
+    ("mi300x", 5.3e12), ("mi250x", 3.2e12),
+]
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float | None   # None when unknown
+    source: str                 # "table: h100", "recipe override", or why unknown
+
+
+def memory_bandwidth(override_gbps: float, device_type: str, name: str, threads: int = 0,
+                     bytes_of: Callable[[int], int] | None = None) -> Bandwidth:
+    """The recipe's [cost] memory_gbps if set, else the table's figure for the device; on a CPU,
+    where bitsandbytes' dequantization runs well below the memory's bandwidth, the rate it moves
+    `bytes_of(n)` bytes per n-weight dequantization at, measured (see measured_dequant_rate)."""
+    if override_gbps:
+        return Bandwidth(override_gbps * 1e9, "recipe [cost] memory_gbps")
+    if device_type == "cpu":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            return Bandwidth(None, "no bitsandbytes to measure this CPU's dequantization: set [cost] memory_gbps")
+        if bytes_of is None:
+            return Bandwidth(None, "a CPU's dequantization rate is not its memory bandwidth: set [cost] memory_gbps")
+        return measured_dequant_rate(threads or os.cpu_count() or 1, bytes_of)
+    lowered = name.lower().replace("-", " ")
+    for key, rate in BANDWIDTHS:
+        if key in lowered or key.replace(" ", "") in lowered.replace(" ", ""):
+            return Bandwidth(rate, f"table: {key}")
+    return Bandwidth(None, f"unknown device '{name}': set [cost] memory_gbps")
 
 
 MAX_AGE_DAYS = 30      # a measured CPU peak older than this is measured again
@@ -173,8 +209,14 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
     """fp32 matmul FLOP/s measured on this CPU with `threads` threads (see time_matmul), cached
     per machine with its date and load and measured again when stale (see choose_cpu_peak).
     `again`: measure anew, keeping the higher of the two."""
+    peak, how = cached_cpu_rate(cpu_peak_key(threads), lambda: time_matmul(threads, size, rounds), again)
+    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+
+
+def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = False) -> tuple[CpuPeak, str]:
+    """A rate of this CPU (higher is better) from the cache of measured CPU rates under `key`, or
+    `measure`d when stale (see choose_cpu_peak), and when and under what load it was measured."""
     cache = home().cpu_peak_cache
-    key = cpu_peak_key(threads)
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -182,13 +224,12 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
     record = _from_json(known.get(key))
     loaded = record is not None and record.others is not None and record.others > LOADED
     others_now = others_share() if loaded and not again else None  # only a loaded record needs it
-    peak, why = choose_cpu_peak(record, time.time(), others_now, lambda: time_matmul(threads, size, rounds), again)
+    peak, why = choose_cpu_peak(record, time.time(), others_now, measure, again)
     if why is not None:
         known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
-    how = peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
-    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+    return peak, peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
 
 
 def _from_json(value: object) -> CpuPeak | None:
@@ -207,3 +248,43 @@ def cpu_peak_key(threads: int) -> str:
     # torch's version without importing torch (the same string as torch.__version__): planning
     # from a cached peak stays torch-free
     return f"{os.uname().nodename}:{os.cpu_count()}:{threads}:{importlib.metadata.version('torch')}"
+
+
+def measured_dequant_rate(threads: int, bytes_of: Callable[[int], int], size: int = 1024) -> Bandwidth:
+    """bitsandbytes' NF4 dequantization on this CPU with `threads` threads, as bytes moved per
+    second (`bytes_of(n)` per n-weight dequantization), cached with the CPU peak by the same rules
+    (the record's 'flops' holds bytes/s)."""
+    rate, how = cached_cpu_rate(f"nf4 dequantize, {cpu_peak_key(threads)}",
+                                lambda: time_dequant(threads, bytes_of, size))
+    return Bandwidth(rate.flops, f"{how}: bitsandbytes' NF4 dequantization of a {size}x{size} weight, "
+                                 f"{threads} threads")
+
+
+def time_dequant(threads: int, bytes_of: Callable[[int], int], size: int = 1024, rounds: int = 5) -> CpuPeak:
+    """Bytes per second bitsandbytes moves dequantizing a size x size NF4 weight (double
+    quantization, blocks of 64) on this CPU, the best of `rounds` windows of 0.1 s, with other
+    processes' share of the cores while it ran."""
+    import logging
+    import torch
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its import warns about optional CPU kernels it does not need here
+    try:
+        import bitsandbytes.functional as bnb
+    finally:
+        log.setLevel(level)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    w = torch.randn(size, size, generator=torch.Generator().manual_seed(0))  # never the global RNG
+    codes, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    bnb.dequantize_4bit(codes, state)  # warm-up
+    first, mine, best = _cpu_jiffies(), time.process_time(), 0.0
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            bnb.dequantize_4bit(codes, state)
+            n += 1
+        best = max(best, bytes_of(size * size) * n / (time.perf_counter() - t0))
+    others = _others_since(first, mine) if first is not None else None
+    torch.set_num_threads(previous)
+    return CpuPeak(best, time.time(), others)

@@ -2,7 +2,10 @@
 plan's own arithmetic (no formula of its own).
 
 The search tries every combination of
-    method                    methods(): every [method] kind the recipe takes (full, lora, ...)
+    method                    methods(): every [method] kind the recipe takes (full, lora), and QLoRA
+                              (lora over a 4-bit base) where bitsandbytes is installed and its
+                              dequantization can be priced (the device's memory bandwidth, or a
+                              CPU's measured dequantization rate: memory_bandwidth)
     LoRA rank                 half, the recipe's, double (methods with adapters)
     optimizer-state precision fp32, int8 (8-bit AdamW, where bitsandbytes is installed)
     activation checkpointing  off, on
@@ -11,7 +14,8 @@ The search tries every combination of
 Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe with its changes),
 and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
 its step time is the planner's estimate (estimated_seconds: FLOPs, with activation checkpointing's
-recomputation, over the device's peak at [plan] assumed_mfu).
+recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's dequantization bytes over
+that rate).
 
 Ranking: the longest sequence first (shorter ones only when nothing fits at a longer one), then
 predicted seconds per token, then fewer settings changed, then the larger micro batch. The
@@ -19,7 +23,8 @@ planner predicts the same time for every split of the batch (same FLOPs), so eac
 the other settings is listed once, with the largest micro batch that fits: larger matmuls run
 more efficiently, which the estimate does not model. A memory saver (int8 state, activation
 checkpointing) that buys no larger micro batch than the same configuration without it is left
-out: it would only slow the step, or change the training, for nothing.
+out: it would only slow the step, or change the training, for nothing; so is QLoRA that buys no
+larger micro batch than LoRA of the same rank and settings.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from typing import Any, Callable
 
 from ember.errors import BadInput, EmberError
 from ember.hardware import Device, parse_size
-from ember.metrics.peaks import Peak, select_peak
+from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.models import check_against_model, config_fields
-from ember.plan.memory import ModelShape, TrainShape, estimate
+from ember.plan.memory import ModelShape, TrainShape, dequantize_once, estimate
 from ember.plan.planner import estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
@@ -48,14 +53,26 @@ class NothingFits(EmberError):
     """No configuration the search tries fits the budget."""
 
 
-def methods() -> dict[str, dict[str, Any]]:
+def methods(qlora: bool = True) -> dict[str, dict[str, Any]]:
     """The methods the search tries, each as the recipe changes that select it: every kind
-    [method] kind takes. QLoRA ([method] quantize = 'nf4') is not searched yet: the plan prices
-    its dequantization at 0 FLOPs, so it would tie LoRA's time at a smaller peak and win every
-    search, though it is slower (on CPU about 1.8x a linear's forward and backward). Every one
-    but 'full' trains adapters of a rank."""
+    [method] kind takes, over the base as it is, and (`qlora`) LoRA over a 4-bit NF4 base. Every
+    one but 'full' trains adapters of a rank."""
     kinds = typing.get_args(typing.get_type_hints(MethodConfig)["kind"])
-    return {kind: {"method.kind": kind} for kind in kinds}
+    found = {kind: {"method.kind": kind, "method.quantize": "none"} for kind in kinds}
+    return {**found, "qlora": {"method.kind": "lora", "method.quantize": "nf4"}} if qlora else found
+
+
+def qlora_searched(peak: Peak, bandwidth: Bandwidth | None) -> str | None:
+    """Why QLoRA is left out of the search (None: it is searched): its time is FLOPs and the
+    dequantization's bytes, so it needs bitsandbytes, the device's peak and its memory bandwidth."""
+    if not bitsandbytes_installed():
+        return "QLoRA not searched: the bitsandbytes package is not installed"
+    if not peak.flops:
+        return f"QLoRA not searched: its dequantization cannot be ranked without a step time ({peak.source})"
+    if bandwidth is None or not bandwidth.bytes_per_s:
+        why = bandwidth.source if bandwidth is not None else "no memory bandwidth"
+        return f"QLoRA not searched: the time of its 4-bit dequantization is unknown ({why})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,13 +128,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def space(r: Recipe, allow_seq: bool = False) -> dict[str, list[Any]]:
-    """The values the search tries for each setting, for recipe `r`."""
+def space(r: Recipe, allow_seq: bool = False, qlora: bool = False) -> dict[str, list[Any]]:
+    """The values the search tries for each setting, for recipe `r` (`qlora`: QLoRA too)."""
     rank = r.method.rank
     seqs = [r.data.seq_len]
     while allow_seq and len(seqs) <= SEQ_HALVINGS and seqs[-1] // 2 >= min(MIN_SEQ, r.data.seq_len):
         seqs.append(seqs[-1] // 2)
-    return {"method": list(methods()), "rank": sorted({max(1, rank // 2), rank, 2 * rank}),
+    return {"method": list(methods(qlora)), "rank": sorted({max(1, rank // 2), rank, 2 * rank}),
             "state_dtype": ["fp32", "int8"] if bitsandbytes_installed() else ["fp32"],
             "activation_checkpointing": [False, True],
             "micro_batch": _divisors(r.train.micro_batch * r.train.grad_accum), "seq_len": seqs}
@@ -131,9 +148,11 @@ def _changes(r: Recipe, method: str, rank: int | None, state: str, ac: bool, seq
     return {k: v for k, v in want.items() if v is not None and v != get_dotted(have, k)}
 
 
-def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False) -> list[Candidate]:
+def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False,
+               bandwidth: Bandwidth | None = None) -> list[Candidate]:
     """Every configuration of the search space (module docstring) with its predicted peak and time."""
-    s, margin, effective = space(r, allow_seq), r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum
+    s = space(r, allow_seq, qlora_searched(peak, bandwidth) is None)
+    margin, effective = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum
     out = []
     for method in s["method"]:
         for rank in (s["rank"] if method != "full" else [None]):
@@ -144,19 +163,21 @@ def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: boo
                         t = train_shape(r.with_changes(changes, "--fit"))  # the planner's own reading
                         per_token = step_flops(m, replace(t, micro_batch=1), 1) / t.seq_len
                         for mb in s["micro_batch"]:
-                            out.append(_candidate(r, m, replace(t, micro_batch=mb), changes, rank, effective // mb,
-                                                  budget, margin, peak, per_token))
+                            shape, accum = replace(t, micro_batch=mb), effective // mb
+                            seconds = estimated_seconds(m, shape, accum, peak, r.plan.assumed_mfu, bandwidth) \
+                                if peak.flops else math.nan
+                            out.append(_candidate(r, m, shape, changes, rank, accum, budget, margin, seconds,
+                                                  per_token))
     return out
 
 
 def _candidate(r: Recipe, m: ModelShape, t: TrainShape, changes: dict[str, Any], rank: int | None, accum: int,
-               budget: int, margin: float, peak: Peak, per_token: float) -> Candidate:
-    """One point of the search: the memory estimate and the planner's time for shape `t`."""
+               budget: int, margin: float, seconds: float, per_token: float) -> Candidate:
+    """One point of the search: the memory estimate for shape `t`, and the planner's time."""
     split = {} if (t.micro_batch, accum) == (r.train.micro_batch, r.train.grad_accum) else \
         {"train.micro_batch": t.micro_batch, "train.grad_accum": accum}
     b = estimate(m, t)
-    seconds = estimated_seconds(m, t, accum, peak, r.plan.assumed_mfu) if peak.flops else math.nan
-    method = changes.get("method.kind", r.method.kind)
+    method = "qlora" if t.quantize == "nf4" else changes.get("method.kind", r.method.kind)
     return Candidate({**changes, **split}, method, rank, changes.get("optimizer.state_dtype", r.optimizer.state_dtype),
                      t.activation_checkpointing, t.micro_batch, accum, t.seq_len, b.peak, b.with_margin(margin),
                      fits(b.peak, budget, margin), seconds, per_token)
@@ -168,16 +189,21 @@ def _knobs(c: Candidate) -> int:
 
 
 def _order(c: Candidate) -> tuple:
-    return -c.seq_len, c.flops_per_token, _knobs(c), -c.micro_batch
+    # seconds per token (the effective batch is held), to 9 digits: splits of one batch that tie
+    # in exact arithmetic tie here too, and fall to the next keys
+    per_token = float(f"{c.step_seconds / (c.micro_batch * c.grad_accum):.9g}") if c.step_seconds == c.step_seconds \
+        else 0.0
+    return -c.seq_len, per_token, c.flops_per_token, _knobs(c), -c.micro_batch
 
 
 def _buys_nothing(c: Candidate, kept: dict[tuple, Candidate]) -> bool:
-    """`c` turns on a memory saver (int8 state, activation checkpointing) that buys no larger micro
-    batch: the same configuration without it fits a micro batch as large, as fast or faster."""
-    def key(x: Candidate, state: str, ac: bool) -> tuple:
-        return x.method, x.rank, state, ac, x.seq_len
+    """`c` turns on a memory saver (int8 state, activation checkpointing, a 4-bit base) that buys no
+    larger micro batch: the same configuration without it fits a micro batch as large, as fast or faster."""
+    def key(x: Candidate, state: str, ac: bool, method: str | None = None) -> tuple:
+        return method or x.method, x.rank, state, ac, x.seq_len
     without = [key(c, "fp32", c.activation_checkpointing) if c.state_dtype != "fp32" else None,
-               key(c, c.state_dtype, False) if c.activation_checkpointing else None]
+               key(c, c.state_dtype, False) if c.activation_checkpointing else None,
+               key(c, c.state_dtype, c.activation_checkpointing, "lora") if c.method == "qlora" else None]
     return any(k in kept and kept[k].micro_batch >= c.micro_batch for k in without if k is not None)
 
 
@@ -193,10 +219,11 @@ def rank_fitting(found: list[Candidate]) -> list[Candidate]:
 
 
 def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False,
-           budget_source: str = "") -> Fit:
+           budget_source: str = "", bandwidth: Bandwidth | None = None) -> Fit:
     """The fastest configurations of recipe `r` that fit `budget` bytes (module docstring);
     NothingFits, with the smallest peak found and what to try, when none does."""
-    found = candidates(r, m, budget, peak, allow_seq)
+    found = candidates(r, m, budget, peak, allow_seq, bandwidth)
+    left_out = qlora_searched(peak, bandwidth)
     ranked = rank_fitting(found)
     margin = r.plan.memory_margin
     where = f"{size(budget)}" + (f" ({budget_source})" if budget_source else "")
@@ -206,7 +233,9 @@ def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = 
         if not allow_seq:
             tries.append("--fit-seq to allow shorter sequences")
         if "int8" not in space(r)["state_dtype"]:
-            tries.append("installing bitsandbytes (8-bit optimizer state)")
+            tries.append("installing bitsandbytes (8-bit optimizer state, QLoRA)")
+        elif left_out is not None:
+            tries.append("[cost] memory_gbps (the device's memory bandwidth: QLoRA is searched with it)")
         tries.append("sharding over devices (`ember plan RECIPE` lists the FSDP remedy) or a smaller model")
         raise NothingFits(
             f"--fit: nothing fits {where}: the smallest predicted peak of the {len(found)} configurations "
@@ -214,11 +243,15 @@ def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = 
             f"for {low.describe()}; try {', '.join(tries)}")
     how = (f"FLOPs (with activation checkpointing's recomputation) over {peak.source} at [plan] assumed_mfu "
            f"{r.plan.assumed_mfu:.0%}" if peak.flops else f"unknown ({peak.source}): ranked by FLOPs per token")
+    if left_out is None:
+        how += (f"; QLoRA's 4-bit dequantization: its bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
+                f"({bandwidth.source})")
     notes = [] if "int8" in space(r)["state_dtype"] else \
         ["int8 optimizer state not searched: the bitsandbytes package is not installed"]
-    as_written = next((c for c in found if not c.changes), None)  # None: int8 without bitsandbytes
+    notes += [left_out] if left_out is not None else []
+    as_written = next((c for c in found if not c.changes), None)  # None: int8 or QLoRA not searched
     return Fit(budget, where, margin, len(found), sum(c.fits for c in found), ranked[:TOP], as_written,
-               space(r, allow_seq), how, notes)
+               space(r, allow_seq, left_out is None), how, notes)
 
 
 @dataclass
@@ -259,7 +292,9 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None) -> Fi
                          f"it as written (its step traced), with --set to try another configuration") from None
     d = devices[0]
     peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
-    result = search(r, m, budget, peak, req.allow_seq, source)
+    bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
+        if bitsandbytes_installed() else None  # a CPU measures its rate (cached), for QLoRA's time
+    result = search(r, m, budget, peak, req.allow_seq, source, bandwidth)
     if req.apply is not None:
         req.apply.write_text(r.with_changes(result.best[0].changes, "--fit").to_toml())
         result.applied = req.apply

@@ -219,6 +219,27 @@ def dequantized(m: ModelShape, t: TrainShape) -> int:
     return max(i * o for i, o in m.linear_shapes().values()) * (F32 + (2 if t.autocast else 0))
 
 
+def dequant_bytes(m: ModelShape, t: TrainShape) -> int:
+    """Bytes a micro-batch's 4-bit linears read and write dequantizing their weights: each linear
+    once in forward, once in backward (its input's gradient), once more to recompute forward
+    under activation checkpointing (0 without [method] quantize = 'nf4')."""
+    if t.quantize != "nf4":
+        return 0
+    passes = 3 if t.activation_checkpointing else 2
+    return passes * m.layers * sum(dequantize_once(i * o) for i, o in m.linear_shapes().values())
+
+
+def dequantize_once(n: int) -> int:
+    """Bytes read and written dequantizing one n-element NF4 weight, as bitsandbytes' ops do it
+    (double quantization; its compute dtype fp32, under autocast too): the 8-bit absmaxes, their
+    fp32 scales and 256-entry fp32 code map read, fp32 absmaxes written; the fp32 offset added
+    (read, written); the codes and fp32 absmaxes read, the fp32 weight written."""
+    blocks = -(-n // NF4_BLOCK)
+    absmax = blocks + F32 * (-(-blocks // NF4_NESTED_BLOCK) + 256) + F32 * blocks
+    offset = F32 * (2 * blocks + 1)
+    return absmax + offset + -(-n // 2) + F32 * blocks + F32 * n
+
+
 def fixed_activations(m: ModelShape, t: TrainShape) -> float:
     """Bytes per token outside the decoder layers, without the loss's own buffers."""
     h, full = m.hidden, not t.lora

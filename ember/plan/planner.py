@@ -16,11 +16,12 @@ from ember.hardware import Device, for_run, host_device
 from ember.ledger import history
 from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
-from ember.metrics.peaks import Peak, select_peak
+from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
-from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
+from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, dequantize_once, estimate,
+                               optimizer_bytes, trainable_params)
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 
@@ -278,19 +279,30 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         achieved = mfu(tokens_per_step / step_s, fpt.total, peak.flops) if fpt else None
     elif fpt is not None and peak.flops:
         achieved = r.plan.assumed_mfu
+        bandwidth = memory_bandwidth(r.cost.memory_gbps, dev.kind, dev.name, r.train.threads, dequantize_once) \
+            if t.quantize == "nf4" else None  # a CPU measures its rate: only where there is something to price
         if m is not None:
-            step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved)
+            step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved, bandwidth)
             extra = recompute_flops(m, t)
         else:  # the traced count has the recomputation in it: its backward ran it
             step_s, extra = fpt.total * tokens_per_step / (peak.flops * achieved), 0
         again = f" + {extra:.3g} recomputed" if extra else ""
         how = (f"({fpt.formula} = {fpt.total:.3g}{again}) FLOPs/token x {tokens_per_step} tokens / "
-               f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})")
+               f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})"
+               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if bandwidth is not None else ""))
     else:
         step_s, achieved = float("nan"), None
         how = f"unknown: {peak.source}" if fpt is not None else "unknown"
     return PlanTime(step_s, how, r.train.max_steps, step_s * r.train.max_steps, float("nan"),
                     tokens_per_step * r.train.max_steps, achieved)
+
+
+def _dequant_how(m: ModelShape | None, t: TrainShape, grad_accum: int, bandwidth: Bandwidth) -> str:
+    """The 4-bit dequantization's part of the time, in words."""
+    if m is None or not bandwidth.bytes_per_s:
+        return f"; 4-bit dequantization not priced ({bandwidth.source if m is not None else 'no formula'})"
+    return (f" + {dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
+            f"({bandwidth.bytes_per_s / 1e9:.4g} GB/s, {bandwidth.source})")
 
 
 @dataclass(frozen=True)
@@ -300,9 +312,19 @@ class CountedFlops:
     formula: str = "counted on the model's module graph"
 
 
-def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak, assumed_mfu: float) -> float:
-    """The optimizer step's time without measuring: its FLOPs over the peak at the assumed MFU."""
-    return step_flops(m, t, grad_accum) / (peak.flops * assumed_mfu)
+def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak, assumed_mfu: float,
+                      bandwidth: Bandwidth | None = None) -> float:
+    """The optimizer step's time without measuring: its FLOPs over the peak at the assumed MFU,
+    and (QLoRA) its 4-bit dequantization's bytes over the memory bandwidth, where known."""
+    return step_flops(m, t, grad_accum) / (peak.flops * assumed_mfu) + dequant_seconds(m, t, grad_accum, bandwidth)
+
+
+def dequant_seconds(m: ModelShape, t: TrainShape, grad_accum: int, bandwidth: Bandwidth | None) -> float:
+    """Seconds an optimizer step spends dequantizing 4-bit weights (0 where none, or the
+    bandwidth is unknown: the time then says so, see _time)."""
+    if bandwidth is None or not bandwidth.bytes_per_s:
+        return 0.0
+    return dequant_bytes(m, t) * grad_accum / bandwidth.bytes_per_s
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:

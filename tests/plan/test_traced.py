@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from ember.doctor.measure import calibrate, live_tensor_bytes
 from ember.plan.memory import LLAMA_FAMILY
 from ember.recipe import load_recipe
 from ember.train.model import ByteTokenizer
-from tests.helpers import write_recipe
+from tests.helpers import ROOT, write_recipe
 from tests.test_startup import HEAVY, imports_of
 
 H = {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -48,13 +51,10 @@ VARIANTS = {  # on one family: each setting that changes the step's memory
                                                 "train.activation_checkpointing=true", "precision.mode=bf16",
                                                 "train.grad_accum=3"],
 }
-# The issue's goal is 2%. Families whose attention goes through SDPA with a causal mask that
-# transformers skips when it can read the positions (Llama-like: GPT-NeoX, OLMo, StableLM,
-# Gemma 3) take the explicit-mask path on fake tensors, which cannot be read: the trace then
-# counts the float mask, the repeated K/V heads and their gradients, one layer's worth at the
-# peak (+1.04 MB on these tiny models, +2.1% to +5.6%). Never under.
-UNDER, OVER = 0.02, 0.06
-MASK_PATH = {"gemma3_text", "gpt_neox", "olmo", "stablelm"}
+# The issue's goal is 2%. The families' traces match to 0.02%; each is held to 0.5%, below the
+# smallest share of the explicit causal mask a fake-tensor trace used to count (GPT-J's +1.84%;
+# GPT-NeoX, OLMo, StableLM, Gemma 3 and Phi-3 also took that path: ember.doctor.fake_step).
+UNDER, FAMILY = 0.02, 0.005
 
 
 def model_folder(root, family: str):
@@ -90,12 +90,11 @@ def test_the_families_are_outside_the_formulas():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_traced_step_is_within_two_percent_of_the_measured_one(tmp_path, models, family):
+def test_a_traced_step_is_within_half_a_percent_of_the_measured_one(tmp_path, models, family):
     recipe = write_recipe(tmp_path, model={"path": str(model_folder(models, family))},
                           data={"seq_len": 128}, train={"micro_batch": 4})
     traced, measured = traced_and_measured(recipe)
-    over = OVER if family in MASK_PATH else UNDER
-    assert -UNDER <= traced / measured - 1 <= over, f"{family}: traced {traced:,} B, measured {measured:,} B"
+    assert -FAMILY <= traced / measured - 1 <= FAMILY, f"{family}: traced {traced:,} B, measured {measured:,} B"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -123,3 +122,18 @@ def test_plan_of_a_family_without_formulas_is_traced_then_torch_free(tmp_path, m
     same = lambda out: [x for x in out.splitlines() if x.startswith(("model:", "│ peak"))]
     assert same(again.stdout) == same(first.stdout) and len(same(first.stdout)) == 2, (first.stdout, again.stdout)
     assert not seen & set(HEAVY), f"the second plan imported {sorted(seen)}"
+
+
+def test_a_change_to_the_traced_step_is_a_new_cache_key(tmp_path):
+    """The cached traces are keyed by the code that ran the step (fake_step.py), not only by the
+    module that caches them: a corrected trace is never answered from a stale cache."""
+    recipe = write_recipe(tmp_path)
+    changed = tmp_path / "tree"
+    shutil.copytree(ROOT / "ember", changed / "ember", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(changed / "ember/doctor/fake_step.py", "a") as f:
+        f.write("# a changed step\n")
+    code = f"from ember.recipe import load_recipe; from ember.doctor.traced import _key; print(_key(load_recipe({str(recipe)!r}, [])))"
+    keys = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(tree)}) for tree in (ROOT, changed)]
+    assert all(k.returncode == 0 for k in keys), [k.stderr for k in keys]
+    assert keys[0].stdout.strip() != keys[1].stdout.strip(), keys[0].stdout

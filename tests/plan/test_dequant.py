@@ -1,0 +1,133 @@
+"""QLoRA's 4-bit dequantization priced in the plan's step time (ember.plan.memory.dequant_bytes,
+ember.plan.planner.dequant_seconds) and searched by `ember plan --fit` (ember/plan/fit.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ember.hardware import Device, Kind
+from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth
+from ember.models import config_fields
+from ember.plan.fit import candidates, search
+from ember.plan.memory import ModelShape, TrainShape, dequant_bytes, dequantize_once
+from ember.plan.planner import make_plan
+from ember.plan.remedies import step_flops
+from ember.recipe import load_recipe
+from ember.train.quantize import quantize_base
+from tests.helpers import write_recipe
+
+SHAPE = ModelShape("llama", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=100)
+PEAK = Peak(1e12, "test: 1 TFLOP/s")
+SLOW = Bandwidth(1e9, "test: 1 GB/s")
+
+
+def test_dequantize_once_by_hand():
+    # n = 16,384 weights: 256 blocks of 64, one fp32 scale per 256 blocks.
+    # absmaxes: 256 codes + 4 (scale) + 1,024 (code map) read, 1,024 written; offset: 1,024 + 4 read,
+    # 1,024 written; weight: 8,192 codes + 1,024 absmaxes read, 65,536 written.
+    assert dequantize_once(16_384) == 256 + 4 + 1_024 + 1_024 + 1_028 + 1_024 + 8_192 + 1_024 + 65_536 == 79_112
+    assert dequantize_once(8_192) == 40_072 and dequantize_once(32_768) == 157_196
+
+
+def test_dequant_bytes_of_a_step_by_hand():
+    """Per layer: q and o 128x128, k and v 128x64, gate, up, down 128x256; two layers; each
+    linear dequantized in forward and in backward, and again in the recomputed forward."""
+    layer = 2 * 79_112 + 2 * 40_072 + 3 * 157_196
+    assert layer == 709_956
+    t = TrainShape(4, 32, lora=True, quantize="nf4")
+    assert dequant_bytes(SHAPE, t) == 2 * 2 * layer == 2_839_824
+    assert dequant_bytes(SHAPE, TrainShape(4, 32, lora=True, quantize="nf4", activation_checkpointing=True)) == \
+        3 * 2 * layer
+    assert dequant_bytes(SHAPE, TrainShape(4, 32, lora=True)) == 0  # no 4-bit base, nothing to price
+
+
+class _DequantBytes(TorchDispatchMode):
+    """Bytes of the tensors bitsandbytes' dequantization ops take and return."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks, self.total, self.ops = blocks, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        offset = name.startswith("aten.add_") and args[0].shape == (self.blocks,)
+        if "dequantize" in name or offset:
+            tensors = [a for a in (*args, out) if isinstance(a, torch.Tensor)]
+            self.total += sum(a.numel() * a.element_size() for a in tensors)
+            self.ops.append(name)
+        return out
+
+
+def test_one_dequantization_is_the_bytes_bitsandbytes_ops_move():
+    """A 4-bit linear's backward (ember.train.quantize's Linear4bit, 256 -> 512) dequantizes its
+    weight once: the bytes its ops read and write are dequantize_once's."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 4))
+    model.get_output_embeddings = lambda: model[1]
+    assert quantize_base(model) == 1
+    x = torch.randn(8, 256, requires_grad=True)
+    y = model[0](x)
+    seen = _DequantBytes(256 * 512 // 64)
+    with seen:
+        y.sum().backward()
+    assert len(seen.ops) == 3, seen.ops  # the absmaxes, their offset, the weight
+    assert seen.total == dequantize_once(256 * 512) == 625_700
+
+
+def test_the_plans_time_adds_the_dequantization_over_the_bandwidth(tmp_path):
+    """`ember plan` of a QLoRA recipe: the FLOPs' time plus the dequantized bytes over
+    [cost] memory_gbps; the LoRA recipe's time has no such term."""
+    path = write_recipe(tmp_path, train={"micro_batch": 4, "grad_accum": 2},
+                        cost={"peak_tflops": 1.0, "memory_gbps": 2.0}, method={"kind": "lora"})
+    device = [Device(0, "test", Kind.CUDA, 80 * 2**30, 80 * 2**30)]
+    lora = make_plan(load_recipe(path), None, None, device).time
+    qlora = make_plan(load_recipe(path, ["method.quantize=nf4"]), None, None, device).time
+    m = ModelShape.from_config(config_fields("builtin:tiny"))
+    t = TrainShape(4, 32, lora=True, quantize="nf4")
+    flops_s = step_flops(m, t, 2) / (1e12 * 0.35)
+    assert math.isclose(lora.step_seconds, flops_s, rel_tol=1e-12)
+    assert math.isclose(qlora.step_seconds, flops_s + 2 * dequant_bytes(m, t) / 2e9, rel_tol=1e-12)
+    assert "4-bit dequantization" in qlora.how and "recipe [cost] memory_gbps" in qlora.how
+
+
+def test_fit_searches_qlora_where_its_time_is_known(tmp_path):
+    """With the bandwidth known, --fit tries QLoRA: where LoRA fits, LoRA (faster) is picked and
+    QLoRA is listed only where it buys a larger micro batch; where only QLoRA fits, it is the pick.
+    Without a bandwidth, QLoRA is left out and the note says why."""
+    path = write_recipe(tmp_path, train={"micro_batch": 4, "grad_accum": 2}, cost={"peak_tflops": 1.0})
+    r, m = load_recipe(path), ModelShape.from_config(config_fields("builtin:tiny"))
+    found = candidates(r, m, 10**9, PEAK, bandwidth=SLOW)
+    qlora = [c for c in found if c.method == "qlora"]
+    assert qlora and all(c.changes["method.quantize"] == "nf4" for c in qlora)
+    for c in qlora:  # slower than LoRA of the same shape, smaller
+        twin = next(d for d in found if d.method == "lora" and (d.rank, d.state_dtype, d.activation_checkpointing,
+                                                                   d.micro_batch) ==
+                    (c.rank, c.state_dtype, c.activation_checkpointing, c.micro_batch))
+        assert c.step_seconds > twin.step_seconds and c.peak < twin.peak
+    roomy = search(r, m, 10**9, PEAK, bandwidth=SLOW)
+    assert "qlora" in roomy.space["method"] and not any(c.method == "qlora" for c in roomy.best)  # buys nothing
+    tight = math.ceil(min(c.peak for c in found if c.method == "qlora") * (1 + r.plan.memory_margin))
+    assert all(c.with_margin > tight for c in found if c.method != "qlora")  # only QLoRA fits at its smallest
+    only = search(r, m, tight, PEAK, bandwidth=SLOW)
+    assert only.best[0].method == "qlora" and only.best[0].fits
+    left = search(r, m, 10**9, PEAK, bandwidth=Bandwidth(None, "test: unknown"))
+    assert "qlora" not in left.space["method"] and any("QLoRA not searched" in n for n in left.notes)
+
+
+def test_a_cpu_measures_its_dequantization_rate_once(tmp_path, monkeypatch):
+    """On a CPU the rate is bitsandbytes' own dequantization, measured and cached in
+    $EMBER_HOME like the CPU peak: the second plan reads it back; [cost] memory_gbps wins."""
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    first = memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once)
+    assert first.bytes_per_s and first.bytes_per_s > 0 and "measured" in first.source, first
+    cached = json.loads((tmp_path / "home/cache/cpu_peak.json").read_text())
+    (record,) = [v for k, v in cached.items() if k.startswith("nf4 dequantize")]
+    assert record["flops"] == first.bytes_per_s and record["at"] > 0  # bytes/s, with when and the load
+    assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first  # read back, not measured again
+    assert memory_bandwidth(3.0, "cpu", "cpu", 1, dequantize_once).bytes_per_s == 3e9
+    assert memory_bandwidth(0.0, "cuda", "NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
+    assert memory_bandwidth(0.0, "cuda", "test").bytes_per_s is None
