@@ -20,9 +20,11 @@ ember/parallel/stages.py, imported when a run applies it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ember.parallel.mesh import Mesh
+from ember.parallel.placement import rank_name
 from ember.parallel.strategy import Cost, Footprint, Ranks, Step
 
 SCHEDULES = ("gpipe", "1f1b")  # [distributed] schedule; torch's ScheduleGPipe and Schedule1F1B
@@ -94,8 +96,25 @@ class PP:
         return None
 
 
+def rank_names(recipe: Any, ranks: int) -> Callable[[int], str]:
+    """How the launcher names the ranks of a run of `recipe` over `ranks` ranks (ember.ranks): by
+    their stage under strategy 'pp' (from the model's config: the launcher holds no model)."""
+    if recipe.distributed.strategy != PP.name:
+        return rank_name
+    from ember.models import config_fields
+    layers = getattr(config_fields(recipe.model.path), "num_hidden_layers", None) or 0
+    return lambda rank: rank_name(rank, ranks, layers)
+
+
 def pipeline_of(model: Any) -> Any:
     """The pipeline a pipeline-parallel stage carries (ember.parallel.stages.Pipeline); None for
     any other model."""
     return getattr(model, "ember_pipeline", None)
 
+
+
+def names_of(model: Any) -> Callable[[int], str]:
+    """How a rank's messages name the ranks (ember.train.watchdog): by their stage when `model` is a
+    pipeline's stage."""
+    pipe = pipeline_of(model)
+    return pipe.name if pipe is not None else rank_name

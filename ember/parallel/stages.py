@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ember import faults
 from ember.errors import EmberError
+from ember.parallel.placement import layer_range, rank_name
 
 
 def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
@@ -49,15 +51,8 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
         inner.embed_tokens = None
     if not last:
         inner.norm, lm.lm_head = None, None
-    model.ember_pipeline = Pipeline(model, lm, stage, stages, device)
+    model.ember_pipeline = Pipeline(model, lm, (stage, stages, n), device)
     return model
-
-
-def layer_range(layers: int, stages: int, stage: int) -> range:
-    """The decoder layers of `stage`: consecutive, the first stages one more when they do not split evenly."""
-    base, extra = divmod(layers, stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 class StageForward(nn.Module):
@@ -76,6 +71,7 @@ class StageForward(nn.Module):
         """`rows`: each row's position in the data stream (the schedule splits it with the rows)."""
         from transformers.masking_utils import create_causal_mask
         self.at(int(rows[0]))
+        faults.point("pipeline.stage_forward")  # a stage dying or stalling inside the schedule (tests)
         inner = self.lm.model
         h = inner.embed_tokens(x) if self.first else x
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None,
@@ -90,9 +86,11 @@ class Pipeline:
     """This rank's stage under a schedule of torch.distributed.pipelining, built at the first step
     (it needs the step's micro-batch count and the recipe's schedule)."""
 
-    def __init__(self, root: nn.Module, lm: nn.Module, stage: int, stages: int, device: torch.device):
-        self.root, self.lm, self.stage, self.stages, self.device = root, lm, stage, stages, device
-        self.forward = StageForward(lm, stage == 0, stage == stages - 1)
+    def __init__(self, root: nn.Module, lm: nn.Module, place: tuple[int, int, int], device: torch.device):
+        """`place`: this stage's index, the stages, and the whole model's decoder layers."""
+        self.root, self.lm, self.device = root, lm, device
+        self.stage, self.stages, self.layers = place
+        self.forward = StageForward(lm, self.stage == 0, self.last)
         self.schedule: Any = None
         self.shape: tuple[int, int] | None = None
         self.normalizer = 1.0
@@ -100,6 +98,10 @@ class Pipeline:
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
+
+    def name(self, rank: int) -> str:
+        """How messages name `rank`: its stage and layers (ember.parallel.pp.rank_name)."""
+        return rank_name(rank, self.stages, self.layers)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the model's own loss, as the one-process step computes it (sum over learned tokens / the step's count)

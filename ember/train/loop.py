@@ -19,7 +19,7 @@ from ember.ckpt.state import RunState
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.ledger.goodput import EventKind
-from ember.parallel.pp import pipeline_of
+from ember.parallel.pp import names_of, pipeline_of
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
@@ -100,7 +100,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     data, evaluator = Data(job), Evaluator(job)
     stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
     between = Between(job, stop, record)  # soft pauses (ember.control); a stop between micro-batches
-    watchdog = Watchdog(world, r.distributed, job.run.path, job.events).start()  # distributed runs only
+    watchdog = Watchdog(world, r.distributed, job.run.path, job.events, names_of(job.model)).start()  # distributed only
     policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
     last, blocked, saved, loss = LastSave(time.monotonic()), 0.0, state.step, math.nan
     job.model.train()
