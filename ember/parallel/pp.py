@@ -53,13 +53,13 @@ class PP:
         p, m = ranks.n, step.accum
         if p > step.layers:  # a stage would hold no layer: refused at launch
             return None
-        bubble = (p - 1) / (m + p - 1)
+        share = bubble(p, m)
         link = ranks.net.all_reduce  # point-to-point priced as one hop of the fitted link
         sends = 2 * (p - 1) * m * (link.latency + step.act_bytes / link.bandwidth)
-        notes = [f"bubble {bubble:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
+        notes = [f"bubble {share:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
-        return Cost(ranks.compute(step.seconds) / (1 - bubble), sends, 0.0, self.memory(fp, p),
+        return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, self.memory(fp, p),
                     2 * m * step.act_bytes, tuple(notes))
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
@@ -94,6 +94,12 @@ class PP:
             return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
                     "'auto' or false (the stages run eagerly)")
         return None
+
+
+def bubble(stages: int, micro_batches: int) -> float:
+    """The share of a step a stage waits under GPipe or 1F1B, every stage's forward and backward
+    of a micro-batch taking the same time: (p-1)/(m+p-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
 
 
 def rank_names(recipe: Any, ranks: int) -> Callable[[int], str]:

@@ -276,7 +276,7 @@ def train_step(job: Steppable, data: Data, between: Callable[[int], bool] = lamb
             loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, r.distributed.schedule,
                                  lambda first: job.dropout.at(state.step + 1, first))
         ordinals = [o for o, _ in fetched]
-        timer.lap("backward")
+        timer.split(pipe.seconds, "h2d")  # its forwards, backwards and bubble; the rest, the batches' copies
         for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
             faults.point("train.micro_batch")
     for i, (ordinal, batch) in enumerate(fetched if pipe is None else []):

@@ -43,6 +43,26 @@ def test_two_stages_train_what_one_process_trains(pipeline):
     assert {p.name for p in ckpt.iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}  # each stage its own
 
 
+def test_each_stage_records_its_bubble_beside_the_schedules(pipeline):
+    """Every step's phases hold the stage's bubble (its wait inside the schedule); ranks.json each
+    stage's median share and the schedule's (2-1)/(2+2-1); `ember report` says both. Not a
+    DDP step's. (Values are timings: only their arithmetic is asserted.)"""
+    rows = [json.loads(x) for x in (pipeline["pp"] / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        ph = r["phases"]
+        assert ph["bubble"] >= 0 and ph["forward"] > 0 and ph["backward"] > 0
+        assert sum(v for k, v in ph.items() if k != "checkpoint") <= r["step_seconds"] * 1.001 + 1e-5, r  # the save before it: not its time
+    ddp = json.loads((pipeline["ddp"] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "bubble" not in ddp["phases"]
+    ranks = json.loads((pipeline["pp"] / "ranks.json").read_text())
+    assert ranks["bubble_predicted"] == pytest.approx(1 / 3)
+    assert all(0 <= r["bubble"] < 1 for r in ranks["ranks"])
+    assert ranks["bubble"] == pytest.approx(sum(r["bubble"] for r in ranks["ranks"]) / 2)
+    shown = run_ember("report", pipeline["pp"])
+    assert shown.returncode == 0 and "pipeline bubble: " in shown.stdout and "33.3% predicted" in shown.stdout, \
+        shown.stdout[-2000:] + shown.stderr[-2000:]
+
+
 def test_the_whole_group_killed_mid_step_resumes_bit_for_bit_under_either_schedule(pipeline, tmp_path):
     """SIGKILL of both stages at the 13th micro-batch (inside step 7; checkpoint at step 5), then a
     resume: every loss and final weight equal to the uninterrupted run's. Under GPipe, against
