@@ -145,7 +145,7 @@ class Pipeline:
         return self.stage == self.stages - 1
 
     def name(self, rank: int) -> str:
-        """How messages name `rank`: its stage and layers (ember.parallel.pp.rank_name)."""
+        """How messages name `rank`: its stage and layers (ember.parallel.placement.rank_name)."""
         return rank_name(rank, self.stages, self.layers)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
