@@ -12,7 +12,8 @@ This process is the launcher: it holds the run folder's lock for the ranks (embe
 waits. torchrun's own restarts are off (max_restarts 0): when one rank dies, the agent tears the
 group down, and ember's supervisor (--restarts) restarts the whole group from the last durable
 checkpoint with its backoff and its crash-loop rules, the same as a one-process run. The
-launcher says in one line which rank ended the run, how, and what was saved (`ended`): the
+launcher says in one line which rank ended the run (a pipeline's with its stage and layers,
+ember.parallel.placement), how, and what was saved (`ended`): the
 other ranks' collectives failed after it (they leave quietly, ember.world.lost_peer) or the agent
 stopped them, and a hang is named by the watchdog's verdict (exit 70). A signal to
 the launcher reaches every rank (the agent forwards it); they agree at the step boundary to
