@@ -215,7 +215,8 @@ class Watchdog:
         waiting = [r for r, h in hangs.items() if h is not None and h.waiting]
         at = hangs[waiting[0]].collective if waiting else "a collective"
         who = self._ranks(behind)
-        wait = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited there {waited:.1f} s"
+        wait = (f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited there {waited:.1f} s"
+                if waiting else f"no rank answered from inside a collective after {waited:.1f} s")
         if not who:
             return f"hang: in step {self.step + 1} no rank could be told apart as missing ({wait} at {at})"
         return f"hang: {who} never arrived at {at} in step {self.step + 1}; {wait}"

@@ -126,6 +126,11 @@ def test_the_watchdog_names_the_rank_that_never_arrived():
     # A rank a step behind; a rank stuck where it cannot even answer.
     assert dog.verdict({0: 6, 1: 6, 2: 5}, {0: waits, 1: waits, 2: waits}, 3.0).startswith("hang: rank 2 never")
     assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: waits, 2: None}, 3.0).startswith("hang: rank 2 never")
+    # No rank in a collective (before: "...; rank  waited there 3.0 s")
+    idle = Where(False, "", "")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: idle, 1: idle, 2: idle}, 3.0) == (
+        "hang: ranks 0, 1, 2 never arrived at a collective in step 7; no rank answered from inside a collective "
+        "after 3.0 s")
 
 
 def test_a_pipeline_names_its_ranks_by_their_stage():
