@@ -10,12 +10,17 @@ a bare torchrun + DDP loop on the same job. Figures are printed, never asserted.
                        `ember plan --calibrate`: its predicted step for that layout
     bare DDP           the same model, data order, optimizer and batch in a hand-written loop
                        under torchrun (bench/bare_ddp.py)
+    pipeline           `--nproc 2 --set distributed.strategy=pp` under gpipe and 1f1b at grad_accum
+                       2, 4, 8, against one process at the same grad_accum: the bubble each stage
+                       measured (ranks.json: the median step's share of the schedule a stage
+                       waited) against (p-1)/(m+p-1), and the step against the schedule's
+                       prediction, one process's step / p / (1 - bubble), and the advisor's
 
 A step's time is the median of `step_seconds` in metrics.jsonl after the first WARMUP steps.
 On a CUDA machine the same script adds one and two GPUs on a ~0.5B model in bf16 (NCCL); where
 no GPU is present it says so instead of printing a figure.
 
-usage: python bench/distributed.py [--steps 40] [--rates 1gbit,100mbit]
+usage: python bench/distributed.py [--steps 40] [--rates 1gbit,100mbit] [--only pp]
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ def model_folder(folder: Path, **shape: int) -> Path:
 
 
 def recipe(folder: Path, model: Path, steps: int, seq_len: int = 128, micro_batch: int = 4, threads: int = 1,
-           precision: str = "fp32") -> Path:
+           precision: str = "fp32", grad_accum: int = 4) -> Path:
     r = {"model": {"path": str(model)},
          "data": {"files": [str(ROOT / "examples/data/genesis.jsonl")], "seq_len": seq_len},
          "optimizer": {"lr": 1e-3},
-         "train": {"max_steps": steps, "micro_batch": micro_batch, "grad_accum": 4, "seed": 0, "threads": threads},
+         "train": {"max_steps": steps, "micro_batch": micro_batch, "grad_accum": grad_accum, "seed": 0, "threads": threads},
          "precision": {"mode": precision},
          "checkpoint": {"every_steps": 0, "keep_last": 1}}
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "recipe.toml"
     path.write_text(to_toml(r))
     return path
@@ -104,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rates", default="1gbit,100mbit")
+    ap.add_argument("--only", choices=["pp"], help="only the pipeline cases (and the loopback comm they are planned on)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ember-bench-dist-"))
     # hidden 256, 4 layers: 3.4 M parameters, 13.5 MB of fp32 gradients a step
@@ -111,6 +118,14 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=4)
     r = recipe(tmp, model, args.steps)
     rows = []
+    loop_ledger = tmp / "loopback.db"
+    comm = ember("doctor", "--comm", "--nproc", "2", "--ledger", loop_ledger)
+    if comm.returncode != 0:
+        raise SystemExit(comm.stderr[-2000:])
+    if args.only == "pp":
+        pipeline(tmp, model, args.steps, loop_ledger)
+        print(f"(folders in {tmp})")
+        return
 
     def run(name: str, *extra: str) -> float:
         out = tmp / name
@@ -120,10 +135,6 @@ def main() -> None:
         return step_of(out)
 
     one = run("one")
-    loop_ledger = tmp / "loopback.db"
-    comm = ember("doctor", "--comm", "--nproc", "2", "--ledger", loop_ledger)
-    if comm.returncode != 0:
-        raise SystemExit(comm.stderr[-2000:])
     for strategy in ("ddp", "fsdp"):
         measured = run(f"loop-{strategy}", "--nproc", "2", "--set", f"distributed.strategy={strategy}")
         pred, rec = predicted(r, loop_ledger, strategy, 2)
@@ -153,8 +164,38 @@ def main() -> None:
     ddp = next(m for n, m, _, _ in rows if n.endswith("loopback, ddp"))
     print(f"bare torchrun + DDP loop: {bare_step * 1e3:.1f} ms a step; ember's 2-rank DDP / bare = {ddp / bare_step:.3f}"
           + ("" if bare.returncode == 0 else f" (bare loop failed: {bare.stderr[-500:]})"))
+    pipeline(tmp, model, args.steps, loop_ledger)
     gpu(tmp, args.steps)
     print(f"(folders in {tmp})")
+
+
+def pipeline(tmp: Path, model: Path, steps: int, ledger: Path) -> None:
+    """Two pipeline stages under each schedule at grad_accum 2, 4, 8: the bubble and the step,
+    measured against predicted (see the module docstring); `load`, the machine's 1-minute load
+    average as each case ends (its neighbours' share of the cores the ranks run on)."""
+    print(f"{'pipeline, 2 stages':22} {'bubble: pred':>12} {'meas':>6} {'meas/pred':>9}  {'stage 0, 1':>12}  "
+          f"{'step: meas':>10} {'1 proc':>8} {'schedule':>8} {'pred/meas':>9} {'advisor':>8} {'pred/meas':>9}  load")
+    for accum in (2, 4, 8):
+        r = recipe(tmp / f"accum{accum}", model, steps, grad_accum=accum)
+        one = tmp / f"accum{accum}" / "one"
+        done = ember("run", r, "--out", one, "--no-ledger")
+        if done.returncode != 0:
+            raise SystemExit(f"one process, grad_accum {accum}: {done.stderr[-2000:]}")
+        advisor, _ = predicted(r, ledger, "pp", 2)
+        for schedule in ("gpipe", "1f1b"):
+            out = tmp / f"accum{accum}" / schedule
+            done = ember("run", r, "--out", out, "--no-ledger", "--nproc", "2", "--set", "distributed.strategy=pp",
+                         "--set", f"distributed.schedule={schedule}")
+            if done.returncode != 0:
+                raise SystemExit(f"pp {schedule}, grad_accum {accum}: {done.stderr[-2000:]}")
+            rk = json.loads((out / "ranks.json").read_text())
+            pred, meas = rk["bubble_predicted"], rk["bubble"]
+            stages = ", ".join(f"{x['bubble']:.0%}" for x in rk["ranks"])
+            step, single = step_of(out), step_of(one)
+            schedule_step = single / 2 / (1 - pred)
+            print(f"{schedule + f', grad_accum {accum}':22} {pred:12.1%} {meas:6.1%} {meas / pred:9.2f}  {stages:>12}  "
+                  f"{step * 1e3:8.1f}ms {single * 1e3:6.1f}ms {schedule_step * 1e3:6.1f}ms {schedule_step / step:9.2f} "
+                  f"{advisor * 1e3:6.1f}ms {advisor / step:9.2f}  {os.getloadavg()[0]:.1f}")
 
 
 def gpu(tmp: Path, steps: int) -> None:

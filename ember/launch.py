@@ -29,6 +29,7 @@ from ember.ledger.database import Ledger
 from ember.lock import acquire
 from ember.metrics.compare import Comparison
 from ember.metrics.report import RunReport, build_report, summarize
+from ember.parallel.pp import rank_names
 from ember.plan.memory import GiB
 from ember.ranks import PEER_LOST, Topology, launch
 from ember.recipe import Recipe, load_recipe, to_toml
@@ -139,7 +140,8 @@ def launch_ranks(req: RunRequest, events: Events, outcome: RunOutcome, recipe: R
             hand_down(req.out, LaunchSpec.create(req.out, recipe, req.recipe_file, req.overrides, plan))
     try:
         outcome.code = launch(req.topology, req.rank_argv(), req.out.name, events,
-                              lambda: CheckpointStore.newest_step(req.out / "checkpoints"))
+                              lambda: CheckpointStore.newest_step(req.out / "checkpoints"),
+                              rank_names(recipe, req.topology.world))  # a pipeline's by their stage
     finally:
         if lock is not None:
             lock.release()

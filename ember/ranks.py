@@ -12,7 +12,8 @@ This process is the launcher: it holds the run folder's lock for the ranks (embe
 waits. torchrun's own restarts are off (max_restarts 0): when one rank dies, the agent tears the
 group down, and ember's supervisor (--restarts) restarts the whole group from the last durable
 checkpoint with its backoff and its crash-loop rules, the same as a one-process run. The
-launcher says in one line which rank ended the run, how, and what was saved (`ended`): the
+launcher says in one line which rank ended the run (a pipeline's with its stage and layers,
+ember.parallel.placement), how, and what was saved (`ended`): the
 other ranks' collectives failed after it (they leave quietly, ember.world.lost_peer) or the agent
 stopped them, and a hang is named by the watchdog's verdict (exit 70). A signal to
 the launcher reaches every rank (the agent forwards it); they agree at the step boundary to
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.events import Events
 from ember.lock import LAUNCHER
+from ember.parallel.placement import rank_name
 
 SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
 PEER_LOST = "a collective failed: another rank is gone"  # what a rank leaves the launcher then
@@ -72,9 +74,10 @@ class Topology:
 
 
 def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Events,
-           newest: Callable[[], int | None] = lambda: None) -> int:
+           newest: Callable[[], int | None] = lambda: None, named: Callable[[int], str] = rank_name) -> int:
     """Run `python rank_argv...` as every rank of this node; the exit code the run ends with.
-    `newest()`: the run's newest committed checkpoint step (None: not known on this node)."""
+    `newest()`: the run's newest committed checkpoint step (None: not known on this node);
+    `named(rank)`: how the message names the rank that ended the run (its pipeline stage)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -99,12 +102,12 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
         events.info(f"{e.sigval.name}: the ranks were asked to checkpoint and stop")
         return EXIT_INTERRUPTED
     except ChildFailedError as e:
-        return ended(e.failures, events, newest())
+        return ended(e.failures, events, newest(), named)
     finally:
         os.environ.pop(LAUNCHER, None)
 
 
-def ended(failures: dict, events: Events, newest: int | None = None) -> int:
+def ended(failures: dict, events: Events, newest: int | None = None, name: Callable[[int], str] = rank_name) -> int:
     """The run's exit code from the ranks that did not exit 0 (global rank -> ProcessFailure),
     said in one line with what was saved (`newest`: the newest committed checkpoint's step).
     Interrupted when a rank exited 75 and the others did too or were stopped by the agent
@@ -123,7 +126,7 @@ def ended(failures: dict, events: Events, newest: int | None = None) -> int:
     followed = {r for r, c in codes.items() if c == -signal.SIGTERM or said.get(r) == PEER_LOST}
     rank = min(set(failures) - followed or set(failures), key=lambda r: (failures[r].timestamp, r))
     others = ", ".join(f"rank {r} {_follower(codes[r], said.get(r))}" for r in sorted(set(codes) - {rank}))
-    events.warn(f"rank {rank} failed first ({_how(codes[rank])}); the group was torn down"
+    events.warn(f"{name(rank)} failed first ({_how(codes[rank])}); the group was torn down"
                 + (f" ({others})" if others else "") + _saved(newest))
     return EXIT_ERROR
 

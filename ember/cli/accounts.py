@@ -105,6 +105,11 @@ def print_report(report: RunReport) -> None:
         out.print(f"all ranks: {rk.tokens_per_second:,.0f} tokens/s; median steps differ by {rk.spread:.1%} across "
                   f"ranks; the others wait for rank {rk.slowest} ({rk.slowest_cause}); {rk.sync_share:.1%} of a "
                   f"step spent waiting at the step's all-reduce", highlight=False, markup=False)
+        if rk.bubble is not None:
+            stages = ", ".join(f"stage {x.rank} {x.bubble:.1%}" for x in rk.ranks if x.bubble is not None)
+            out.print(f"pipeline bubble: {rk.bubble:.1%} of the schedule measured (median step; {stages}); "
+                      f"{_fmt(rk.bubble_predicted, '.1%')} predicted, (stages - 1) / (grad_accum + stages - 1)",
+                      highlight=False, markup=False)
     if report.attempts:
         out.print(attempts_table(report))
     for note in report.notes:

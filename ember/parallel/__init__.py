@@ -7,7 +7,8 @@ strategy values in the order `ember plan` lists them).
     collectives.py  the ring model of a collective's seconds and bytes (the advisor's arithmetic)
     strategy.py     Strategy: the protocol every strategy module satisfies, and the figures its
                     arithmetic reads (Footprint, Step, Ranks) and returns (Cost)
-    ddp.py, fsdp.py, tp.py, fsdp_tp.py   the strategies
+    ddp.py, fsdp.py, tp.py, fsdp_tp.py, pp.py   the strategies (stages.py: the pipeline's torch side;
+                    placement.py: a stage's layers, and how messages name a rank by its stage)
     registry.py     STRATEGIES
 
 A strategy says what it requires (LoRA, whole replicas, its mesh's degrees), how it changes one

@@ -20,9 +20,11 @@ ember/parallel/stages.py, imported when a run applies it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ember.parallel.mesh import Mesh
+from ember.parallel.placement import rank_name
 from ember.parallel.strategy import Cost, Footprint, Ranks, Step
 
 SCHEDULES = ("gpipe", "1f1b")  # [distributed] schedule; torch's ScheduleGPipe and Schedule1F1B
@@ -51,13 +53,13 @@ class PP:
         p, m = ranks.n, step.accum
         if p > step.layers:  # a stage would hold no layer: refused at launch
             return None
-        bubble = (p - 1) / (m + p - 1)
+        share = bubble(p, m)
         link = ranks.net.all_reduce  # point-to-point priced as one hop of the fitted link
         sends = 2 * (p - 1) * m * (link.latency + step.act_bytes / link.bandwidth)
-        notes = [f"bubble {bubble:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
+        notes = [f"bubble {share:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
-        return Cost(ranks.compute(step.seconds) / (1 - bubble), sends, 0.0, self.memory(fp, p),
+        return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, self.memory(fp, p),
                     2 * m * step.act_bytes, tuple(notes))
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
@@ -94,8 +96,31 @@ class PP:
         return None
 
 
+def bubble(stages: int, micro_batches: int) -> float:
+    """The share of a step a stage waits under GPipe or 1F1B, every stage's forward and backward
+    of a micro-batch taking the same time: (p-1)/(m+p-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def rank_names(recipe: Any, ranks: int) -> Callable[[int], str]:
+    """How the launcher names the ranks of a run of `recipe` over `ranks` ranks (ember.ranks): by
+    their stage under strategy 'pp' (from the model's config: the launcher holds no model)."""
+    if recipe.distributed.strategy != PP.name:
+        return rank_name
+    from ember.models import config_fields
+    layers = getattr(config_fields(recipe.model.path), "num_hidden_layers", None) or 0
+    return lambda rank: rank_name(rank, ranks, layers)
+
+
 def pipeline_of(model: Any) -> Any:
     """The pipeline a pipeline-parallel stage carries (ember.parallel.stages.Pipeline); None for
     any other model."""
     return getattr(model, "ember_pipeline", None)
 
+
+
+def names_of(model: Any) -> Callable[[int], str]:
+    """How a rank's messages name the ranks (ember.train.watchdog): by their stage when `model` is a
+    pipeline's stage."""
+    pipe = pipeline_of(model)
+    return pipe.name if pipe is not None else rank_name

@@ -9,17 +9,27 @@ own, cut where the stage ends: the first stage embeds the ids, every stage build
 mask and the rotary embeddings from the micro-batch's positions (each rank reads the same rows)
 and runs its layers, the last applies the final norm and the head, and the schedule applies the
 model's own loss (transformers' ForCausalLMLoss) to the logits.
+
+Each step also says where the stage's time went (`Pipeline.seconds`): computing (its forwards
+with the loss, its backwards: `BusyClock`, wrapped around the stage's own calls) and the rest of
+the schedule until every stage is done, the bubble: waiting on the other stages, their sends
+and receives included. The schedule predicts (stages - 1) / (micro-batches + stages - 1) of it
+(ember.parallel.pp.bubble); `ember report` shows both (ember.metrics.rank_times).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ember import faults
 from ember.errors import EmberError
+from ember.parallel.placement import layer_range, rank_name
 
 
 def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
@@ -49,15 +59,8 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
         inner.embed_tokens = None
     if not last:
         inner.norm, lm.lm_head = None, None
-    model.ember_pipeline = Pipeline(model, lm, stage, stages, device)
+    model.ember_pipeline = Pipeline(model, lm, (stage, stages, n), device)
     return model
-
-
-def layer_range(layers: int, stages: int, stage: int) -> range:
-    """The decoder layers of `stage`: consecutive, the first stages one more when they do not split evenly."""
-    base, extra = divmod(layers, stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 class StageForward(nn.Module):
@@ -76,6 +79,7 @@ class StageForward(nn.Module):
         """`rows`: each row's position in the data stream (the schedule splits it with the rows)."""
         from transformers.masking_utils import create_causal_mask
         self.at(int(rows[0]))
+        faults.point("pipeline.stage_forward")  # a stage dying or stalling inside the schedule (tests)
         inner = self.lm.model
         h = inner.embed_tokens(x) if self.first else x
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None,
@@ -86,20 +90,63 @@ class StageForward(nn.Module):
         return self.lm.lm_head(inner.norm(h)) if self.last else h
 
 
+class BusyClock:
+    """Seconds a stage computes inside the schedule's step, by kind (forward with the loss, backward):
+    host time on CPU, device events on an accelerator (resolved at the step's end, after its sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.take()
+
+    def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, its time counted as `kind`."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = fn(*args, **kwargs)
+                b.record()
+                self.pending.append((kind, a, b))
+                return out
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - t
+        return run
+
+    def take(self) -> dict[str, float]:
+        """The seconds counted since the last take, and a fresh count."""
+        out = getattr(self, "seconds", {})
+        for kind, a, b in getattr(self, "pending", []):
+            b.synchronize()
+            out[kind] += a.elapsed_time(b) / 1000
+        self.seconds, self.pending = {"forward": 0.0, "backward": 0.0}, []
+        return out
+
+
 class Pipeline:
     """This rank's stage under a schedule of torch.distributed.pipelining, built at the first step
     (it needs the step's micro-batch count and the recipe's schedule)."""
 
-    def __init__(self, root: nn.Module, lm: nn.Module, stage: int, stages: int, device: torch.device):
-        self.root, self.lm, self.stage, self.stages, self.device = root, lm, stage, stages, device
-        self.forward = StageForward(lm, stage == 0, stage == stages - 1)
+    def __init__(self, root: nn.Module, lm: nn.Module, place: tuple[int, int, int], device: torch.device):
+        """`place`: this stage's index, the stages, and the whole model's decoder layers."""
+        self.root, self.lm, self.device = root, lm, device
+        self.stage, self.stages, self.layers = place
+        self.forward = StageForward(lm, self.stage == 0, self.last)
         self.schedule: Any = None
         self.shape: tuple[int, int] | None = None
         self.normalizer = 1.0
+        self.clock = BusyClock(device)
+        self.seconds: dict[str, float] = {}  # the last step's: forward, backward, bubble (the module docstring)
 
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
+
+    def name(self, rank: int) -> str:
+        """How messages name `rank`: its stage and layers (ember.parallel.placement.rank_name)."""
+        return rank_name(rank, self.stages, self.layers)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the model's own loss, as the one-process step computes it (sum over learned tokens / the step's count)
@@ -109,9 +156,12 @@ class Pipeline:
     def _build(self, kind: str, micro_batches: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         stage = PipelineStage(self.forward, self.stage, self.stages, self.device)
+        # the schedule calls these for the stage's compute; between them it sends, receives and waits
+        stage.forward_one_chunk = self.clock.timed("forward", stage.forward_one_chunk)
+        stage.backward_one_chunk = self.clock.timed("backward", stage.backward_one_chunk)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
         # scale_grads=False: each micro-batch's loss is already its share of the step's mean
-        self.schedule = cls(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = cls(stage, micro_batches, loss_fn=self.clock.timed("forward", self._loss), scale_grads=False)
 
     def step(self, batches: list[Any], normalizer: float, kind: str, at: Any = lambda first: None) -> float:
         """Forward and backward of the step's micro-batches (ember.data.loader.MicroBatch, on the
@@ -139,11 +189,15 @@ class Pipeline:
         rows = torch.cat([torch.arange(b.ids.shape[0]) + b.first for b in batches])
         losses: list[torch.Tensor] = []
         args = (ids,) if self.stage == 0 else ()
+        start = time.perf_counter()  # the stages start together: the loop's token count is an all-reduce
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None,
                            return_outputs=False, position_ids=positions, rows=rows)
         total = torch.tensor([sum(float(x) for x in losses) if self.last else 0.0], dtype=torch.float64)
-        dist.all_reduce(total)  # the last stage's loss, to every stage
-        return float(total)
+        dist.all_reduce(total)  # the last stage's loss, to every stage; a stage done early waits here (the bubble)
+        loss, wall = float(total), time.perf_counter() - start
+        busy = self.clock.take()
+        self.seconds = {**busy, "bubble": max(0.0, wall - sum(busy.values()))}
+        return loss
 
     def sum_over_stages(self, value: float) -> float:
         """`value` summed over the stages (a gradient norm's squares: each stage holds its own parameters)."""

@@ -1,5 +1,6 @@
 """Where one optimizer step's time goes: data wait, host-to-device copy, forward, backward,
-gradient synchronisation, optimizer, checkpoint blocking.
+gradient synchronisation, optimizer, checkpoint blocking; under pipeline parallelism also the
+bubble, the time a stage waits on the others inside the schedule (a phase of its runs only).
 
 On CPU every operation is synchronous, so wall-clock between marks is exact. On an accelerator
 the marks are device events, resolved once at the end of the step (one synchronisation per
@@ -42,6 +43,16 @@ class StepTimer:
     def wait(self, phase: str) -> None:
         now = time.perf_counter()
         self.totals[phase] += now - self.t
+        self.t = now
+        self.mark = self._event()
+
+    def split(self, parts: dict[str, float], rest: str) -> None:
+        """The host time since the last mark, the work before it synchronised (a pipeline's step):
+        `parts`' seconds to their phases, what they leave to `rest`."""
+        now = time.perf_counter()
+        for phase, seconds in parts.items():
+            self.totals[phase] = self.totals.get(phase, 0.0) + seconds
+        self.totals[rest] += max(0.0, now - self.t - sum(parts.values()))
         self.t = now
         self.mark = self._event()
 

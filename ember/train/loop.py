@@ -19,7 +19,7 @@ from ember.ckpt.state import RunState
 from ember.device import autocast
 from ember.errors import EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.ledger.goodput import EventKind
-from ember.parallel.pp import pipeline_of
+from ember.parallel.pp import names_of, pipeline_of
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
@@ -100,7 +100,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     data, evaluator = Data(job), Evaluator(job)
     stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
     between = Between(job, stop, record)  # soft pauses (ember.control); a stop between micro-batches
-    watchdog = Watchdog(world, r.distributed, job.run.path, job.events).start()  # distributed runs only
+    watchdog = Watchdog(world, r.distributed, job.run.path, job.events, names_of(job.model)).start()  # distributed only
     policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
     last, blocked, saved, loss = LastSave(time.monotonic()), 0.0, state.step, math.nan
     job.model.train()
@@ -306,7 +306,7 @@ def pipeline_micro_batches(job: Steppable, pipe: Any, fetched: list, per_rank: f
     with autocast(job.device, job.recipe.precision.mode):
         loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, job.recipe.distributed.schedule,
                              lambda first: job.dropout.at(job.state.step + 1, first))
-    job.timer.lap("backward")
+    job.timer.split(pipe.seconds, "h2d")  # its forwards, backwards and bubble; the rest, the batches' copies
     for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
         faults.point("train.micro_batch")
     return loss_sum, [o for o, _ in fetched]

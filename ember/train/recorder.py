@@ -17,6 +17,7 @@ from ember.ckpt.store import CheckpointStore
 from ember.control import Pause
 from ember.ledger.goodput import EventKind
 from ember.metrics import rank_times as ranks
+from ember.parallel.pp import bubble, pipeline_of
 from ember.runfolder import MetricsLog
 from ember.train.compiled import break_warning, described
 from ember.train.job import Job
@@ -65,6 +66,7 @@ class RunRecorder:
         self.tokens, self.seconds = 0, 0.0  # this attempt's
         self.learning_seconds = 0.0  # of the steps that learned tokens: a step without any is no tokens/s figure
         self.step_seconds: list[float] = []  # this attempt's steps on this rank (the ETA, ember.metrics.rank_times)
+        self.bubbles: list[float] = []  # a pipeline stage's bubble share in each of them
         self.compile_seconds = 0.0  # of the step being recorded: no training, kept out of tokens/s
 
     def reopen(self) -> None:
@@ -85,6 +87,8 @@ class RunRecorder:
         self.tokens, self.seconds = self.tokens + result.tokens, self.seconds + seconds
         self.learning_seconds += seconds - self.compile_seconds if result.tokens else 0.0
         self.step_seconds.append(seconds)
+        if (share := ranks.bubble_share(result.phases)) is not None:
+            self.bubbles.append(share)
         record = {"step": state.step, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "tokens": result.tokens,
                   "tokens_seen": state.tokens_seen, "step_seconds": round(seconds, 6),
@@ -155,10 +159,12 @@ class RunRecorder:
         job, world = self.job, self.job.world
         job.ledger.phases(job.phase_totals, job.state.step)
         if world.distributed:
-            mine = ranks.figures(world.rank, self.step_seconds, self.tokens // world.size, job.phase_totals)
+            mine = ranks.figures(world.rank, self.step_seconds, self.tokens // world.size, job.phase_totals,
+                                 self.bubbles)
             everyone = world.gather(mine)
+            predicted = bubble(world.size, job.recipe.train.grad_accum) if pipeline_of(job.model) else None
             if world.main:
-                ranks.save(job.run.path, ranks.summarize(job.run.attempt, everyone))
+                ranks.save(job.run.path, ranks.summarize(job.run.attempt, everyone, predicted))
 
     def interrupted(self, cause: str) -> None:
         """The attempt stopped on a request: the ledger's outcome and what resumes it."""

@@ -29,12 +29,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from ember.errors import EXIT_HUNG
 from ember.events import Events
+from ember.parallel.placement import rank_name
 from ember.recipe import DistributedConfig
 from ember.world import World, tell_launcher
 
@@ -58,10 +60,13 @@ def bound_seconds(cfg: DistributedConfig, steps: list[float]) -> float:
     return max(cfg.hang_min_seconds, cfg.hang_factor * p99(steps))
 
 
-# Frames a rank waits in for the others: torch.distributed's calls, ember.world's, and the
-# autograd engine (DDP's and FSDP's gradient reductions run inside backward).
+# Frames a rank waits in for the others: torch.distributed's calls, ember.world's, the autograd
+# engine (DDP's and FSDP's gradient reductions run inside backward), and a pipeline schedule's
+# sends and receives of activations and their gradients (torch.distributed.pipelining).
 COLLECTIVE = {"all_reduce", "barrier", "broadcast_object_list", "gather_object", "all_gather", "reduce_scatter",
-              "_engine_run_backward", "wait"}
+              "_engine_run_backward", "wait", "_wait_batch_p2p"}
+SAID = {"_engine_run_backward": "the gradient all-reduce in backward",
+        "_wait_batch_p2p": "the pipeline's send/receive between stages"}
 EMBER = Path(__file__).resolve().parents[1]
 
 
@@ -85,7 +90,7 @@ def where(thread_id: int) -> Where:
     if not waits:
         return Where(False, "", line)
     inner = waits[-1].name
-    inner = "the gradient all-reduce in backward" if inner == "_engine_run_backward" else inner
+    inner = SAID.get(inner, inner)
     callers = [f for f in stack if Path(f.filename).resolve().is_relative_to(EMBER)
                and Path(f.filename).name != "world.py"]
     site = f" ({Path(callers[-1].filename).name}:{callers[-1].lineno} {callers[-1].name})" if callers else ""
@@ -93,8 +98,10 @@ def where(thread_id: int) -> Where:
 
 
 class Watchdog:
-    def __init__(self, world: World, cfg: DistributedConfig, folder: Path, events: Events):
-        self.world, self.cfg, self.folder, self.events = world, cfg, folder, events
+    def __init__(self, world: World, cfg: DistributedConfig, folder: Path, events: Events,
+                 name: Callable[[int], str] = rank_name):
+        """`name`: how its messages name a rank (a pipeline's by its stage: ember.parallel.pp.names_of)."""
+        self.world, self.cfg, self.folder, self.events, self.name = world, cfg, folder, events, name
         self.steps: list[float] = []
         self.step = 0
         self.last = time.monotonic()
@@ -142,7 +149,7 @@ class Watchdog:
         rank, here = self.world.rank, where(self.main_thread)
         try:
             with open(self.folder / f"hang-rank{rank}.txt", "w") as f:
-                f.write(f"rank {rank}: step {self.step + 1} running for {waited:.1f} s (bound {bound:.1f} s)\n"
+                f.write(f"{self.name(rank)}: step {self.step + 1} running for {waited:.1f} s (bound {bound:.1f} s)\n"
                         f"training thread: {here.line}\n\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
@@ -207,11 +214,18 @@ class Watchdog:
             behind = [r for r, h in hangs.items() if h is None]
         waiting = [r for r, h in hangs.items() if h is not None and h.waiting]
         at = hangs[waiting[0]].collective if waiting else "a collective"
-        who = (f"rank {behind[0]}" if len(behind) == 1 else f"ranks {', '.join(map(str, behind))}") if behind else ""
-        wait = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited there {waited:.1f} s"
+        who = self._ranks(behind)
+        wait = (f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited there {waited:.1f} s"
+                if waiting else f"no rank answered from inside a collective after {waited:.1f} s")
         if not who:
             return f"hang: in step {self.step + 1} no rank could be told apart as missing ({wait} at {at})"
         return f"hang: {who} never arrived at {at} in step {self.step + 1}; {wait}"
+
+    def _ranks(self, ranks: list[int]) -> str:
+        """'rank 1', 'ranks 0, 1'; each by its name where it has more than its number (a stage)."""
+        if len(ranks) == 1 or any(self.name(r) != rank_name(r) for r in ranks):
+            return ", ".join(map(self.name, ranks))
+        return f"ranks {', '.join(map(str, ranks))}" if ranks else ""
 
     def account(self, steps: dict[int, int], hangs: dict[int, Where | None], notes: dict[int, str],
                 waited: float, bound: float) -> str:
@@ -221,7 +235,7 @@ class Watchdog:
         for r in range(self.world.size):
             h = hangs.get(r)
             said = h.line if h is not None else notes.get(r, "no report")
-            lines.append(f"  rank {r}: last step {steps.get(r, '?')}; {said}")
+            lines.append(f"  {self.name(r)}: last step {steps.get(r, '?')}; {said}")
         lines.append(f"stacks: {self.folder}/hang-rank*.txt; the group stops now (exit {EXIT_HUNG}) and resumes from "
                      f"the newest committed checkpoint when supervised (--restarts)")
         return "\n".join(lines)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -40,6 +41,26 @@ def test_two_stages_train_what_one_process_trains(pipeline):
     assert len(losses(pipeline["pp"])) == STEPS and all(math.isfinite(x) for _, x in losses(pipeline["pp"]))
     ckpt = pipeline["pp"] / "checkpoints" / f"step-{STEPS:09d}"
     assert {p.name for p in ckpt.iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}  # each stage its own
+
+
+def test_each_stage_records_its_bubble_beside_the_schedules(pipeline):
+    """Every step's phases hold the stage's bubble (its wait inside the schedule); ranks.json each
+    stage's median share and the schedule's (2-1)/(2+2-1); `ember report` says both. Not a
+    DDP step's. (Values are timings: only their arithmetic is asserted.)"""
+    rows = [json.loads(x) for x in (pipeline["pp"] / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        ph = r["phases"]
+        assert ph["bubble"] >= 0 and ph["forward"] > 0 and ph["backward"] > 0
+        assert sum(v for k, v in ph.items() if k != "checkpoint") <= r["step_seconds"] * 1.001 + 1e-5, r  # the save before it: not its time
+    ddp = json.loads((pipeline["ddp"] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "bubble" not in ddp["phases"]
+    ranks = json.loads((pipeline["pp"] / "ranks.json").read_text())
+    assert ranks["bubble_predicted"] == pytest.approx(1 / 3)
+    assert all(0 <= r["bubble"] < 1 for r in ranks["ranks"])
+    assert ranks["bubble"] == pytest.approx(sum(r["bubble"] for r in ranks["ranks"]) / 2)
+    shown = run_ember("report", pipeline["pp"])
+    assert shown.returncode == 0 and "pipeline bubble: " in shown.stdout and "33.3% predicted" in shown.stdout, \
+        shown.stdout[-2000:] + shown.stderr[-2000:]
 
 
 def test_the_whole_group_killed_mid_step_resumes_bit_for_bit_under_either_schedule(pipeline, tmp_path):
@@ -105,3 +126,48 @@ def test_a_one_process_checkpoint_is_refused_on_pipeline_stages_by_name(pipeline
     assert refused.returncode != 0, refused.stderr[-2000:]
     assert "cannot be resumed on pipeline stages yet" in refused.stderr and "step-000000005" in refused.stderr
     assert "IndexError" not in refused.stderr, refused.stderr[-2000:]
+
+
+def test_a_stage_killed_mid_step_is_named_and_its_lost_step_is_accounted(pipeline, tmp_path):
+    """SIGKILL of stage 1 inside step 7's schedule (its 14th forward: the first step runs one more,
+    the schedule's shape inference; step 5's checkpoint written synchronously): the launcher names the rank with its stage and layers, the supervisor restarts
+    the group, the run ends bit-for-bit where the uninterrupted one did, and the goodput buckets
+    hold the recomputed step 6 as wasted progress, as they do for DDP."""
+    out = tmp_path / "run"
+    env = {"EMBER_FAULT": "pipeline.stage_forward@14", "EMBER_FAULT_RANK": "1",
+           "EMBER_FAULT_ONCE": str(tmp_path / "once")}
+    done = run_ember("run", pipeline["recipe"], "--out", out, *PP, "--restarts", "1",
+                     "--set", "checkpoint.async=false", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1 (pipeline stage 1 of 2, layer 1) failed first (killed by SIGKILL)" in done.stderr, \
+        done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert_same_result(out, pipeline["pp"])
+    shown = run_ember("report", out, "--json")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    report = json.loads(shown.stdout)
+    g = report["goodput"]
+    lost = [json.loads(line) for line in (out / "metrics.lost.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lost] == [6] and g["lost_steps"] == 1
+    assert g["buckets"]["wasted_progress"] == pytest.approx(lost[0]["step_seconds"])
+    assert sum(g["buckets"].values()) == pytest.approx(g["wall_seconds"], rel=0.01)
+    assert [a["outcome"] for a in report["attempts"]][-1] == "completed" and len(report["attempts"]) == 2
+
+
+def test_a_stalled_stage_is_named_with_its_stage_by_the_watchdog(pipeline, tmp_path):
+    """Stage 1 sleeps inside step 7's first forward (its 14th, as above): stage 0 waits in the schedule's send/receive;
+    the watchdog calls the step hung past its bound (here 2 s) and names the stalled rank with its
+    stage; the run ends 70 (unsupervised), saying what was saved."""
+    out = tmp_path / "run"
+    env = {"EMBER_FAULT": "pipeline.stage_forward@14", "EMBER_FAULT_RANK": "1", "EMBER_FAULT_HANG": "600"}
+    done = run_ember("run", pipeline["recipe"], "--out", out, "--no-ledger", *PP,
+                     "--set", "distributed.hang_min_seconds=2", env=env)
+    assert done.returncode == 70, done.stderr[-3000:]
+    assert re.fullmatch(r"warning: hang: rank 1 \(pipeline stage 1 of 2, layer 1\) never arrived at the "
+                        r"pipeline's send/receive between stages \(stages\.py:\d+ step\) in step 7; rank 0 "
+                        r"waited there [\d.]+ s; the group was stopped, exit 70; saved: checkpoint step 5, "
+                        r"the newest committed, where a resume continues",
+                        done.stderr.strip().splitlines()[-1]), done.stderr[-3000:]
+    assert "rank 1 (pipeline stage 1 of 2, layer 1): last step 6; step 7: not in a collective: faults.py" \
+        in done.stderr, done.stderr[-3000:]
+    assert "pipeline stage 1 of 2" in (out / "hang-rank1.txt").read_text()

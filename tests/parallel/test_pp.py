@@ -4,8 +4,10 @@ sends are its cost (the runs themselves: tests/e2e/test_pipeline.py)."""
 from __future__ import annotations
 
 from ember.parallel.mesh import Mesh
-from ember.parallel.pp import PP
-from ember.parallel.stages import layer_range
+from ember.parallel.placement import layer_range, rank_name
+from ember.parallel.pp import PP, rank_names
+from ember.recipe import load_recipe
+from tests.helpers import write_recipe
 from tests.parallel.figures import FP, STEP, ranks
 
 
@@ -29,3 +31,12 @@ def test_no_layout_with_more_stages_than_layers():
 def test_layers_split_in_order_the_first_stages_taking_one_more():
     assert [list(layer_range(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
     assert [list(layer_range(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_a_rank_is_named_by_its_stage_and_layers_on_a_pipeline_only(tmp_path):
+    assert [rank_name(r, 2, 4) for r in (0, 1)] == ["rank 0 (pipeline stage 0 of 2, layers 0-1)",
+                                                   "rank 1 (pipeline stage 1 of 2, layers 2-3)"]
+    assert rank_name(2, 3, 5) == "rank 2 (pipeline stage 2 of 3, layer 4)" and rank_name(1) == "rank 1"
+    r = load_recipe(write_recipe(tmp_path), ["distributed.strategy=pp"])  # builtin:tiny: 2 layers
+    assert rank_names(r, 2)(1) == "rank 1 (pipeline stage 1 of 2, layer 1)"
+    assert rank_names(load_recipe(write_recipe(tmp_path), []), 2)(1) == "rank 1"  # DDP: a replica is a rank

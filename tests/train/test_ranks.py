@@ -17,6 +17,7 @@ from ember.data.loader import RankShare, SkippingSampler
 from ember.train.sharding import check_distributed
 from ember.train.signals import StopRequest
 from ember.train.watchdog import Watchdog, Where, bound_seconds
+from ember.parallel.placement import rank_name
 from ember.ranks import PEER_LOST, Topology, ended
 from ember.world import World
 
@@ -125,6 +126,31 @@ def test_the_watchdog_names_the_rank_that_never_arrived():
     # A rank a step behind; a rank stuck where it cannot even answer.
     assert dog.verdict({0: 6, 1: 6, 2: 5}, {0: waits, 1: waits, 2: waits}, 3.0).startswith("hang: rank 2 never")
     assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: waits, 1: waits, 2: None}, 3.0).startswith("hang: rank 2 never")
+    # No rank in a collective (before: "...; rank  waited there 3.0 s")
+    idle = Where(False, "", "")
+    assert dog.verdict({0: 6, 1: 6, 2: 6}, {0: idle, 1: idle, 2: idle}, 3.0) == (
+        "hang: ranks 0, 1, 2 never arrived at a collective in step 7; no rank answered from inside a collective "
+        "after 3.0 s")
+
+
+def test_a_pipeline_names_its_ranks_by_their_stage():
+    """The launcher's line and the watchdog's verdict name a pipeline's rank with its stage and the
+    layers it holds (4 layers over 2 stages); the ranks that only waited keep their number."""
+    events, seen = collect()
+    stage = lambda r: rank_name(r, 2, 4)  # noqa: E731
+    assert ended({0: failure(1, 3, PEER_LOST), 1: failure(-signal.SIGKILL, 4)}, events, 5, stage) == EXIT_ERROR
+    assert seen[-1].message.startswith("rank 1 (pipeline stage 1 of 2, layers 2-3) failed first (killed by SIGKILL); "
+                                       "the group was torn down (rank 0 left when its collective failed)")
+    dog = Watchdog(World(0, 2), DistributedConfig(), Path("."), Events(), stage)
+    dog.step = 6
+    waits = Where(True, "the pipeline's send/receive between stages (stages.py:160 step)", "")
+    assert dog.verdict({0: 6, 1: 6}, {0: waits, 1: Where(False, "", "")}, 2.04) == (
+        "hang: rank 1 (pipeline stage 1 of 2, layers 2-3) never arrived at the pipeline's send/receive between "
+        "stages (stages.py:160 step) in step 7; rank 0 waited there 2.0 s")
+    assert dog.verdict({0: 6, 1: 6}, {0: None, 1: None}, 2.0).startswith(
+        "hang: rank 0 (pipeline stage 0 of 2, layers 0-1), rank 1 (pipeline stage 1 of 2, layers 2-3) never")
+    assert "  rank 1 (pipeline stage 1 of 2, layers 2-3): last step 6; no report" in dog.account(
+        {0: 6, 1: 6}, {0: waits, 1: None}, {}, 2.0, 2.0)
 
 
 def test_a_rank_is_quiet_on_a_signal(tmp_path):
