@@ -43,6 +43,7 @@ LOCK_FILE = ".lock"
 REMOTE_FILE = "remote.json"
 CONSOLE_LOG = "console.log"
 LAUNCH_FILE = "launch.json"
+SERVE_FILE = "serve.json"  # co-serving's address and token, while the run serves ([serve] coserve)
 
 
 def new_run_id(path: Path) -> str:
