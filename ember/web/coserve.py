@@ -12,7 +12,6 @@ training thread generates in its gaps (ember.train.between), so nothing here run
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import threading
@@ -21,7 +20,6 @@ from typing import Any
 
 from ember.errors import EmberError
 from ember.infer.coserve import COMMITTED, LIVE, CoEngine, Gaps
-from ember.runfolder import SERVE_FILE
 from ember.web.infer_worker import STOP_GRACE_SECONDS, create_app
 from ember.web.sockets import listen
 
@@ -32,8 +30,8 @@ START_SECONDS = 30.0  # uvicorn's start-up in a thread: milliseconds, unless the
 class CoServing:
     """What the loop holds (ember.train.between.Serving): the gaps, and the server to stop."""
 
-    def __init__(self, gaps: Gaps, server: Any, thread: threading.Thread, file: Any, events: Any):
-        self.gaps, self.server, self.thread, self.file, self.events = gaps, server, thread, file, events
+    def __init__(self, gaps: Gaps, server: Any, thread: threading.Thread, job: Any):
+        self.gaps, self.server, self.thread, self.job = gaps, server, thread, job
 
     def gap(self) -> float:
         return self.gaps.gap()
@@ -43,9 +41,9 @@ class CoServing:
         self.gaps.close(drain)
         self.server.should_exit = True  # answers under way get STOP_GRACE_SECONDS to be sent
         self.thread.join(timeout=STOP_GRACE_SECONDS + 1.0)
-        self.file.unlink(missing_ok=True)
+        self.job.run.serving_ended()
         g = self.gaps
-        self.events.info(f"co-serving: {g.engine.requests} requests, {g.turns} decode turns, "
+        self.job.events.info(f"co-serving: {g.engine.requests} requests, {g.turns} decode turns, "
                          f"{g.seconds:.2f} s of gaps", requests=g.engine.requests, serve_seconds=g.seconds)
 
 
@@ -70,17 +68,7 @@ def start(job: Any) -> CoServing:
                          f"within {START_SECONDS:.0f} s; see the log above, or set [serve] coserve = false")
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{sock.getsockname()[1]}"
-    file = job.run.path / SERVE_FILE
-    write_private(file, json.dumps({"url": url, "token": token, "pid": os.getpid()}))
+    file = job.run.announce_serving({"url": url, "token": token, "pid": os.getpid()})
     job.events.info(f"co-serving on {url}/v1 (models {LIVE!r}" + (f", {COMMITTED!r}, 'base'" if engine.lora else "")
                     + f"; the token is in {file})", url=url)
-    return CoServing(Gaps(engine, cfg.gap_share), server, thread, file, job.events)
-
-
-def write_private(path: Any, text: str) -> None:
-    """Replace `path` with `text`, readable and writable by this user alone (it holds a token)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return CoServing(Gaps(engine, cfg.gap_share), server, thread, job)
