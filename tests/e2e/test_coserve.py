@@ -165,3 +165,28 @@ def test_co_serving_with_several_ranks_is_refused_before_anything_runs(tmp_path)
     done = run_ember("run", recipe, "--out", tmp_path / "run", "--nproc", "2", "--no-ledger")
     assert done.returncode != 0 and "[serve] coserve" in done.stderr and "one process" in done.stderr, done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_stop_answers_the_request_under_way_with_an_error_and_the_run_exits(tmp_path):
+    """SIGTERM while a long answer streams: the run stops as it would (exit 75, a checkpoint),
+    the stream ends with an error chunk instead of hanging, and OUT/serve.json is gone."""
+    import signal
+    slow = {**FULL, "train": {**FULL["train"], "max_steps": 100_000}}
+    recipe = write_recipe(tmp_path, **slow, serve={**SERVE, "gap_share": 0.05})
+    out = tmp_path / "run"
+    proc = start_ember("run", recipe, "--out", out, "--no-ledger")
+    try:
+        info = wait_until("OUT/serve.json", lambda: (out / "serve.json").exists()
+                          and json.loads((out / "serve.json").read_text()), 300, 0.01)
+        body = {"prompt": PROMPT, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", info["url"] + "/v1/completions", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {info['token']}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the answer has begun
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "the training run stopped" in rest[-1], rest[-3:]
+        assert proc.wait(timeout=300) == 75
+    finally:
+        stop(proc)
+    assert not (out / "serve.json").exists() and (out / "checkpoints").is_dir()
