@@ -54,7 +54,9 @@ class CoEngine(Engine):
 
     default_model = LIVE
 
-    def __init__(self, job: Any):  # an ember.train.job.Job (training is imported above infer)
+    def __init__(self, job: Any):  # an ember.train.job.Job
+        # Not Engine.__init__: it resolves a model spec and picks a device, which the job has done;
+        # these are the attributes Engine's request path and the decode loop read.
         b, r = job.bundle, job.recipe
         self.job, self.spec, self.seed, self.events, self.roots = job, r.model.path, r.train.seed, job.events, []
         self.device, self.model, self.tokenizer, self.source = job.device, b.model, b.tokenizer, b.source
