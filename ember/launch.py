@@ -173,8 +173,10 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
         if launched() and lost_peer(e):
             return _peer_lost(outcome)
         raise
+    serving = None
     try:
-        outcome.code = train(job, stop, serving=start_serving(req, job))
+        serving = start_serving(req, job)
+        outcome.code = train(job, stop, serving=serving)
         if not job.world.main:  # rank 0 reports and records the run
             job.world.close()
             # Everything this rank wrote is durable (the commit is collective): leave without the
@@ -192,6 +194,9 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
             return _peer_lost(outcome)
         job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if serving is not None:  # the loop closed it, unless it failed before its first step
+            serving.close(drain=False)
     outcome.report = _record_summary(job)
     job.ledger.close()
     job.world.close()

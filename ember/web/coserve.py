@@ -32,12 +32,16 @@ class CoServing:
 
     def __init__(self, gaps: Gaps, server: Any, thread: threading.Thread, job: Any):
         self.gaps, self.server, self.thread, self.job = gaps, server, thread, job
+        self.closed = False
 
     def gap(self) -> float:
         return self.gaps.gap()
 
     def close(self, drain: bool) -> None:
-        """Finish (or refuse) the requests, stop the server, remove OUT/serve.json."""
+        """Finish (or refuse) the requests, stop the server, remove OUT/serve.json; once."""
+        if self.closed:
+            return
+        self.closed = True
         self.gaps.close(drain)
         self.server.should_exit = True  # answers under way get STOP_GRACE_SECONDS to be sent
         self.thread.join(timeout=STOP_GRACE_SECONDS + 1.0)
