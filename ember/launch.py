@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ember.ckpt.store import CheckpointStore
 from ember.data.sources import data_file_hashes
@@ -54,6 +54,7 @@ class RunRequest:
     supervised_child: bool = False         # this process is the child of a supervisor
     topology: Topology = field(default_factory=Topology)  # ranks and nodes (--nproc, --nnodes)
     recipe: Recipe | None = None           # recipe_file as the command already loaded it
+    serving: Callable[[Any], Any] | None = None  # [serve] coserve's server, given by the command (ember.web.coserve.start)
 
     def child_argv(self) -> list[str]:
         """The command line of the supervised child: this request, without supervision."""
@@ -92,6 +93,10 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
     if restarts < 0:
         raise EmberError(f"--restarts {restarts}: must be >= 0")
     req.topology.check()  # bad flags are refused whatever the run folder holds
+    if recipe.serve.coserve and (req.topology.world > 1 or launched()):
+        raise EmberError(f"{req.recipe_file}: [serve] coserve answers requests from one training process, "
+                         f"and this run has {req.topology.world} ranks; run it with one process (no --nproc "
+                         f"/ --nnodes), or set [serve] coserve = false and serve with `ember serve`")
     launcher = req.topology.world > 1 and not launched()  # this process starts the ranks
     if launcher:
         from ember.train.sharding import check_distributed
@@ -170,8 +175,10 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
         if launched() and lost_peer(e):
             return _peer_lost(outcome)
         raise
+    serving = None
     try:
-        outcome.code = train(job, stop)
+        serving = start_serving(req, job)
+        outcome.code = train(job, stop, serving=serving)
         if not job.world.main:  # rank 0 reports and records the run
             job.world.close()
             # Everything this rank wrote is durable (the commit is collective): leave without the
@@ -189,10 +196,22 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
             return _peer_lost(outcome)
         job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if serving is not None:  # the loop closed it, unless it failed before its first step
+            serving.close(drain=False)
     outcome.report = _record_summary(job)
     job.ledger.close()
     job.world.close()
     return outcome
+
+
+def start_serving(req: RunRequest, job: Any) -> Any:
+    """Co-serving's server for the job ([serve] coserve), or None."""
+    if not job.recipe.serve.coserve:
+        return None
+    if req.serving is None:
+        raise EmberError("[serve] coserve: this way of starting a run cannot serve; start it with `ember run`")
+    return req.serving(job)
 
 
 def _peer_lost(outcome: RunOutcome) -> RunOutcome:

@@ -299,6 +299,24 @@ class LogConfig:
 
 
 @dataclass
+class ServeConfig:
+    coserve: bool = setting(False, "Co-serving: the training process answers OpenAI-style requests "
+                            "(/v1/completions, /v1/chat/completions) for its own model between micro-batches, "
+                            "with the one copy of the weights it trains; training computes exactly what it "
+                            "would without (README, Co-serving). Model names: 'live' (the weights now), "
+                            "'committed' and 'base' (LoRA runs). One process only (no --nproc). The address "
+                            "and a token go to OUT/serve.json.")
+    host: str = setting("127.0.0.1", "Address co-serving listens on (loopback by default: every request "
+                        "must still carry the token in OUT/serve.json, or $EMBER_SERVE_TOKEN if set).")
+    port: int = setting(0, "Port co-serving listens on (0 = a free one, written to OUT/serve.json).",
+                        min=0, max=65535)
+    gap_share: float = setting(1.0, "Inference time allowed in each gap, as a multiple of the training "
+                               "time since the previous gap (at least one decode step when requests "
+                               "wait): under a steady stream training keeps about 1 / (1 + gap_share) "
+                               "of its speed.", min=0)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -314,6 +332,7 @@ class Recipe:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}} under the TOML names."""
@@ -361,6 +380,8 @@ OPERATIONAL_KEYS = frozenset({
     "eval.every_steps", "eval.at_end", "eval.max_batches", "eval.prompts", "eval.max_new_tokens",
     # Where else the figures go: never what is computed.
     "log.tensorboard", "log.mlflow_tracking_uri", "log.mlflow_experiment",
+    # Co-serving reads the model between micro-batches; what training computes is the same.
+    "serve.coserve", "serve.host", "serve.port", "serve.gap_share",
 })
 
 

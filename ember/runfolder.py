@@ -43,6 +43,7 @@ LOCK_FILE = ".lock"
 REMOTE_FILE = "remote.json"
 CONSOLE_LOG = "console.log"
 LAUNCH_FILE = "launch.json"
+SERVE_FILE = "serve.json"  # co-serving's address and token, while the run serves ([serve] coserve)
 
 
 def new_run_id(path: Path) -> str:
@@ -247,6 +248,20 @@ class RunDir:
         if self.metrics_path.exists():
             write_durable(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         return len(lost)
+
+    def announce_serving(self, info: dict[str, Any]) -> Path:
+        """Write OUT/serve.json (co-serving's address and token), readable by this user alone;
+        nothing durable: it lasts while the process serves."""
+        path = self.path / SERVE_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps(info))
+        os.replace(tmp, path)
+        return path
+
+    def serving_ended(self) -> None:
+        """Remove OUT/serve.json: the process serves no more."""
+        (self.path / SERVE_FILE).unlink(missing_ok=True)
 
     def write_final(self, write: Callable[[Path], None]) -> Path:
         """Write the final weights into a temp folder, make it durable, then swap it into place."""

@@ -7,6 +7,7 @@ import os
 import select
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -233,6 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     req = RunRequest(args.recipe, args.out, args.overrides, args.allow_recipe_change, args.restarts,
                      args.preflight, False if args.no_ledger else args.ledger, args.restart_from_scratch,
                      args.no_supervise, Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv))
+    req.serving = start_coserving  # used when the recipe says [serve] coserve
     out = surviving_console()
     try:
         outcome = run(req, stderr_events())
@@ -248,6 +250,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if outcome.report is not None:  # this process trained: everything it wrote is durable
         fast_exit(outcome.code)
     return outcome.code
+
+
+def start_coserving(job: Any) -> Any:
+    """[serve] coserve's HTTP server in the training process (the web layer, above launch)."""
+    from ember.web.coserve import start
+    return start(job)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

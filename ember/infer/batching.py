@@ -20,7 +20,11 @@ one is for another name, the batch admits nothing more and drains, then that nam
 A run's newer checkpoint is picked up when a batch for it starts, not mid-batch.
 
 Only this thread runs generations, and it holds `Engine.lock` for each step: the engine's other
-users of the model (next_token_logits, adapter swaps) go between steps.
+users of the model (next_token_logits, adapter swaps) go between steps. A training process that
+co-serves its model (ember.infer.coserve) starts no thread: its training thread calls `turn()`
+itself in the gaps between micro-batches, under torch.no_grad (not inference_mode: nothing made
+while serving may end up beside the training's autograd tensors). Once `close()`d, a request
+submitted is refused (503).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ember import faults
+from ember.infer.adapters import RequestError
 
 PREFILL_CHUNK = 128  # prompt tokens per forward pass while others wait for their next token
 MAX_BATCH = 8        # requests decoded together; more wait their turn
@@ -86,8 +91,9 @@ class Job:
 class Batcher:
     """The decode loop of one engine: a thread started at the first request."""
 
-    def __init__(self, engine: Any):  # the ember.infer.engine.Engine it runs (imported there: no cycle)
-        self.engine = engine
+    def __init__(self, engine: Any, threaded: bool = True, grad_off: Any = torch.inference_mode):
+        self.engine = engine  # the ember.infer.engine.Engine it runs (imported there: no cycle)
+        self.threaded, self.grad_off = threaded, grad_off  # threaded: its own thread runs `turn()`
         self.wake = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
@@ -100,10 +106,13 @@ class Batcher:
         self.closed = False
 
     def submit(self, job: Job) -> None:
-        """Queue a job; the loop admits it between two steps."""
+        """Queue a job; the loop admits it between two steps. Refused once the loop is closed."""
         with self.wake:
+            if self.closed:  # the thread has ended, or the training process that served is finishing
+                job.out.put(RequestError("the model is no longer served here (its process is ending)", 503))
+                return
             self.waiting.append(job)
-            if self.thread is None:
+            if self.threaded and self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="ember-batcher", daemon=True)
                 self.thread.start()
                 atexit.register(self.close)
@@ -118,23 +127,37 @@ class Batcher:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
 
+    def pending(self) -> bool:
+        """Whether a job waits, prefills or decodes (a lock-free look: a job may arrive just after)."""
+        return bool(self.waiting or self.prefilling or self.rows)
+
     def _loop(self) -> None:
         while True:
             with self.wake:
-                self.wake.wait_for(lambda: self.closed or self.waiting or self.prefilling or self.rows)
+                self.wake.wait_for(lambda: self.closed or self.pending())
                 if self.closed:
                     return
-            try:
-                with self.engine.lock, torch.inference_mode():
-                    self._admit()
-                    if self.prefilling is not None:
-                        self._prefill_chunk()
-                    if self.rows:
-                        self._decode()
-            except BaseException as e:  # a defect: every job in the loop reports it, the loop goes on
-                for job in [*self.rows, *filter(None, [self.prefilling])]:
-                    job.out.put(e)
-                self.rows, self.prefilling, self.cache, self.mask = [], None, None, None
+            self.turn()
+
+    def turn(self) -> None:
+        """One turn of the loop: admit a waiting job, prefill one chunk, decode one step."""
+        try:
+            with self.engine.lock, self.grad_off():
+                self._admit()
+                if self.prefilling is not None:
+                    self._prefill_chunk()
+                if self.rows:
+                    self._decode()
+        except BaseException as e:  # a defect: every job in the loop reports it, the loop goes on
+            self.fail(e)
+
+    def fail(self, error: BaseException, waiting: bool = False) -> None:
+        """End every job being generated, and with `waiting` the waiting ones, with `error` as its answer."""
+        with self.wake:
+            queued, self.waiting = (list(self.waiting), deque()) if waiting else ([], self.waiting)
+        for job in [*self.rows, *filter(None, [self.prefilling]), *queued]:
+            job.out.put(error)
+        self.rows, self.prefilling, self.cache, self.mask = [], None, None, None
 
     def _admit(self) -> None:
         """Start prefilling the oldest waiting job, if the running batch can take it."""

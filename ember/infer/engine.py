@@ -86,6 +86,8 @@ class _Adapter:
 class Engine:
     """A base model and the LoRA adapters of registered runs, generating in batches."""
 
+    default_model = BASE  # what a request that names no model gets
+
     def __init__(self, spec: str, runs: list[Path] = (), device: str = "cpu", seed: int = 0,
                  events: Events | None = None):
         if spec.startswith("builtin:") and spec != "builtin:tiny":
@@ -132,9 +134,7 @@ class Engine:
                 model.config.use_cache = True  # training turns the KV cache off; generating wants it
                 self.tokenizer, self.source = bundle.tokenizer, bundle.source
                 self.max_positions = bundle.max_positions
-                eos = model.generation_config.eos_token_id  # a list for chat models with an end-of-turn token
-                eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-                self.eos_ids = {bundle.tokenizer.eos_id, *eos}
+                self.eos_ids = eos_ids(model, bundle.tokenizer)
                 self.loaded_at = time.time()
                 self.model = model  # last: status 'ok' means everything above is set
             except Exception as e:  # recorded for /health, and raised on
@@ -185,8 +185,7 @@ class Engine:
             raise RequestError(f"the model is {self.status}" + (f": {self.error}" if self.error else
                                "; retry when GET /health answers ok"), 503)
         sampling.check()
-        if model != BASE:
-            self._lora_run(model)
+        self._check_name(model)
         ids = self._encode(prompt)
         room = self.max_positions - len(ids)
         wanted = sampling.max_tokens or min(MAX_TOKENS, room)
@@ -217,6 +216,11 @@ class Engine:
     def _servable(self, name: str, path: Path) -> dict[str, Any]:
         """The run's record, if its adapter can be served on this base; else RequestError."""
         return servable_record(name, path, self.spec, self.seed, self.source.get("files"))
+
+    def _check_name(self, model: str) -> None:
+        """Raise RequestError unless `model` names something this engine serves."""
+        if model != BASE:
+            self._lora_run(model)
 
     def _lora_run(self, name: str) -> tuple[Path, MethodConfig]:
         path = self.runs().get(name)
@@ -357,6 +361,14 @@ class Generation:
     def text(self) -> str:
         """All of the output, once it is complete."""
         return "".join(self)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end a generation: the tokenizer's end of text, and the model's own
+    (a list for chat models with an end-of-turn token)."""
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return {tokenizer.eos_id, *eos}
 
 
 def chat_text(messages: list[dict[str, Any]], tok: Any = None) -> str:

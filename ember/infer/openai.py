@@ -10,8 +10,9 @@ serves them):
     POST /v1/completions        prompt, model, max_tokens, temperature, top_p, stop, seed, stream
     POST /v1/chat/completions   the same with messages instead of prompt
 
-A missing `model` means `base`. A request the engine cannot serve raises RequestError (its
-`status` is the HTTP status), naming the field at fault, before anything runs.
+A missing `model` means `default` (`base`; a co-serving training run's: `live`). A request the
+engine cannot serve raises RequestError (its `status` is the HTTP status), naming the field at
+fault, before anything runs.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class OpenAIRequest:
         return (chat_chunk if self.chat else completion_chunk)(head, text, finish, whole, first)
 
 
-def completion_request(body: dict[str, Any]) -> OpenAIRequest:
+def completion_request(body: dict[str, Any], default: str = BASE) -> OpenAIRequest:
     """POST /v1/completions's body, checked."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -55,21 +56,21 @@ def completion_request(body: dict[str, Any]) -> OpenAIRequest:
         raise RequestError("prompt: required, a string")
     if body.get("echo") or body.get("logprobs") or body.get("suffix"):
         raise RequestError("echo, logprobs and suffix are not supported by ember's engine")
-    return _request(body, False, prompt, sampling(body, 16))
+    return _request(body, False, prompt, sampling(body, 16), default)
 
 
-def chat_request(body: dict[str, Any]) -> OpenAIRequest:
+def chat_request(body: dict[str, Any], default: str = BASE) -> OpenAIRequest:
     """POST /v1/chat/completions's body, checked (the engine checks each message)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise RequestError("messages: required, a list of {\"role\": str, \"content\": str}")
     if body.get("logprobs") or body.get("tools"):
         raise RequestError("logprobs and tools are not supported by ember's engine")
-    return _request(body, True, messages, sampling(body, None))
+    return _request(body, True, messages, sampling(body, None), default)
 
 
-def _request(body: dict[str, Any], chat: bool, prompt: Any, how: Sampling) -> OpenAIRequest:
-    model = body.get("model") or BASE
+def _request(body: dict[str, Any], chat: bool, prompt: Any, how: Sampling, default: str) -> OpenAIRequest:
+    model = body.get("model") or default
     if not isinstance(model, str):
         raise RequestError("model: a string")
     stream = bool(body.get("stream"))

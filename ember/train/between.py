@@ -11,11 +11,18 @@ instead of one whole step (grad_accum micro-batches):
                    saves that state and exits; the resumed run computes the step whole, as the
                    uninterrupted run did (bit-identical, tests/train/test_between.py)
 
+    co-serving     ([serve] coserve) answers queued inference requests with the live model
+                   (ember.infer.coserve) before every micro-batch, a step's first too; it
+                   changes nothing training computes; its time is the step's phase `serve`
+
 One process only: the ranks of a distributed run compute each micro-batch together (FSDP gathers
-in it), so they agree to stop, and pause, at step boundaries (ember.train.loop).
+in it), so they agree to stop, and pause, at step boundaries (ember.train.loop). Co-serving is
+refused with several ranks (ember.launch).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -25,13 +32,34 @@ from ember.train.recorder import RunRecorder
 from ember.train.signals import StopRequest
 
 
+class Serving(Protocol):
+    """Co-serving's side of the gaps (ember.infer.coserve, started by ember.web.coserve)."""
+
+    def gap(self) -> float:
+        """Answer queued requests for a while; the seconds it took (0.0: none waited)."""
+
+    def close(self, drain: bool) -> None:
+        """Refuse new requests; finish those under way (`drain`), else answer them with an error."""
+
+
+class NotServing:
+    """No co-serving: every gap is empty."""
+
+    def gap(self) -> float:
+        return 0.0
+
+    def close(self, drain: bool) -> None:
+        pass
+
+
 class Between:
     """The loop's point between micro-batches: `begin()` as a step starts, `__call__(done)` after
     `done` of its micro-batches (True: the step was undone, the run stops); `pauses` is also
-    checked at each step boundary."""
+    checked at each step boundary; the loop closes `serving` as it ends."""
 
-    def __init__(self, job: Job, stop: StopRequest, record: RunRecorder):
+    def __init__(self, job: Job, stop: StopRequest, record: RunRecorder, serving: Serving | None = None):
         self.job, self.stop, self.record = job, stop, record
+        self.serving = serving or NotServing()
         # A soft pause holds one process; the ranks of a distributed run stop together instead.
         self.pauses = PausePoint(None if job.world.distributed else from_environment(), lambda: stop.requested,
                                  lambda: release_cached_memory(job.device))
@@ -43,8 +71,10 @@ class Between:
             self.job.state.capture_rng(self.job.device)
 
     def __call__(self, done: int) -> bool:
-        """Before micro-batch `done` (0: the step's data just fetched): pause here if asked; on a
-        stop, undo the step."""
+        """Before micro-batch `done` (0: the step's data just fetched): answer queued requests
+        (co-serving); pause here if asked; on a stop, undo the step."""
+        if self.serving.gap():
+            self.job.timer.wait("serve")
         if not self.active:
             return False
         self.record.pause(self.pauses.check(), micro_batch=done)

@@ -1,6 +1,7 @@
 """Where one optimizer step's time goes: data wait, host-to-device copy, forward, backward,
 gradient synchronisation, optimizer, checkpoint blocking; under pipeline parallelism also the
-bubble, the time a stage waits on the others inside the schedule (a phase of its runs only).
+bubble, the time a stage waits on the others inside the schedule (a phase of its runs only); and
+`serve`, co-serving's gaps, in the steps that answered requests (ember.infer.coserve).
 
 On CPU every operation is synchronous, so wall-clock between marks is exact. On an accelerator
 the marks are device events, resolved once at the end of the step (one synchronisation per
@@ -42,7 +43,7 @@ class StepTimer:
 
     def wait(self, phase: str) -> None:
         now = time.perf_counter()
-        self.totals[phase] += now - self.t
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.t  # `serve`: only in co-serving steps
         self.t = now
         self.mark = self._event()
 

@@ -23,7 +23,7 @@ from ember.parallel.pp import names_of, pipeline_of
 from ember.recipe import Recipe
 from ember.world import World
 from ember.train import stability
-from ember.train.between import Between
+from ember.train.between import Between, Serving
 from ember.train.breakdown import StepTimer
 from ember.data.loader import SkippingSampler, make_loader, row_parts
 from ember.train.dropout import DropoutKeys
@@ -92,14 +92,16 @@ class Data:
         del self.iter  # shuts down loader workers
 
 
-def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = lambda: False) -> int:
+def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = lambda: False,
+          serving: Serving | None = None) -> int:
     """Run optimizer steps until max_steps or a stop request, checkpoint, return the exit code; or
-    until `halt()`, asked after each step: exit 0 saving nothing (ember doctor's stretches)."""
+    until `halt()`, asked after each step: exit 0 saving nothing (ember doctor's stretches).
+    `serving`: co-serving's requests, answered between micro-batches ([serve] coserve)."""
     r, state, world = job.recipe, job.state, job.world
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
     stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
-    between = Between(job, stop, record)  # soft pauses (ember.control); a stop between micro-batches
+    between = Between(job, stop, record, serving)  # soft pauses, a stop, co-serving: between micro-batches
     watchdog = Watchdog(world, r.distributed, job.run.path, job.events, names_of(job.model)).start()  # distributed only
     policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
     last, blocked, saved, loss = LastSave(time.monotonic()), 0.0, state.step, math.nan
@@ -145,6 +147,8 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 blocked = checkpoint(job, record, watchdog, result.loss)
                 last, saved = LastSave(time.monotonic(), blocked), state.step
     finally:
+        # Requests under way are finished when the run completes; on a stop or a crash, answered 503.
+        between.serving.close(drain=state.step == r.train.max_steps or early)
         watchdog.stop()
         stop.restore()
         record.close(completed=state.step == r.train.max_steps or early)

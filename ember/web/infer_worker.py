@@ -26,7 +26,7 @@ program could otherwise use the model past the service's own token.
 `"stream": true` answers text/event-stream: `data: {chunk}` events, then `data: [DONE]`. Errors
 are `{"error": {"message", "type", "param", "code"}}` (ember.web.error_responses, the service's one shape)
 with a 4xx status when the request is at fault; a bad request changes nothing. A missing `model`
-means `base`.
+means the engine's `default_model` (`base`; a co-serving training run's: `live`, ember.web.coserve).
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await respond(engine, completion_request(await read_json(request)))
+        return await respond(engine, completion_request(await read_json(request), engine.default_model))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await respond(engine, chat_request(await read_json(request)))
+        return await respond(engine, chat_request(await read_json(request), engine.default_model))
 
     return app
 
