@@ -130,10 +130,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
             watchdog.beat(state.step, seconds)
             # The checkpoint blocked the training thread before this step: it is this step's part.
             result.phases["checkpoint"], blocked = blocked, 0.0
-            held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
-            # an evaluation over no learned token measured nothing: patience neither counts nor resets
-            improved = "eval_loss" in held_out and record_best(state, held_out["eval_loss"])
-            early = out_of_patience(state, r.eval.patience)  # early stopping: [eval] patience
+            held_out, improved, early = evaluation(job, evaluator)  # when due; [eval] patience: early stopping
             record.step(result, seconds, held_out)
             guard(job, result, data)
             record.progress(result, seconds)
@@ -147,13 +144,7 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 blocked = checkpoint(job, record, watchdog, result.loss)
                 last, saved = LastSave(time.monotonic(), blocked), state.step
     finally:
-        # Requests under way are finished when the run completes; on a stop or a crash, answered 503.
-        between.serving.close(drain=state.step == r.train.max_steps or early)
-        watchdog.stop()
-        stop.restore()
-        record.close(completed=state.step == r.train.max_steps or early)
-        data.close()
-        settle_saves(job)  # a pending persist completes before the process goes, on every path
+        wind_down(job, state.step == r.train.max_steps or early, between.serving, watchdog, stop, record, data)
     if halt():
         return EXIT_OK  # the caller's stretch ended: nothing is saved, the attempt goes on
     record.attempt_end()
@@ -161,6 +152,27 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
         record.interrupted(stop.signal_name or "a signal to another rank")
         return EXIT_INTERRUPTED
     return complete(job, record)
+
+
+def evaluation(job: Job, evaluator: Evaluator) -> tuple[dict[str, float], bool, bool]:
+    """After a counted step: the held-out figures when an evaluation is due (else none), whether
+    they are the best so far, and whether [eval] patience ran out (early stopping)."""
+    state, r = job.state, job.recipe
+    held_out = evaluate(job, evaluator) if evaluator.due(state.step, state.step == r.train.max_steps) else {}
+    # an evaluation over no learned token measured nothing: patience neither counts nor resets
+    improved = "eval_loss" in held_out and record_best(state, held_out["eval_loss"])
+    return held_out, improved, out_of_patience(state, r.eval.patience)
+
+
+def wind_down(job: Job, completed: bool, serving: Serving, watchdog: Watchdog, stop: StopRequest,
+              record: RunRecorder, data: Data) -> None:
+    """What the loop ends on every path, crashes included."""
+    serving.close(drain=completed)  # requests under way finish when the run completed, else a 503
+    watchdog.stop()
+    stop.restore()
+    record.close(completed=completed)
+    data.close()
+    settle_saves(job)  # a pending persist completes before the process goes
 
 
 def advance(state: RunState, result: StepResult, data: Data, seconds: float) -> None:
