@@ -46,10 +46,7 @@ def configure_determinism(deterministic: bool, threads: int, device: torch.devic
     if deterministic:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; harmless elsewhere.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # What torch.use_deterministic_algorithms(True) does, less its import of torch._inductor
-        # (to set inductor's own flag), which brings torch._dynamo along: 0.7 s of every start.
-        # A compiled step sets inductor's flag itself (ember.train.compiled).
-        torch._C._set_deterministic_algorithms(True, warn_only=False)
+        torch.use_deterministic_algorithms(True)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = False
     return threads

@@ -66,9 +66,6 @@ class Compiler:
     def __init__(self, backend: str = "inductor") -> None:
         use_cache_dir()
         import torch._dynamo
-        import torch._inductor.config
-        # torch.use_deterministic_algorithms sets this too; ember.device sets the kernels' flag alone
-        torch._inductor.config.deterministic = torch.are_deterministic_algorithms_enabled()
         eager_when_compiled()  # LoRA's keyed dropout stays eager
         from torch._dynamo.utils import counters
         self.counters = counters
