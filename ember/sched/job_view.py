@@ -42,7 +42,8 @@ class JobView:
 class Inference:
     """Inference as a waiting job's explanation needs it."""
     device: int
-    idle_gap_seconds: float
+    idle_gap_seconds: float  # the gap in use (ember.sched.inference.Gate.gap)
+    idle_gap_rule: str = "fixed"  # how it was chosen: "fixed", "auto (40 periods)", ...
 
 
 def why_waiting(j: JobRow, held_by: list[str], requested: str | None, inference: Inference,
@@ -63,8 +64,9 @@ def why_waiting(j: JobRow, held_by: list[str], requested: str | None, inference:
         why.append(f"paused by hand (soft, the process kept): `ember resume {j.name}`")
     why += held_by
     if j.state == "soft-paused" and requested == "inference":
+        how = "" if inference.idle_gap_rule == "fixed" else f"; idle gap {inference.idle_gap_rule}"
         why.append(f"inference requests on device {inference.device} (it resumes "
-                   f"{inference.idle_gap_seconds:g} s after the last one)")
+                   f"{inference.idle_gap_seconds:.3g} s after the last one{how})")
     if j.state == "queued" and j.hold is None and not held_by:
         why.append(admission or "waiting for the scheduler's next decision")
     return why

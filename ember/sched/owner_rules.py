@@ -32,6 +32,7 @@ import json
 import re
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 from ember.config import build_file, read_toml, setting
@@ -148,8 +149,11 @@ class InferenceRules:
                         "random initialisation from it).", min=0)
     device: int = setting(0, "The device inference runs on: training there pauses during requests.",
                           min=0)
-    idle_gap_seconds: float = setting(2.0, "Training resumes after inference has been idle this many "
-                                      "seconds.", min=0)
+    idle_gap_seconds: float | Literal["auto"] = setting(
+        2.0, "Training resumes after inference has been idle this many seconds; 'auto': chosen from "
+        "the measured arrivals and pause latency (hold when the next request is likely near, resume "
+        "when it is far; the rule is in ember/sched/idle_gap.py), 2 s until 8 idle periods are seen. "
+        "`/api/stats` shows the gap in use.", min=0)
     pause_lease_seconds: float = setting(15.0, "A pause for inference is a lease the service renews "
                                          "while requests run: if the service dies, the job resumes "
                                          "by itself this long after the last renewal.", min=1, max=30)

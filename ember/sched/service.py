@@ -138,7 +138,8 @@ class Service:
         """The job as `ember queue` shows it, with why it does not train now."""
         by = [f"{h.rule}: {h.detail}" for h in self.holds_on(j)]
         requested = self.processes.requested(j) if j.state == "soft-paused" else None
-        inference = Inference(self.gate.device, self.rules.inference.idle_gap_seconds)
+        gap = self.gate.gap()
+        inference = Inference(self.gate.device, gap.seconds, gap.rule)
         waiting = why_waiting(j, by, requested, inference, self.scheduler.waiting.get(j.id))
         return JobView(j.id, j.name, j.state, j.priority, j.devices, last_step(Path(j.out)),
                        j.request.get("max_steps", 0), j.hold, j.pause, j.preemptions, j.cause, j.out,

@@ -431,6 +431,7 @@ def test_inference_during_training_pauses_it_and_is_accounted(reference):
         assert "soft-paused" in states, states
         stats = s.api("GET", "/api/stats").json()["inference"]
         assert stats["requests"] == 6 and stats["pauses"] >= 1  # /v1/models counts as a request too
+        assert (stats["idle_gap_seconds"], stats["idle_gap_rule"]) == (1.0, "fixed"), stats
         s.wait(lambda j: j["t"]["state"] == "completed", timeout=300)
         out = root / "infer" / "runs" / "t"
         assert_same_result(out, root / "reference")

@@ -69,3 +69,21 @@ def test_the_quantiles_interpolate_between_few_samples():
     assert abs(s["pause_latency_p99"] - 0.397) < 1e-9  # 0.3 + 0.97 x (0.4 - 0.3), not the largest
     g.begin()
     assert g.stats()["requests"] == 1 and g.stats()["in_flight"] == 1
+
+
+def test_stats_show_the_gap_in_use_and_busy_follows_it():
+    fixed = Gate(device=0, idle_gap=2.0)
+    assert (fixed.stats()["idle_gap_seconds"], fixed.stats()["idle_gap_rule"]) == (2.0, "fixed")
+    g = Gate(device=0, idle_gap="auto")
+    g.observe({"pid": 1, "last": {"n": 1, "reason": "inference", "asked": 10.0, "at": 10.15}})
+    t = 100.0
+    for n in range(9):  # requests of 0.1 s, 0.4 s of quiet between them: worth holding for
+        g.begin(t)
+        g.end(t + 0.1)
+        t += 0.5
+    s = g.stats()
+    assert s["idle_periods"] == 8 and s["idle_gap_rule"] == "auto (8 periods)", s
+    assert abs(s["idle_gap_seconds"] - 0.4) < 1e-9, s
+    assert g.busy(g.last_end + 0.3) and not g.busy(g.last_end + 0.5)
+    g.idle_gap = 0.1  # owner.toml changed to a fixed gap: it holds at once
+    assert g.stats()["idle_gap_rule"] == "fixed" and not g.busy(g.last_end + 0.3)

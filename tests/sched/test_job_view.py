@@ -29,6 +29,9 @@ def test_each_reason_is_said_with_the_way_out():
     assert paused == ["paused by hand (soft, the process kept): `ember resume j`", "cpu.max_other_load: busy"]
     assert why_waiting(job("soft-paused"), [], "inference", INFERENCE, None) == \
         ["inference requests on device 0 (it resumes 2 s after the last one)"]
+    auto = Inference(device=0, idle_gap_seconds=0.41234, idle_gap_rule="auto (12 periods)")
+    assert why_waiting(job("soft-paused"), [], "inference", auto, None) == \
+        ["inference requests on device 0 (it resumes 0.412 s after the last one; idle gap auto (12 periods))"]
     assert why_waiting(job("queued"), [], None, INFERENCE, "memory: too big") == ["memory: too big"]
     assert why_waiting(job("queued"), [], None, INFERENCE, None) == ["waiting for the scheduler's next decision"]
     assert why_waiting(job("queued"), ["yield: ember yield"], None, INFERENCE, "memory") == ["yield: ember yield"]

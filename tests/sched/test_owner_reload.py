@@ -37,6 +37,7 @@ def test_live_keys_hold_at_once_and_keys_read_at_start_wait_for_a_restart(home, 
     service.observe(force=True)
     assert service.rules.pause.hard_after_minutes == 2 and service.rules.service.allowed == [str(tmp_path), "/srv"]
     assert service.rules.inference.idle_gap_seconds == 7 and service.gate.idle_gap == 7
+    assert c.get("/api/stats", headers=AUTH).json()["inference"]["idle_gap_seconds"] == 7
     assert service.rules.service.port == 8765 and service.rules.inference.model == "builtin:tiny"  # as started
     got = c.get("/api/owner", headers=AUTH).json()
     assert got["error"] is None and [w["key"] for w in got["restart"]] == ["service.port", "inference.model"]
@@ -65,3 +66,17 @@ def test_a_file_that_does_not_validate_keeps_the_rules_and_is_reported_until_fix
     assert service.rules.pause.hard_after_minutes == 1
     assert c.get("/api/owner", headers=AUTH).json()["notes"] == [] and "does not validate" not in c.get(
         "/queue", headers=AUTH).text
+
+
+def test_an_auto_idle_gap_holds_at_once_and_says_how_it_was_chosen(home, tmp_path):
+    service, c = started(home)
+    home.write_text(GOOD.format(root=tmp_path) + "idle_gap_seconds = 'auto'\n")
+    service.observe(force=True)
+    assert service.rules.inference.idle_gap_seconds == "auto" and service.gate.idle_gap == "auto"
+    stats = c.get("/api/stats", headers=AUTH).json()["inference"]
+    assert stats["idle_gap_seconds"] == 2.0 and stats["idle_gap_rule"].startswith("auto (default until 8"), stats
+    home.write_text(GOOD.format(root=tmp_path) + "idle_gap_seconds = 'soon'\n")
+    service.observe(force=True)
+    assert service.gate.idle_gap == "auto"  # kept: the file does not validate
+    assert "idle_gap_seconds = 'soon': must be one of 'auto' or a number" in \
+        c.get("/api/owner", headers=AUTH).json()["error"]
