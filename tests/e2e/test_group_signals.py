@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.test_resume import resume_to_end, uninterrupted
 from tests.helpers import GENESIS, ROOT, assert_same_result, ember_cmd, losses, wait_for_step, write_recipe
+from tests.e2e.test_orphans import still_running
 
 pytestmark = pytest.mark.e2e
 
@@ -46,18 +47,6 @@ def group_members(pgid: int) -> list[str]:
         if int(fields[2]) == pgid:  # stat(5) field 5, counted after "pid (comm)"
             found.append(f"{entry.name} {fields[0]} {command}")
     return found
-
-
-def still_running(procs: list[psutil.Process]) -> list[str]:
-    """Those of `procs` (descendants seen before the signal, in sessions of their own) still there."""
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def signal_group_and_reap(proc: subprocess.Popen, sig: int) -> tuple[int, str]:
