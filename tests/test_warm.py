@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from ember.runfolder import LOCK_FILE
 from tests import warm
-from tests.helpers import ROOT, ember_cmd, write_recipe
+from tests.helpers import ROOT, ember_cmd, wait_for_step, wait_until, write_recipe
 
 
 def _import_time_nodes(tree: ast.Module):
@@ -75,3 +75,26 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_command_started_by_a_warm_one_ends_as_a_fresh_one_would(tmp_path):
+    """The stand-in for `python -m ember` (a rank, a supervised child) has the command forked and
+    leaves its parent the same ending: its exit code, death by its own signal, a signal passed
+    on to it (SIGTERM: checkpoint and exit 75), and the command gone when the stand-in is killed."""
+    stand_in = os.path.join(warm._instance().folder, "python")
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    assert subprocess.run([stand_in, "plan", "missing.toml"], env=env, cwd=ROOT, capture_output=True).returncode == 1
+    recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
+    killed = subprocess.run([stand_in, "run", str(recipe), "--out", str(tmp_path / "a")], cwd=ROOT, timeout=300,
+                            env={**env, "EMBER_FAULT": "train.micro_batch@2"}, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    for sig, code in ((signal.SIGTERM, 75), (signal.SIGKILL, -signal.SIGKILL)):
+        out = tmp_path / sig.name
+        proc = subprocess.Popen([stand_in, "run", str(recipe), "--out", str(out)], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_step(proc, out / "metrics.jsonl", 2)
+        assert proc.poll() is None, "test setup: the run ended before the signal"
+        pid = int((out / LOCK_FILE).read_text())  # the forked command's own PID
+        proc.send_signal(sig)
+        assert proc.wait(timeout=300) == code, proc.stderr.read()[-2000:]
+        wait_until(f"the command (PID {pid}) gone after {sig.name} to its stand-in", lambda: not _alive(pid), 60, 0.05)

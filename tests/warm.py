@@ -8,16 +8,25 @@ hundreds of times). The child sets its environment before any of ember runs, and
 variable at import time (tests/test_warm.py checks that guard); third-party libraries read theirs
 when the warm process starts, with the worker's environment (conftest.py: no model hub).
 
-What must be a real start stays one: `start_ember` (signals, kills, power cuts), the service and
-its jobs, the supervisor's children and torchrun's ranks are fresh interpreters.
+The processes a warm command starts as `python -m ember ...` (the ranks torchrun's agent starts
+for `--nproc N`, the child a supervisor starts for `--restarts N`) are forked here too: the command
+starts a small stand-in instead of the interpreter (`stand_in`), which asks this process for the
+command by the same protocol, hands over the descriptors it inherited (the supervisor's lock),
+passes on the signals it gets, and exits as the command did (its code, or killed by the same
+signal), so the agent, the supervisor and ember.ranks read the ending a real process would leave.
 
-Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd} with its stdin, stdout
-and stderr as SCM_RIGHTS; a forked helper forks the command, waits for it and answers with its
-exit status as one JSON line; if the client goes away first, the command's process group is killed.
+What must be a real start stays one: `start_ember` (signals, kills, power cuts) and everything
+under it, and the service and its jobs, are fresh interpreters.
+
+Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
+descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper forks the command, says its PID as one JSON line, waits
+for it and answers with its exit status as another; if the client goes away first, the command's
+process group is killed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -34,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # What a tiny `ember run` imports; anything else is imported by the command itself, as it would be.
 WARM_MODULES = ["torch", "torch.distributed.tensor", "torch._dynamo", "transformers",
                 "transformers.models.llama.modeling_llama", "peft", "safetensors.torch",
-                "ember.cli.main", "ember.launch", "ember.train.job", "ember.train.loop"]
+                "ember.cli.main", "ember.launch", "ember.train.job", "ember.train.loop",
+                "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
+                "torch.distributed.launcher.api"]
 
 
 # --- the warm process ---------------------------------------------------------------------------
@@ -47,6 +58,8 @@ def serve(path: str) -> None:
     die_with_parent(signal.SIGKILL)  # gone with the worker
     for name in WARM_MODULES:
         importlib.import_module(name)
+    _read_once()
+    _ranks_forked_here(path)
     gc.collect()
     gc.freeze()  # fewer copied pages in the children
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -67,7 +80,7 @@ def _helper(conn: socket.socket) -> None:
     """Forks the command, waits for it and answers; kills it if the client leaves first."""
     status = 1
     try:
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
         request = json.loads(msg)
         pid = os.fork()
         if pid == 0:
@@ -75,6 +88,7 @@ def _helper(conn: socket.socket) -> None:
             _command(request, fds)
         for fd in fds:
             os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         pidfd = os.pidfd_open(pid)
         sel = selectors.DefaultSelector()
         sel.register(pidfd, selectors.EVENT_READ)
@@ -92,6 +106,85 @@ def _helper(conn: socket.socket) -> None:
         status = 0
     finally:
         os._exit(status)
+
+
+def _read_once() -> None:
+    """What every run would otherwise read again in its own process (0.4 s of a tiny run's 0.53
+    CPU-s, measured per test): the installed packages' metadata (a new $EMBER_HOME has no cache
+    of it) and transformers' table of checkpoint conversions, built at the first save."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from ember.ledger.manifest import read_packages
+    read_packages()
+    get_checkpoint_conversion_mapping("llama")
+
+
+def _ranks_forked_here(path: str) -> None:
+    """torchrun's agent starts each rank with Popen([python, "-m", "ember", ...]), a supervisor
+    its child with RunRequest.child_argv(): in a command forked from here both start `stand_in`
+    instead, which has the command forked from here."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    from ember.launch import RunRequest
+    stand_in = os.path.join(os.path.dirname(path), "python")
+    with open(stand_in, "w") as f:
+        f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                f"from tests.warm import stand_in\nstand_in({path!r})\n")
+    os.chmod(stand_in, 0o755)
+
+    def forked(argv):
+        if argv[0] == sys.executable and tuple(argv[1:3]) == ("-m", "ember"):
+            return type(argv)([stand_in, *argv[3:]])
+        return argv
+    popen, child_argv = subprocess_handler.SubprocessHandler._popen, RunRequest.child_argv
+    subprocess_handler.SubprocessHandler._popen = lambda self, args, env: popen(self, forked(args), env)
+    RunRequest.child_argv = lambda self: forked(child_argv(self))
+
+
+# Signals a parent (torchrun's agent, a supervisor) or a test may send; passed on to the command's group.
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+MAX_FDS = 16
+
+
+def stand_in(path: str) -> None:
+    """The process a rank's or a supervised child's parent sees: `ember ARGS` forked from the warm
+    process at `path`, with this process's environment, folder and descriptors (as exec would
+    keep them). Signals in PASSED_ON go on to the command's process group; SIGKILL here kills
+    the command (the helper sees this end of the socket close); the exit is the command's, a
+    signal's death included."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # held until the command's PID is known
+    fds = []
+    for name in os.listdir("/proc/self/fd"):  # what this process inherited (the listing's own is closed by now)
+        try:
+            os.fstat(int(name))
+            fds.append(int(name))
+        except OSError:
+            pass
+    if len(fds) > MAX_FDS:
+        raise SystemExit(f"warm stand-in: {len(fds)} inherited descriptors, at most {MAX_FDS}")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds})
+    socket.send_fds(conn, [request.encode() + b"\n"], fds)
+    lines = conn.makefile("rb")
+    pid = json.loads(lines.readline())["pid"]
+    for sig in PASSED_ON:
+        signal.signal(sig, lambda sig, _: _pass_on(pid, sig))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+    line = lines.readline()
+    if not line:
+        os._exit(1)  # the warm process is gone: so is the rank
+    code = json.loads(line)["returncode"]
+    if code < 0:  # die of the rank's signal (its default action: SIGKILL and SIGSTOP's cannot change)
+        if -code in PASSED_ON:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _pass_on(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _kill(pid: int) -> None:
@@ -112,8 +205,13 @@ def _command(request: dict, fds: list[int]) -> None:
     code = 1
     try:
         os.setpgid(0, 0)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
+        targets = request.get("fds", [0, 1, 2])
+        above = max([*targets, *fds]) + 1
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]  # out of the way of every target
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip(targets, high):
+            os.dup2(fd, target)  # inheritable, as exec keeps it
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
@@ -222,9 +320,10 @@ def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subp
         conn.close()  # before the answer, this kills the command
         os.close(out_r)
         os.close(err_r)
-    if not answer:
+    said = [json.loads(line) for line in answer.splitlines()]
+    if not said or "returncode" not in said[-1]:
         raise RuntimeError(f"the warm ember process gave no exit status for ember {' '.join(args)}")
-    return subprocess.CompletedProcess(["ember", *args], json.loads(answer)["returncode"],
+    return subprocess.CompletedProcess(["ember", *args], said[-1]["returncode"],
                                        _text(chunks[out_r]), _text(chunks[err_r]))
 
 

@@ -26,23 +26,39 @@ NUMERICS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                 "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "PYTHONHASHSEED")
 
 
+_LISTED: dict[str, list[str]] = {}  # packages_key() -> the list this process read (or was handed)
+
+
 def installed_packages() -> list[str]:
     """Every installed distribution as NAME==VERSION, sorted. Reading each one's METADATA took
     0.26 s of every run's start-up (bench/startup.py), so the list is cached in $EMBER_HOME under
     the interpreter and the modification times of the folders on sys.path: installing, upgrading
-    or removing a package creates or removes its .dist-info folder, which changes its folder's."""
+    or removing a package creates or removes its .dist-info folder, which changes its folder's.
+    A process reads it at most once per key, whatever $EMBER_HOME it is given later (a service
+    starting jobs for several homes, or a process that forks runs)."""
     key = packages_key()
+    if key in _LISTED:
+        return list(_LISTED[key])
     cache = home().packages_cache
     try:
         known = json.loads(cache.read_text())
         if known["key"] == key:
+            _LISTED[key] = list(known["packages"])
             return list(known["packages"])
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: read them again
         pass
-    found = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]})
+    found = read_packages()
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_durable(cache, json.dumps({"key": key, "packages": found}))
     return found
+
+
+def read_packages() -> list[str]:
+    """Every installed distribution as NAME==VERSION, sorted, read from their METADATA now; kept
+    for this process under packages_key()."""
+    found = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]})
+    _LISTED[packages_key()] = found
+    return list(found)
 
 
 def packages_key() -> str:

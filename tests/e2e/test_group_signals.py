@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -67,20 +68,26 @@ def signal_group_and_reap(proc: subprocess.Popen, sig: int) -> tuple[int, str]:
     return proc.returncode, err
 
 
+def sigterm_group_once(proc: subprocess.Popen, ready: Callable[[], object]) -> tuple[int, str]:
+    """Once `ready()` has returned (it waits for the moment itself), SIGTERM the group `proc`
+    leads and reap it (signal_group_and_reap); whatever fails, the group is gone afterwards."""
+    try:
+        ready()
+        assert proc.poll() is None, "test setup: the run ended before the signal"
+        return signal_group_and_reap(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_sigterm_to_the_group_of_a_run_with_loader_workers_checkpoints_exits_75_and_resumes_bit_exact(tmp_path):
     """Two DataLoader workers: before the fix they died of the SIGTERM and the run crashed (exit 1,
     "DataLoader worker (pid N) is killed by signal: Terminated") instead of stopping."""
     recipe = write_recipe(tmp_path, train={"max_steps": 400}, data={"workers": 2})
     out = tmp_path / "run"
     proc = start_group("run", recipe, "--out", out)
-    try:
-        wait_for_step(proc, out / "metrics.jsonl", 5)
-        assert proc.poll() is None, "test setup: the run ended before the signal"
-        code, err = signal_group_and_reap(proc, signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code, err = sigterm_group_once(proc, lambda: wait_for_step(proc, out / "metrics.jsonl", 5))
     assert code == 75, err[-3000:]
     stopped_at = losses(out)[-1][0]
     assert 5 <= stopped_at < 400
@@ -100,14 +107,7 @@ def test_sigterm_to_the_group_of_a_distributed_run_with_loader_workers_checkpoin
     recipe = write_recipe(tmp_path, train={"max_steps": 400}, data={"workers": 2})
     out = tmp_path / "run"
     proc = start_group("run", recipe, "--out", out, "--no-ledger", "--nproc", "2")
-    try:
-        wait_for_step(proc, out / "metrics.jsonl", 5, timeout=300)
-        assert proc.poll() is None, "test setup: the run ended before the signal"
-        code, err = signal_group_and_reap(proc, signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code, err = sigterm_group_once(proc, lambda: wait_for_step(proc, out / "metrics.jsonl", 5, timeout=300))
     assert code == 75, err[-3000:]
     stopped_at = losses(out)[-1][0]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -131,22 +131,15 @@ def test_sigterm_to_the_group_during_tokenization_stops_the_run_before_its_first
     home = tmp_path / "home"  # a token cache of its own: this run tokenizes
     proc = start_group("run", recipe, "--out", out,
                        env={"EMBER_HOME": str(home), "EMBER_FAULT": "tokenize.shard", "EMBER_FAULT_HANG": "3"})
-    try:
-        deadline = time.monotonic() + 180
-        while not _pool_started(proc.pid) and proc.poll() is None:
-            assert time.monotonic() < deadline, group_members(proc.pid)
-            time.sleep(0.05)
-        assert proc.poll() is None, "test setup: the run ended before the signal"
-        code, err = signal_group_and_reap(proc, signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code, err = sigterm_group_once(proc, lambda: _wait_for_the_pool(proc))
     assert code == 75, err[-3000:]
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text(), "it trained"
     assert list((home / "cache" / "tokens").glob("*/info.json")), "the tokenization did not end"
 
 
-def _pool_started(pgid: int) -> bool:
-    """Two tokenization workers of the group run."""
-    return sum("spawn_main" in line for line in group_members(pgid)) >= 2
+def _wait_for_the_pool(proc: subprocess.Popen) -> None:
+    """Until two tokenization workers of `proc`'s group run (or it ended), at most 180 s."""
+    deadline = time.monotonic() + 180
+    while sum("spawn_main" in line for line in group_members(proc.pid)) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, group_members(proc.pid)
+        time.sleep(0.05)
