@@ -50,7 +50,7 @@ def model_folder(folder: Path, **shape: int) -> Path:
     from transformers import LlamaForCausalLM
 
     from ember.models import tiny_config
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     folder.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
     for k, v in shape.items():

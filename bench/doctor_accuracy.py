@@ -51,7 +51,7 @@ def main() -> None:
     from ember.doctor.experiments.real_loop import measure_baselines
     from ember.events import Events
     from ember.recipe import load_recipe
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     wide = work / "wide"
     LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
                                  num_attention_heads=8, max_position_embeddings=64)).save_pretrained(wide)

@@ -40,7 +40,7 @@ def write_model(folder: Path, shape: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[shape], bos_token_id=None, eos_token_id=256, pad_token_id=None,
                          use_cache=False)

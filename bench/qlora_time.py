@@ -38,7 +38,7 @@ def main() -> None:
     from ember.plan.memory import ModelShape, dequant_bytes, dequantize_once
     from ember.plan.remedies import train_shape
     from ember.recipe import load_recipe
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     from tests.helpers import write_recipe
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"

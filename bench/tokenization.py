@@ -89,7 +89,7 @@ def child(tool: str, fmt: str, source: str, folder: str, cache: str, code: str) 
         import ember
         from ember.recipe import DataConfig
         from ember.data.loader import data_fingerprint, tokenize
-        from ember.train.model import HFTokenizer
+        from ember.data.tokenizer import HFTokenizer
         assert Path(ember.__file__).parent.parent == Path(code), ember.__file__
         os.environ["EMBER_HOME"] = cache
         hf = HFTokenizer(tok)

@@ -46,7 +46,8 @@ from ember.infer.adapters import (BASE, RequestError, check_roots, checkpoint_id
                                   find_runs, lora_method, servable_record, verified_weights)
 from ember.models import BYTE_EOS, resolve_path
 from ember.recipe import MethodConfig, ModelConfig
-from ember.train.model import ByteTokenizer, load_model, lora_config
+from ember.train.model import load_model, lora_config
+from ember.data.tokenizer import ByteTokenizer
 
 MAX_TOKENS = 4096
 MAX_STOPS = 4

@@ -40,7 +40,8 @@ from ember.models import model_folder
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import Tokenizer
-from ember.train.model import ByteTokenizer, load_model, load_tokenizer
+from ember.train.model import load_model
+from ember.data.tokenizer import ByteTokenizer, load_tokenizer
 from ember.train.quantize import merge_adapters, quantize_base
 from ember.runfolder import RUN_FILE, RunDir, remote_job
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,157 +11,16 @@ from torch import nn
 
 from ember.errors import EmberError
 from ember.events import Events
-from ember.models import BYTE_EOS, BYTE_VOCAB, model_folder, tiny_config
+from ember.models import model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
-from ember.data.chat import tool_name
-from ember.data.tokenizer import TextEncoder, Tokenizer
+from ember.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ember.train.quantize import merge_adapters, quantize_base
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-BYTE_TOKENIZER_FILE = "ember_tokenizer.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are tokens 0-255; 256 ends a document."""
-
-    eos_id = BYTE_EOS
-    vocab_size = BYTE_VOCAB
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(t.encode("utf-8")) for t in texts]
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Each byte, with the character it belongs to."""
-        ids, offsets = [], []
-        for i, ch in enumerate(text):
-            b = ch.encode("utf-8")
-            ids += b
-            offsets += [(i, i + 1)] * len(b)
-        return ids, offsets
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                    ) -> tuple[str, list[tuple[int, int]]]:
-        """ember's own plain template for the byte model: the tools as a '<|tools|>' line of JSON;
-        each turn a '<|role|>' line, its content and a newline, an assistant's tool calls as
-        '<tool_call>{"name", "arguments"}</tool_call>' lines after its content; the spans of
-        the assistant turns (content, tool calls and the newline). The turn has no end token:
-        the end-of-sequence token appended to the record ends the last one."""
-        text, spans = (f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""), []
-        for m in messages:
-            text += f"<|{m['role']}|>\n"
-            start = len(text)
-            if m["content"] or not m.get("tool_calls"):
-                text += m["content"] + "\n"
-            for call in m.get("tool_calls") or []:
-                text += f"<tool_call>{json.dumps(call['function'])}</tool_call>\n"
-            if m["role"] == "assistant":
-                spans.append((start, len(text)))
-        return text, spans
-
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """The conversation and the header of the assistant turn that answers it."""
-        return self.render_chat(messages)[0] + "<|assistant|>\n"
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(b"ember-byte-tokenizer/1").hexdigest()
-
-    def save(self, folder: Path) -> None:
-        (folder / BYTE_TOKENIZER_FILE).write_text(json.dumps({"kind": "bytes", "eos_id": 256}))
-
-
-class HFTokenizer:
-    """A transformers tokenizer behind the small interface ember needs."""
-
-    def __init__(self, tok: Any):
-        self.tok = tok
-        if tok.eos_token_id is None:
-            raise EmberError(f"tokenizer of {tok.name_or_path} has no end-of-sequence token; "
-                             f"ember needs one to separate packed documents")
-        self.eos_id = tok.eos_token_id
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        fast = self.text_encoder()
-        if fast is not self:
-            # The fast tokenizer's own batch call: the ids transformers would return, without
-            # its per-text conversion to a BatchEncoding (a few % of tokenizing a corpus).
-            return fast.encode_batch(texts)
-        return self.tok(texts, add_special_tokens=False)["input_ids"]
-
-    def text_encoder(self) -> TextEncoder | HFTokenizer:
-        """What encoding plain text needs (ember.data.tokenizer.TextEncoder, light to send to a
-        worker process), or this tokenizer when its backend truncates or pads."""
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is not None and backend.truncation is None and backend.padding is None:
-            return TextEncoder(backend, self.eos_id)
-        return self
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        return out["input_ids"], [tuple(o) for o in out["offset_mapping"]]
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                    ) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation through the tokenizer's own chat template (with `tools`), and the
-        character spans of the assistant turns: from the end of the prompt the template renders
-        before a turn (with its generation prompt) to the end of the rendering that includes it.
-        Refused when the template drops the tools or a turn's tool calls (nothing of them
-        rendered: training would teach an empty turn)."""
-        render = lambda msgs, gen: self._render(msgs, gen, tools)
-        text, spans = render(messages, False), []
-        name = self.tok.name_or_path
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = render(messages[:i], True) if i else ""
-            upto = render(messages[: i + 1], False)
-            if not (text.startswith(upto) and upto.startswith(before)):
-                raise EmberError(f"the chat template of {name} does not render a conversation "
-                                 f"as a prefix of its continuation, so the assistant turns cannot be located; "
-                                 f"use [data] format = 'completion' (prompt/completion records)")
-            for call in m.get("tool_calls") or []:
-                if call["function"]["name"] not in upto[len(before):]:
-                    raise EmberError(f"the chat template of {name} does not render tool calls (the call of "
-                                     f"{call['function']['name']!r} is not in its rendering of the turn); "
-                                     f"use a model whose chat template renders tool_calls, or leave these turns out")
-            spans.append((len(before), len(upto)))
-        for tool in tools or []:
-            if tool_name(tool) not in text:
-                raise EmberError(f"the chat template of {name} does not render the record's tools ({tool_name(tool)!r} "
-                                 f"is not in its rendering); use a model whose chat template takes tools")
-        return text, spans
-
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """The conversation through the chat template, with the generation prompt that opens
-        the assistant's answer."""
-        return self._render(messages, True, None)
-
-    def _render(self, messages: list[dict[str, Any]], generation: bool, tools: list[dict[str, Any]] | None) -> str:
-        if not getattr(self.tok, "chat_template", None):
-            raise EmberError(f"the tokenizer of {self.tok.name_or_path} has no chat template; use "
-                             f"[data] format = 'completion' (prompt/completion records) or a model that has one")
-        from jinja2 import TemplateError
-        try:
-            return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
-        except (TemplateError, TypeError) as e:  # the template's own raise_exception, or a field it cannot join
-            raise EmberError(f"the chat template of {self.tok.name_or_path} refuses this conversation: {e}") from None
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def fingerprint(self) -> str:
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        text = backend.to_str() if backend is not None else json.dumps(self.tok.get_vocab(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def save(self, folder: Path) -> None:
-        self.tok.save_pretrained(folder)
 
 
 @dataclass
@@ -221,16 +78,6 @@ def drop_input_grad_hooks(model: nn.Module) -> None:
     hooks = model.get_input_embeddings()._forward_hooks  # torch keeps no public way to list them
     for key in [k for k, fn in hooks.items() if getattr(fn, "__name__", "") == "make_inputs_require_grads"]:
         del hooks[key]
-
-
-def load_tokenizer(folder: Path) -> Tokenizer:
-    if (folder / BYTE_TOKENIZER_FILE).is_file():
-        return ByteTokenizer()
-    from transformers import AutoTokenizer
-    try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(folder))
-    except (OSError, ValueError) as e:
-        raise EmberError(f"{folder}: no usable tokenizer in the model folder: {e}") from None
 
 
 def lora_config(method: MethodConfig) -> LoraConfig:

@@ -17,7 +17,7 @@ from ember.models import BYTE_EOS, tiny_config
 from ember.recipe import DataConfig, DataFormat, EvalConfig
 from ember.data.loader import PackedBatches, data_fingerprint, eval_tokens, held_out, resolve_packing, tokenize
 from ember.data.formats import FORMATS, detect, encode, run_format
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 CHAT = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
@@ -61,7 +61,7 @@ def smollm2():
 
 
 def test_the_real_chat_template_marks_the_assistant_turn(smollm2):
-    from ember.train.model import HFTokenizer
+    from ember.data.tokenizer import HFTokenizer
     tok = HFTokenizer(smollm2)
     msgs = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
     enc = encode(msgs, "chat", tok, "text", "assistant", "x:1")
@@ -73,7 +73,7 @@ def test_one_end_of_turn_per_assistant_turn_on_the_real_smollm2_template(smollm2
     """SmolLM2's template ends every turn with <|im_end|>, its end-of-sequence token: each
     assistant turn is learned up to and including it, once; the newline after it belongs to
     the next turn's context, and no second end-of-sequence token is appended."""
-    from ember.train.model import HFTokenizer
+    from ember.data.tokenizer import HFTokenizer
     tok = HFTokenizer(smollm2)
     two = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."},
                         {"role": "user", "content": "Another."}, {"role": "assistant", "content": "Exodus."}]}
@@ -92,7 +92,7 @@ def test_an_eval_prompt_is_the_training_rendering_up_to_the_answer(smollm2):
     prompt: token for token, what a training record holds before its first learned token; a
     completion run's is the prompt as training tokenized it."""
     from ember.data.formats import prompt_tokens
-    from ember.train.model import HFTokenizer
+    from ember.data.tokenizer import HFTokenizer
     record = {"messages": [{"role": "user", "content": "Name a book."}, {"role": "assistant", "content": "Genesis."}]}
     completion = {"prompt": "Q: Name a book.\nA:", "completion": " Genesis."}
     for tok in (HFTokenizer(smollm2), TOK):
@@ -112,7 +112,7 @@ def test_the_fast_batch_path_gives_the_ids_transformers_gives(smollm2):
     own, special-token text and empty strings included, and truncation settings respected."""
     import copy
 
-    from ember.train.model import HFTokenizer
+    from ember.data.tokenizer import HFTokenizer
     raw = copy.deepcopy(smollm2)  # its truncation is set below
     texts = ["In the beginning God created the heaven and the earth.\n" * 40, "", " ", "héllo\n\n wörld",
              "<|im_start|>user\nhi<|im_end|>", "\u4e2d\u6587 \U0001f600"]
@@ -162,7 +162,7 @@ def test_tool_calls_go_through_the_tokenizers_own_template_or_are_refused(smollm
     refused (it would teach an empty assistant turn)."""
     import copy
 
-    from ember.train.model import HFTokenizer
+    from ember.data.tokenizer import HFTokenizer
     with pytest.raises(EmberError, match=r"x:1: the chat template of .* does not render tool calls \(the call of "
                                          r"'weather' is not in its rendering"):
         encode(TOOL_CHAT, "chat", HFTokenizer(smollm2), "text", "assistant", "x:1")

@@ -20,7 +20,7 @@ from ember.data.loader import (
     read_documents,
     tokenize,
 )
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 
 
 def stream(tmp_path: Path, n_tokens: int) -> Path:

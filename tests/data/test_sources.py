@@ -16,7 +16,7 @@ from ember.models import BYTE_EOS
 from ember.recipe import DataConfig, EvalConfig
 from ember.data import sources, tokenize as sharded
 from ember.data.loader import data_fingerprint, tokenize
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from ember.events import collect
 from ember.recipe import DataConfig, EvalConfig
 from ember.data import sources, tokenize as sharded
 from ember.data.loader import data_fingerprint, tokenize
-from ember.train.model import ByteTokenizer, HFTokenizer
+from ember.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.artifacts import shared
 
 TOK = ByteTokenizer()
@@ -376,3 +377,22 @@ def test_plain_text_reaches_a_worker_without_torch_or_transformers(tmp_path, smo
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "enc.pkl"), json.dumps(texts)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [smollm2.eos_id, smollm2.tok(texts, add_special_tokens=False)["input_ids"], []]
+
+
+def test_what_a_tokenization_worker_unpickles_imports_no_torch():
+    """A spawned worker unpickles the tokenizer (the byte tokenizer of builtin:tiny; a transformers
+    tokenizer for chat data): neither may import torch there. When both lived beside the models
+    (ember.train.model) each worker imported torch, transformers and peft: 31 CPU-s of this
+    file's 17 tests, 11 without."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    backend = Backend(WordLevel({"a": 0, "</s>": 1}, unk_token="a"))
+    hf = HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>"))
+    code = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+            "print(sorted(m for m in ('torch', 'peft', 'ember.train.model') if m in sys.modules))")
+    for tok in (ByteTokenizer(), hf):
+        out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(tok), capture_output=True, cwd=ROOT,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+        assert out.stdout.decode().strip() == "[]", (type(tok).__name__, out.stdout)

@@ -19,7 +19,7 @@ from ember.train import stability
 from ember.data import truncation
 from ember.data.loader import PackedBatches, data_fingerprint, tokenize
 from ember.train.job import data_notes
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 from ember.data.truncation import learned_in, learning
 
 TOK = ByteTokenizer()

@@ -268,7 +268,7 @@ def test_tool_calls_and_completion_records_train_in_one_chat_run(tmp_path):
     weight 0) and a file of completion records, in one run: every record a conversation
     through the template, each learning what ember.data.formats.encode says it learns."""
     from ember.data.formats import encode
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     rng = random.Random(2)
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     chats, completions = [], []

@@ -24,7 +24,7 @@ def tied_tiny_model(folder: Path) -> Path:
     from transformers import LlamaForCausalLM
 
     from ember.models import tiny_config
-    from ember.train.model import ByteTokenizer
+    from ember.data.tokenizer import ByteTokenizer
     config = tiny_config()
     config.tie_word_embeddings = True
     folder.mkdir()

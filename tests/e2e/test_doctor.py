@@ -34,7 +34,7 @@ from ember.doctor.experiments.real_loop import measure_baselines
 from ember.events import Events
 from ember.ledger import database as ledger_store
 from ember.recipe import load_recipe
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 from tests.doctor.test_diagnose import around, baseline, shape
 from tests.helpers import ROOT, ember_cmd, run_ember, write_recipe
 

@@ -10,7 +10,7 @@ from ember.doctor.measure import calibrate
 from ember.hardware import Device, Kind
 from ember.plan.planner import make_plan
 from ember.recipe import load_recipe
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 from tests.helpers import run_ember, write_recipe
 
 

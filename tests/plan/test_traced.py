@@ -18,7 +18,7 @@ from ember.doctor.fake_step import trace
 from ember.doctor.measure import calibrate, live_tensor_bytes
 from ember.plan.memory import LLAMA_FAMILY
 from ember.recipe import load_recipe
-from ember.train.model import ByteTokenizer
+from ember.data.tokenizer import ByteTokenizer
 from tests.helpers import ROOT, write_recipe
 from tests.test_startup import HEAVY, imports_of
 
