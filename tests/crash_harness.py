@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember.ckpt.store import CheckpointStore
-from tests.helpers import losses
+from tests.helpers import losses, warm_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_POINTS = ["ckpt.snapshot_taken", "ckpt.files_written", "ckpt.manifest_written",
@@ -34,9 +34,12 @@ class CrashStats:
 
 
 def ember(recipe: Path, out: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ember", "run", str(recipe), "--out", str(out),
-                             "--no-ledger"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **env}, cwd=ROOT)
+    """`ember run` as a process of this harness's own, forked from the tests' warm process
+    (tests.helpers.warm_cmd): a SIGKILL to it kills the run a millisecond later, at another
+    random moment, and `communicate` returns once the run and its workers are gone (they hold
+    its standard error). A fresh interpreter's start-up (~2.7 CPU-s) was most of an attempt."""
+    return subprocess.Popen(warm_cmd("run", recipe, "--out", out, "--no-ledger"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env}, cwd=ROOT)
 
 
 def lines(path: Path) -> int:

@@ -51,6 +51,19 @@ def run_ember(*args: str, env: dict | None = None, timeout: float = 300) -> subp
                           env={**os.environ, **(env or {})}, cwd=ROOT)
 
 
+def warm_cmd(*args: str) -> list[str]:
+    """`ember_cmd(*args)`, but the process it starts has the command forked from the warm process
+    (tests/warm.py's stand-in; a fresh interpreter with EMBER_TEST_COLD=1). It is a process of
+    this test's own: a signal to it reaches the command's process group, a SIGKILL kills the
+    command within a millisecond, and it exits as the command did. Its standard streams close
+    only once the command and every process it started are gone. For a test that kills or signals
+    a run by the PID it started; one that walks the process tree under it wants `ember_cmd`."""
+    if os.environ.get("EMBER_TEST_COLD"):
+        return ember_cmd(*args)
+    from tests import warm
+    return [warm.stand_in_path(), *map(str, args)]
+
+
 def start_ember(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(ember_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})}, cwd=ROOT)

@@ -81,7 +81,7 @@ def test_a_command_started_by_a_warm_one_ends_as_a_fresh_one_would(tmp_path):
     """The stand-in for `python -m ember` (a rank, a supervised child) has the command forked and
     leaves its parent the same ending: its exit code, death by its own signal, a signal passed
     on to it (SIGTERM: checkpoint and exit 75), and the command gone when the stand-in is killed."""
-    stand_in = os.path.join(warm._instance().folder, "python")
+    stand_in = warm.stand_in_path()
     env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
     assert subprocess.run([stand_in, "plan", "missing.toml"], env=env, cwd=ROOT, capture_output=True).returncode == 1
     recipe = write_recipe(tmp_path, train={"max_steps": 100_000})

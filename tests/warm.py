@@ -9,14 +9,17 @@ variable at import time (tests/test_warm.py checks that guard); third-party libr
 when the warm process starts, with the worker's environment (conftest.py: no model hub).
 
 The processes a warm command starts as `python -m ember ...` (the ranks torchrun's agent starts
-for `--nproc N`, the child a supervisor starts for `--restarts N`) are forked here too: the command
-starts a small stand-in instead of the interpreter (`stand_in`), which asks this process for the
-command by the same protocol, hands over the descriptors it inherited (the supervisor's lock),
-passes on the signals it gets, and exits as the command did (its code, or killed by the same
-signal), so the agent, the supervisor and ember.ranks read the ending a real process would leave.
+for `--nproc N`, the child a supervisor starts for `--restarts N`, preflight's trial run) are
+forked here too: the command starts a small stand-in instead of the interpreter (`stand_in`),
+which asks this process for the command by the same protocol, hands over the descriptors it
+inherited (the supervisor's lock), passes on the signals it gets, and exits as the command did
+(its code, or killed by the same signal), so the agent, the supervisor and ember.ranks read the
+ending a real process would leave. A test may start the stand-in itself (tests.helpers.warm_cmd:
+the crash harness's attempts, killed by their PID).
 
-What must be a real start stays one: `start_ember` (signals, kills, power cuts) and everything
-under it, and the service and its jobs, are fresh interpreters.
+What must be a real start stays one: `start_ember` (signals to a process group, kills of a
+process found in the tree, power cuts) and everything under it, and the service and its jobs,
+are fresh interpreters.
 
 Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
 descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper forks the command, says its PID as one JSON line, waits
@@ -44,7 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WARM_MODULES = ["torch", "torch.distributed.tensor", "torch._dynamo", "transformers",
                 "transformers.models.llama.modeling_llama", "peft", "safetensors.torch",
                 "ember.cli.main", "ember.launch", "ember.train.job", "ember.train.loop",
-                "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
                 "torch.distributed.launcher.api"]
 
 
@@ -59,7 +61,7 @@ def serve(path: str) -> None:
     for name in WARM_MODULES:
         importlib.import_module(name)
     _read_once()
-    _ranks_forked_here(path)
+    _ember_children_forked_here(path)
     gc.collect()
     gc.freeze()  # fewer copied pages in the children
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,28 +120,25 @@ def _read_once() -> None:
     get_checkpoint_conversion_mapping("llama")
 
 
-def _ranks_forked_here(path: str) -> None:
-    """torchrun's agent starts each rank with Popen([python, "-m", "ember", ...]), a supervisor
-    its child with RunRequest.child_argv(): in a command forked from here both start `stand_in`
-    instead, which has the command forked from here."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-    from ember.launch import RunRequest
+def _ember_children_forked_here(path: str) -> None:
+    """In a command forked from here, every `python -m ember ...` it starts (torchrun's agent its
+    ranks, a supervisor its child, preflight its trial run) starts `stand_in` instead, which has
+    that command forked from here too. Popen is the one place they all pass."""
     stand_in = os.path.join(os.path.dirname(path), "python")
     with open(stand_in, "w") as f:
         f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                 f"from tests.warm import stand_in\nstand_in({path!r})\n")
     os.chmod(stand_in, 0o755)
+    init = subprocess.Popen.__init__
 
-    def forked(argv):
-        if argv[0] == sys.executable and tuple(argv[1:3]) == ("-m", "ember"):
-            return type(argv)([stand_in, *argv[3:]])
-        return argv
-    popen, child_argv = subprocess_handler.SubprocessHandler._popen, RunRequest.child_argv
-    subprocess_handler.SubprocessHandler._popen = lambda self, args, env: popen(self, forked(args), env)
-    RunRequest.child_argv = lambda self: forked(child_argv(self))
+    def forked(self, args, *rest, **kwargs):
+        if isinstance(args, (list, tuple)) and [str(a) for a in args[:3]] == [sys.executable, "-m", "ember"]:
+            args = [stand_in, *args[3:]]
+        init(self, args, *rest, **kwargs)
+    subprocess.Popen.__init__ = forked
 
 
-# Signals a parent (torchrun's agent, a supervisor) or a test may send; passed on to the command's group.
+# Signals a parent (torchrun's agent, a supervisor) or a test may send; passed on to the command.
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 MAX_FDS = 16
 
@@ -147,7 +146,9 @@ MAX_FDS = 16
 def stand_in(path: str) -> None:
     """The process a rank's or a supervised child's parent sees: `ember ARGS` forked from the warm
     process at `path`, with this process's environment, folder and descriptors (as exec would
-    keep them). Signals in PASSED_ON go on to the command's process group; SIGKILL here kills
+    keep them). Signals in PASSED_ON go on to the command itself, not to its group: a supervisor
+    and a test signal their child by its PID; torchrun's agent signals the rank's group, where the
+    rank's own workers ignore a SIGTERM that is not their parent's (ember.proc). SIGKILL here kills
     the command (the helper sees this end of the socket close); the exit is the command's, a
     signal's death included."""
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # held until the command's PID is known
@@ -173,7 +174,7 @@ def stand_in(path: str) -> None:
     if not line:
         os._exit(1)  # the warm process is gone: so is the rank
     code = json.loads(line)["returncode"]
-    if code < 0:  # die of the rank's signal (its default action: SIGKILL and SIGSTOP's cannot change)
+    if code < 0:  # die of the command's signal (its default action: SIGKILL's cannot change)
         if -code in PASSED_ON:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
@@ -182,7 +183,7 @@ def stand_in(path: str) -> None:
 
 def _pass_on(pid: int, sig: int) -> None:
     try:
-        os.killpg(pid, sig)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
 
@@ -278,6 +279,11 @@ def _instance() -> _Warm:
         _warm = _Warm()
         atexit.register(_warm.close)
     return _warm
+
+
+def stand_in_path() -> str:
+    """The stand-in for `python -m ember` of this worker's warm process (`stand_in`)."""
+    return os.path.join(_instance().folder, "python")
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
