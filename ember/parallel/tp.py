@@ -30,8 +30,8 @@ SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # t
 
 class TP:
     name = "tp"
-    summary = ("splits every decoder layer's attention and MLP projections over the ranks (full "
-               "fine-tuning; keep it within one node)")
+    summary = ("splits every decoder layer's attention and MLP projections over the ranks, LoRA's "
+               "adapters with them (keep it within one node)")
     lora_conflict = ""
     whole_model = False
 

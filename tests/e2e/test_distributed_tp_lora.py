@@ -6,6 +6,7 @@ onto one process, and export whole."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -15,7 +16,7 @@ from tests.artifacts import shared
 from tests.distributed_harness import ember_run
 from tests.e2e.test_distributed import close
 from tests.e2e.test_distributed_lora import STEPS, make_lora_baselines
-from tests.helpers import assert_same_result, losses, run_ember
+from tests.helpers import ROOT, assert_same_result, losses, run_ember
 
 TP = ("--nproc", "2", "--set", "distributed.strategy=tp")
 
@@ -50,19 +51,44 @@ def test_tp_lora_checkpoints_hold_the_adapters_split_as_their_base():
     assert optim == {f"{n}.{s}" for n in model for s in ("step", "exp_avg", "exp_avg_sq")}
 
 
+def crashed_at_step_7(recipe: Path, out: Path, *launch: str) -> None:
+    """SIGKILL of every process at the 13th micro-batch (inside step 7; checkpoint at step 5)."""
+    crashed = run_ember("run", recipe, "--out", out, "--no-ledger", *launch, env={"EMBER_FAULT": "train.micro_batch@13"})
+    assert crashed.returncode != 0 and losses(out)[-1][0] == 6, crashed.stderr[-2000:]
+
+
 def test_tp_lora_killed_whole_resumes_bit_for_bit_and_reshards_onto_one_process(tmp_path):
-    """Both ranks SIGKILLed at the 13th micro-batch (inside step 7; checkpoint at step 5): resumed
-    on two TP ranks, every loss and adapter weight equals the uninterrupted run's; resumed on one
-    process (DCP gathers the split adapters), within RTOL of the one-process run."""
+    """Both ranks SIGKILLed inside step 7: resumed on two TP ranks, every loss and adapter weight
+    equals the uninterrupted run's; resumed on one process (DCP gathers the split adapters),
+    within RTOL of the one-process run."""
     b = make_tp_lora_baseline()
     for name, then in [("two", TP), ("one", ())]:
         out = tmp_path / name
-        crashed = run_ember("run", b["recipe"], "--out", out, "--no-ledger", *TP,
-                            env={"EMBER_FAULT": "train.micro_batch@13"})
-        assert crashed.returncode != 0 and losses(out)[-1][0] == 6, crashed.stderr[-2000:]
-        assert "killed by SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
+        crashed_at_step_7(b["recipe"], out, *TP)
         ember_run(b["recipe"], out, *then)
         if name == "two":
             assert_same_result(out, b["tp"])
         else:
             close(out, b["one"])
+
+
+def test_a_one_process_lora_checkpoint_resumes_on_two_tp_ranks(tmp_path):
+    """The reverse: one process killed inside step 7, resumed on two TP ranks (DCP splits the
+    adapters its checkpoint holds whole): within RTOL of the one-process run."""
+    b = make_tp_lora_baseline()
+    crashed_at_step_7(b["recipe"], tmp_path / "run")
+    ember_run(b["recipe"], tmp_path / "run", *TP)
+    close(tmp_path / "run", b["one"])
+
+
+def test_the_readmes_tp_lora_command_runs_its_shipped_recipe(tmp_path):
+    """`ember run examples/tiny-lora-tp.toml --out runs/tplora --nproc 2` as the README writes it
+    (LoRA with dropout on all seven projections, strategy tp in the recipe) trains what the same
+    recipe trains in one process, within the stated tolerance."""
+    assert "ember run examples/tiny-lora-tp.toml --out runs/tplora --nproc 2" in (ROOT / "README.md").read_text()
+    recipe = ROOT / "examples" / "tiny-lora-tp.toml"
+    ember_run(recipe, tmp_path / "two", "--nproc", "2")
+    ember_run(recipe, tmp_path / "one")
+    close(tmp_path / "two", tmp_path / "one")
+    world = json.loads((tmp_path / "two" / "run.json").read_text())["manifest"]["world"]
+    assert (world["ranks"], world["strategy"]) == (2, "tp")
