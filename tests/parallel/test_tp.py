@@ -62,3 +62,20 @@ def test_lora_adapters_split_with_their_base_and_compute_the_plain_peft_models_g
         assert split == {"q_proj.lora_B": ["S(0)"], "o_proj.lora_A": ["S(1)"]}
         assert rank["loss"] == pytest.approx(rank["reference"], rel=1e-6)
         assert rank["grad_difference"] < 1e-6
+
+
+def test_with_lora_the_frozen_base_layers_split_and_the_adapters_add_little():
+    """A LoRA plan over 2 TP ranks: a rank saves at least 0.45 of the decoder layers' frozen fp32
+    weights (half of them, less what it keeps whole; 0.65 here with half the split projections'
+    activations); full fine-tuning, whose gradients and Adam state split too, about 3x that."""
+    from ember.plan.layout import footprint
+    from ember.plan.memory import ModelShape, TrainShape, estimate
+    m = ModelShape("llama", layers=8, hidden=512, intermediate=1024, heads=8, kv_heads=8, head_dim=64, vocab=1000)
+    lora, full = TrainShape(micro_batch=2, seq_len=64, lora=True), TrainShape(micro_batch=2, seq_len=64)
+    layers = m.layers * m.layer_params() * 4
+    saved = {}
+    for name, t in [("lora", lora), ("full", full)]:
+        fp = footprint(m, estimate(m, t))
+        saved[name] = fp.peak - TP().memory(fp, 2)
+    assert saved["lora"] >= 0.45 * layers
+    assert 2.5 < saved["full"] / saved["lora"] < 5
