@@ -1,7 +1,8 @@
 """FSDP with tensor parallelism, the 2-D mesh: tensor parallel inside groups of [distributed]
 tp_size ranks (keep a group within one node), FSDP across the groups, which read different rows.
 Both costs at their group sizes; `ember plan` prices pairs of ranks (n >= 4). Its checkpoint:
-each rank writes its shards of its slices."""
+each rank writes its shards of its slices. LoRA: the adapters split inside a group with the
+projections they wrap (ember.parallel.tp), then FSDP shards what trains, as it does alone."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PLANNED_TP = 2  # the group size `ember plan` prices
 class FSDPTP:
     name = "fsdp+tp"
     summary = "is the 2-D mesh: tp inside groups of tp_size ranks, fsdp across the groups"
-    lora_conflict = "splits the base model's projections, which LoRA wraps"
+    lora_conflict = ""  # the adapters split with their base (ember.parallel.tp), then shard as it does
     whole_model = False
 
     def mesh(self, world: int, tp_size: int) -> Mesh:

@@ -4,7 +4,15 @@ so a layer costs one all-reduce of its activations in attention and one in the M
 backward (four per layer and micro-batch); the embeddings, norms and head stay whole on every
 rank, and every rank computes every micro-batch, its share of each layer. The heads, key-value
 heads and MLP width must split evenly. Its checkpoint: each rank writes its slices of the split
-projections; the tensors every rank holds whole are written once."""
+projections; the tensors every rank holds whole are written once.
+
+LoRA (peft's `lora.Linear`: base_layer + lora_B(lora_A(dropout(x))) * scale) splits with its
+base, by DTensor's own styles on the sub-modules: column-wise, lora_B's output rows split as the
+base's are (lora_A whole, its input replicated), so both local outputs are the same columns;
+row-wise, lora_A's input columns split as the base's are (lora_B whole), and its partial sums
+are all-reduced as the base's are (r values per token, beside the base's hidden size). The input
+of a row-wise layer is then this rank's columns: its keyed dropout is told which (`split`), and
+draws the whole row's mask and keeps those columns, the mask one process draws, sliced."""
 
 from __future__ import annotations
 
@@ -22,9 +30,9 @@ SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # t
 
 class TP:
     name = "tp"
-    summary = ("splits every decoder layer's attention and MLP projections over the ranks (full "
-               "fine-tuning; keep it within one node)")
-    lora_conflict = "splits the base model's projections, which LoRA wraps"
+    summary = ("splits every decoder layer's attention and MLP projections over the ranks, LoRA's "
+               "adapters with them (keep it within one node)")
+    lora_conflict = ""
     whole_model = False
 
     def mesh(self, world: int, tp_size: int) -> Mesh:
@@ -61,10 +69,30 @@ def check_dims(config: Any, n: int) -> None:
 
 
 def split(model: Any, layers: list[Any], device_mesh: Any) -> Any:
-    """Every decoder layer's projections split over the ranks of `device_mesh` (1-D)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Every decoder layer's projections split over the ranks of `device_mesh` (1-D), with their
+    LoRA adapters where peft wrapped them."""
     check_dims(model.config, device_mesh.size())
-    plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in PLAN.items()}
     for layer in layers:
-        parallelize_module(layer, device_mesh, plan)
+        layer_plan(layer, device_mesh)
     return model
+
+
+def layer_plan(layer: Any, device_mesh: Any) -> None:
+    """One decoder layer's projections split (PLAN); a LoRA-wrapped one, its base and adapters."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    style = {"col": ColwiseParallel, "row": RowwiseParallel}
+    plan = {}
+    for key, how in PLAN.items():
+        module = layer.get_submodule(key)
+        if not hasattr(module, "base_layer"):  # a plain nn.Linear
+            plan[key] = style[how]()
+            continue
+        plan[f"{key}.base_layer"] = style[how]()
+        split_side = "lora_B" if how == "col" else "lora_A"  # the other side stays whole
+        for adapter in getattr(module, split_side):
+            plan[f"{key}.{split_side}.{adapter}"] = style[how]()
+        if how == "row":  # this rank's input columns: the dropout slices the whole row's mask
+            for dropout in module.lora_dropout.values():
+                if hasattr(dropout, "split"):
+                    dropout.split = (device_mesh.get_local_rank(), device_mesh.size())
+    parallelize_module(layer, device_mesh, plan)

@@ -88,6 +88,8 @@ def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, o
     step = Step(one_step, accum, t.micro_batch, m.layers, act_bytes)
     ranks = Ranks(n, busy, overlap, ic)
     for strategy in STRATEGIES.values():
+        if t.lora and strategy.lora_conflict:  # the run would refuse it (ember.train.sharding)
+            continue
         if (c := strategy.cost(fp, step, ranks)) is not None:
             add(strategy.name, c.compute, c.comm, c.hidden, c.memory, c.moved, notes=list(c.notes))
     return out

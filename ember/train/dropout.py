@@ -10,6 +10,9 @@ with no RNG state to save. Same p and expectation as nn.Dropout (kept units scal
 
 The loop says which rows the next forward computes (`DropoutKeys.at`) before each micro-batch;
 activation checkpointing's recomputation, inside that micro-batch's backward, draws the same.
+Under tensor parallelism a row-wise layer's input is this rank's slice of the last dimension
+(`split` = (index, parts), set by ember.parallel.tp): the whole row's mask is drawn and the
+slice kept, so every rank drops what one process drops there.
 """
 
 from __future__ import annotations
@@ -44,20 +47,24 @@ class KeyedDropout(nn.Module):
     def __init__(self, p: float, keys: DropoutKeys, layer: int):
         super().__init__()
         self.p, self.keys, self.layer = p, keys, layer
+        self.split = (0, 1)  # (index, parts) of the last dimension this rank's input holds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         k = self.keys
+        index, parts = self.split
+        width = x.shape[-1]
         masks = []
         for row in range(x.shape[0]):
             g = torch.Generator(device=x.device)
             g.manual_seed(row_seed(k.seed, k.step, k.first + row, self.layer))
-            masks.append(torch.rand(x.shape[1:], generator=g, device=x.device) >= self.p)
+            whole = torch.rand((*x.shape[1:-1], width * parts), generator=g, device=x.device)
+            masks.append(whole[..., index * width:(index + 1) * width] >= self.p)
         return x * torch.stack(masks).to(x.dtype) / (1.0 - self.p)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, layer={self.layer}"
+        return f"p={self.p}, layer={self.layer}" + (f", split={self.split}" if self.split[1] > 1 else "")
 
 
 def eager_when_compiled() -> None:

@@ -1,6 +1,6 @@
 """A strategy applied on real ranks: gloo over a file store, each rank applying the strategy to
 the builtin tiny Llama and taking one forward and backward on the batch every rank shares, beside
-the plain model on the same batch. The ranks fork from a server process that imported torch and
+the plain model on the same batch (with `lora`, both wrapped by peft with non-zero adapters). The ranks fork from a server process that imported torch and
 transformers and ran nothing (not from the test process, whose threads a fork would copy
 mid-flight). What comes back, per rank: both losses, the largest difference between a gradient
 (gathered whole) and the plain model's, and how a few parameters are laid out."""
@@ -19,6 +19,17 @@ import torch.multiprocessing as mp
 HANG_SECONDS = 600  # far beyond the ~15 s a rank takes on two busy cores
 WATCHED = {"q_proj": "model.layers.0.self_attn.q_proj.weight", "o_proj": "model.layers.0.self_attn.o_proj.weight",
            "embed": "model.embed_tokens.weight"}
+LORA_WATCHED = {"q_proj.lora_A": "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+                "q_proj.lora_B": "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight",
+                "o_proj.lora_A": "base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight",
+                "o_proj.lora_B": "base_model.model.model.layers.0.self_attn.o_proj.lora_B.default.weight"}
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """Adapters on every projection tp splits, B not zero (so that A has a gradient), no dropout."""
+    from peft import LoraConfig, get_peft_model
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
 def layout(p: torch.Tensor) -> dict:
@@ -28,7 +39,7 @@ def layout(p: torch.Tensor) -> dict:
     return {"kind": "DTensor", "mesh": list(p.device_mesh.shape), "placements": [str(x) for x in p.placements]}
 
 
-def _worker(rank: int, world: int, name: str, tp_size: int, folder: str) -> None:
+def _worker(rank: int, world: int, name: str, tp_size: int, folder: str, lora: bool) -> None:
     from transformers import LlamaForCausalLM
 
     from ember.models import tiny_config
@@ -39,6 +50,7 @@ def _worker(rank: int, world: int, name: str, tp_size: int, folder: str) -> None
     try:
         torch.manual_seed(0)
         plain = LlamaForCausalLM(tiny_config())
+        plain = with_lora(plain) if lora else plain
         model = copy.deepcopy(plain)
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         reference = plain(input_ids=ids, labels=ids).loss
@@ -51,18 +63,20 @@ def _worker(rank: int, world: int, name: str, tp_size: int, folder: str) -> None
         plains = dict(plain.named_parameters())
         worst = 0.0
         for n, p in inner.named_parameters():
+            if p.grad is None:  # frozen under LoRA: neither model has its gradient
+                continue
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             worst = max(worst, float((g - plains[n].grad).abs().max()))
         params = dict(inner.named_parameters())
         Path(folder, f"rank{rank}.json").write_text(json.dumps({
             "wrapper": type(applied).__name__, "loss": loss.item(), "reference": reference.item(),
-            "grad_difference": worst, "layout": {k: layout(params[v]) for k, v in WATCHED.items()}}))
+            "grad_difference": worst, "layout": {k: layout(params[v]) for k, v in (LORA_WATCHED if lora else WATCHED).items()}}))
     finally:
         dist.destroy_process_group()
 
 
-def apply_on_ranks(name: str, world: int, folder: Path, tp_size: int = 2) -> list[dict]:
+def apply_on_ranks(name: str, world: int, folder: Path, tp_size: int = 2, lora: bool = False) -> list[dict]:
     """Each rank's figures for strategy `name` applied on `world` ranks."""
     mp.set_forkserver_preload(["transformers", "ember.models", "ember.parallel.registry"])
-    mp.start_processes(_worker, args=(world, name, tp_size, str(folder)), nprocs=world, start_method="forkserver")
+    mp.start_processes(_worker, args=(world, name, tp_size, str(folder), lora), nprocs=world, start_method="forkserver")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]

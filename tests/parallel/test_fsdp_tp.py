@@ -31,8 +31,8 @@ def test_the_plan_prices_pairs_of_ranks_from_four_devices_on():
     assert c.memory == 1000 - 600 * 3 / 4 - 200 * 0.25
 
 
-def test_it_refuses_lora_whose_adapters_wrap_the_projections_it_splits():
-    assert "LoRA wraps" in FSDPTP().lora_conflict and not FSDPTP().whole_model
+def test_it_takes_lora_and_does_not_hold_the_whole_model():
+    assert FSDPTP().lora_conflict == "" and not FSDPTP().whole_model
 
 
 def test_applied_on_four_ranks_it_splits_in_pairs_shards_across_them_and_computes_the_plain_models_gradients(

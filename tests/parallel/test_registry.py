@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import typing
+from dataclasses import replace
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_a_registered_strategy_is_checked_by_the_run_and_priced_by_the_plan(monk
     with pytest.raises(EmberError, match="recipe.toml: 5 ranks do not divide into replicate x shard x tp x pp = 2 x 2 x 1 x 1"):
         check_distributed(r, 5, "recipe.toml")
     r.method.kind = "lora"
-    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp', 'fsdp' or 'pp' for LoRA"):
+    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp', 'fsdp', 'tp', 'fsdp\\+tp' or 'pp' for LoRA"):
         check_distributed(r, 4, "recipe.toml")
     m = ModelShape("llama", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000)
     t = TrainShape(micro_batch=4, seq_len=64)
@@ -87,6 +88,10 @@ def test_a_registered_strategy_is_checked_by_the_run_and_priced_by_the_plan(monk
     a = advise(m, t, b, accum=2, one_step=1.0, ic=NET, free=1 << 40, counts=(1, 2))
     halves = next(o for o in a.options if o.strategy == "halves")
     assert (halves.devices, halves.memory_bytes, halves.step_seconds) == (2, b.peak // 2, 0.5)
+    lora = replace(t, lora=True)  # the plan for LoRA offers only what a LoRA run accepts
+    a = advise(m, lora, estimate(m, lora), accum=2, one_step=1.0, ic=NET, free=1 << 40, counts=(1, 2, 4))
+    offered = {o.strategy for o in a.options}
+    assert "halves" not in offered and {"ddp", "fsdp", "tp", "fsdp+tp"} <= offered
 
 
 def test_the_registry_recipe_and_plan_import_without_torch():
