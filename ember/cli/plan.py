@@ -78,6 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    from ember.doctor.traced import traced_step
     from ember.plan.fit import FitRequest, fit_recipe
     if args.fit is None:
         raise BadInput("--fit-seq goes with --fit MEM: it lets the search shorten the sequences")
@@ -85,7 +86,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise BadInput("--fit searches by the plan's estimate alone: drop --calibrate and --target-micro-batch "
                        "(it searches the micro batch itself)")
     f = fit_recipe(FitRequest(args.recipe, args.overrides, args.fit, args.fit_seq, args.device_memory, args.apply),
-                   stderr_events().warn)
+                   stderr_events().warn, traced_step)
     if args.json:
         print(json.dumps(asdict(f) | {"best": [asdict(c) | {"overrides": c.overrides()} for c in f.best]},
                          indent=1, default=str))

@@ -63,16 +63,20 @@ def trace(r: Recipe) -> Traced:
         with live, _rows_read_as_unpacked():
             step(flops)
             live.peak = live.now  # the plan is the second step's: the optimizer state exists
+            live.timeline = [live.now]
             step()
+            live.timeline.append(live.now)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     state = live.now - weights
     sizes = [p.numel() for p in params]
     kind = "adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw"
     wanted = sum(moment_bytes(n, kind) for n in sizes)
+    eight_bit = sum(moment_bytes(n, "adamw8bit") for n in sizes)
     return Traced(peak_bytes=live.peak - state + wanted, weights=weights, optimizer=wanted,
                   gradients=sum(p.numel() * p.element_size() for p in params),
                   flops_per_token=flops.get_total_flops() / tokens, trainable=sum(sizes),
-                  params=sum(p.numel() for p in model.parameters()), family=config.model_type)
+                  params=sum(p.numel() for p in model.parameters()), family=config.model_type,
+                  timeline=tuple(live.timeline), optimizer_int8=eight_bit)
 
 
 def _fake_parameters(model: Any) -> None:
@@ -117,12 +121,15 @@ def _rows_read_as_unpacked() -> Iterator[None]:
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of the tensor storages alive, counted as the ops create them (each storage
-    once, freed when it dies), and their high point."""
+    once, freed when it dies), and their high point; once `timeline` is a list, the bytes alive
+    at each local high point (the last count before a free) are appended to it."""
 
     def __init__(self, existing: list[Any]):
         super().__init__()
         self.sizes: dict[int, int] = {}
         self.now = self.peak = 0
+        self.timeline: list[int] | None = None
+        self.rising = False
         for t in existing:
             self._count(t)
 
@@ -136,9 +143,13 @@ class LiveBytes(TorchDispatchMode):
         self.sizes[key] = storage.nbytes()
         self.now += self.sizes[key]
         self.peak = max(self.peak, self.now)
+        self.rising = True
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
+        if self.rising and self.timeline is not None and key in self.sizes:
+            self.timeline.append(self.now)
+        self.rising = False
         self.now -= self.sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -17,6 +17,12 @@ its step time is the planner's estimate (estimated_seconds: FLOPs, with activati
 recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's dequantization bytes over
 that rate).
 
+A family without formulas (traced_candidates) is searched the same way, each configuration's peak
+and FLOPs from its step traced on fake tensors (ember.doctor.traced, cached), except QLoRA (a 4-bit
+base is not traced yet). A configuration is traced at micro batch 1 and 2 (accumulating) and at the
+whole batch (not accumulating); the other micro batches are derived from the first two exactly
+(peak_between), and int8 optimizer state from the same trace (its state's bytes differ, not its step).
+
 Ranking: the longest sequence first (shorter ones only when nothing fits at a longer one), then
 predicted seconds per token, then fewer settings changed, then the larger micro batch. The
 planner predicts the same time for every split of the batch (same FLOPs), so each combination of
@@ -40,7 +46,7 @@ from ember.hardware import Device, parse_size
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.models import check_against_model, config_fields
 from ember.plan.memory import ModelShape, TrainShape, dequantize_once, estimate
-from ember.plan.planner import estimated_seconds, planned_devices
+from ember.plan.planner import Traced, estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
 
@@ -171,6 +177,79 @@ def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: boo
     return out
 
 
+def peak_between(one: Traced, two: Traced, micro_batch: int) -> int | None:
+    """The traced peak at `micro_batch` from the same step traced at micro batches 1 and 2: every
+    tensor's size is affine in the micro batch, so is the bytes alive at each local high point of
+    the step, and the peak is the highest of them. None where the two steps differ in their
+    allocations (a chunked loss: its number of chunks grows with the batch)."""
+    if not one.timeline or len(one.timeline) != len(two.timeline):
+        return None
+    correction = one.peak_bytes - max(one.timeline)  # the optimizer state's, the same at every batch
+    return correction + max(a + (micro_batch - 1) * (b - a) for a, b in zip(one.timeline, two.timeline))
+
+
+class _Traces:
+    """The traced peaks of one configuration at every split of its batch: traced at micro batches
+    1 and 2 (accumulating) and at the whole batch (not accumulating), the others derived
+    (peak_between), or traced where they cannot be."""
+
+    def __init__(self, r: Recipe, trace: Callable[[Recipe], Traced]):
+        self.r, self.trace, self.steps = r, trace, 0
+        self.effective = r.train.micro_batch * r.train.grad_accum
+
+    def at(self, micro_batch: int) -> Traced:
+        self.steps += 1
+        return self.trace(self.r.with_changes({"train.micro_batch": micro_batch,
+                                               "train.grad_accum": self.effective // micro_batch}, "--fit"))
+
+    def peaks(self, micro_batches: list[int]) -> dict[int, tuple[int, Traced]]:
+        """Each micro batch's peak and the trace it came from (its FLOPs and optimizer state)."""
+        accumulating = [mb for mb in micro_batches if self.effective // mb >= 2]
+        one = self.at(1)
+        two = self.at(2) if 2 in accumulating else None
+        out = {1: (one.peak_bytes, one)} | ({2: (two.peak_bytes, two)} if two else {})
+        for mb in micro_batches:
+            if mb in out:
+                continue
+            derived = peak_between(one, two, mb) if two is not None and mb in accumulating else None
+            traced = one if derived is not None else self.at(mb)
+            out[mb] = (derived if derived is not None else traced.peak_bytes, traced)
+        return out
+
+
+def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int, peak: Peak,
+                      allow_seq: bool = False) -> tuple[list[Candidate], int]:
+    """Every configuration of the search space (no QLoRA: a 4-bit base is not traced) with its
+    traced peak and counted FLOPs, for a family without formulas; and how many steps were traced."""
+    s = space(r, allow_seq, False)
+    margin, effective, steps, out = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum, 0, []
+    for method in s["method"]:
+        for rank in (s["rank"] if method != "full" else [None]):
+            for ac in s["activation_checkpointing"]:
+                for seq in s["seq_len"]:
+                    changes = _changes(r, method, rank, "fp32", ac, seq)
+                    traces = _Traces(r.with_changes(changes, "--fit"), trace)
+                    for mb, (fp32, t) in traces.peaks(s["micro_batch"]).items():
+                        accum, tokens = effective // mb, effective * seq
+                        seconds = t.flops_per_token * tokens / (peak.flops * r.plan.assumed_mfu) \
+                            if peak.flops else math.nan
+                        split = {} if (mb, accum) == (r.train.micro_batch, r.train.grad_accum) else \
+                            {"train.micro_batch": mb, "train.grad_accum": accum}
+                        for state in s["state_dtype"]:
+                            bytes_ = fp32 + (t.optimizer_int8 - t.optimizer if state == "int8" else 0)
+                            more = {"optimizer.state_dtype": state} if state != r.optimizer.state_dtype else {}
+                            out.append(Candidate({**_drop(changes, "optimizer.state_dtype"), **more, **split},
+                                                 method, rank, state, ac, mb, accum, seq, bytes_,
+                                                 int(bytes_ * (1 + margin)), fits(bytes_, budget, margin),
+                                                 seconds, t.flops_per_token))
+                    steps += traces.steps
+    return out, steps
+
+
+def _drop(d: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != key}
+
+
 def _candidate(r: Recipe, m: ModelShape, t: TrainShape, changes: dict[str, Any], rank: int | None, accum: int,
                budget: int, margin: float, seconds: float, per_token: float) -> Candidate:
     """One point of the search: the memory estimate for shape `t`, and the planner's time."""
@@ -218,12 +297,18 @@ def rank_fitting(found: list[Candidate]) -> list[Candidate]:
     return sorted((c for c in best.values() if not _buys_nothing(c, best)), key=_order)
 
 
-def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = False,
-           budget_source: str = "", bandwidth: Bandwidth | None = None) -> Fit:
+def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: bool = False,
+           budget_source: str = "", bandwidth: Bandwidth | None = None,
+           trace: Callable[[Recipe], Traced] | None = None) -> Fit:
     """The fastest configurations of recipe `r` that fit `budget` bytes (module docstring);
-    NothingFits, with the smallest peak found and what to try, when none does."""
-    found = candidates(r, m, budget, peak, allow_seq, bandwidth)
-    left_out = qlora_searched(peak, bandwidth)
+    NothingFits, with the smallest peak found and what to try, when none does. `m` None: a family
+    without formulas, each configuration's step traced by `trace`."""
+    if m is None:
+        found, steps = traced_candidates(r, trace, budget, peak, allow_seq)
+        left_out = "QLoRA not searched: a 4-bit base cannot be traced on fake tensors yet (no formulas for this family)"
+    else:
+        found, steps = candidates(r, m, budget, peak, allow_seq, bandwidth), 0
+        left_out = qlora_searched(peak, bandwidth)
     ranked = rank_fitting(found)
     margin = r.plan.memory_margin
     where = f"{size(budget)}" + (f" ({budget_source})" if budget_source else "")
@@ -234,21 +319,27 @@ def search(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: bool = 
             tries.append("--fit-seq to allow shorter sequences")
         if "int8" not in space(r)["state_dtype"]:
             tries.append("installing bitsandbytes (8-bit optimizer state, QLoRA)")
-        elif left_out is not None:
+        elif left_out is not None and m is not None:
             tries.append("[cost] memory_gbps (the device's memory bandwidth: QLoRA is searched with it)")
         tries.append("sharding over devices (`ember plan RECIPE` lists the FSDP remedy) or a smaller model")
         raise NothingFits(
             f"--fit: nothing fits {where}: the smallest predicted peak of the {len(found)} configurations "
             f"searched is {size(low.peak)} ({size(low.with_margin)} with the {margin:.0%} [plan] memory_margin), "
             f"for {low.describe()}; try {', '.join(tries)}")
-    how = (f"FLOPs (with activation checkpointing's recomputation) over {peak.source} at [plan] assumed_mfu "
-           f"{r.plan.assumed_mfu:.0%}" if peak.flops else f"unknown ({peak.source}): ranked by FLOPs per token")
+    how = (f"FLOPs (with activation checkpointing's recomputation{', counted on the traced step' if steps else ''}) "
+           f"over {peak.source} at [plan] assumed_mfu {r.plan.assumed_mfu:.0%}" if peak.flops
+           else f"unknown ({peak.source}): ranked by FLOPs per token")
     if left_out is None:
         how += (f"; QLoRA's 4-bit dequantization: its bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
                 f"({bandwidth.source})")
     notes = [] if "int8" in space(r)["state_dtype"] else \
         ["int8 optimizer state not searched: the bitsandbytes package is not installed"]
     notes += [left_out] if left_out is not None else []
+    if steps:
+        notes.append(f"memory traced on the model's module graph (fake tensors): {steps} steps traced (cached in "
+                     f"$EMBER_HOME/cache/traced), each configuration at micro batch 1, 2 and the whole batch; the "
+                     f"other micro batches derived from the first two exactly (each tensor's size is affine in the "
+                     f"micro batch), or traced where the steps differ")
     as_written = next((c for c in found if not c.changes), None)  # None: int8 or QLoRA not searched
     return Fit(budget, where, margin, len(found), sum(c.fits for c in found), ranked[:TOP], as_written,
                space(r, allow_seq, left_out is None), how, notes)
@@ -277,8 +368,10 @@ def budget_bytes(text: str, devices: list[Device]) -> tuple[int, str]:
     return n, f"--fit {text}"
 
 
-def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None) -> Fit:
-    """`ember plan RECIPE --fit`: load the recipe, find its model's shape and the device, search."""
+def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
+               trace: Callable[[Recipe], Traced] | None = None) -> Fit:
+    """`ember plan RECIPE --fit`: load the recipe, find its model's shape and the device, search;
+    a family without formulas by its steps traced with `trace` (ember.doctor.traced.traced_step)."""
     r = load_recipe(req.recipe_file, req.overrides, warn)
     devices = planned_devices(r, req.device_memory_gib)
     budget, source = budget_bytes(req.budget, devices)
@@ -286,15 +379,16 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None) -> Fi
     for changes in methods().values():  # what `ember run` would refuse of each method, refused here
         check_against_model(r.data.seq_len, r.with_changes(changes, "--fit").method, cfg)
     try:
-        m = ModelShape.from_config(cfg)
+        m: ModelShape | None = ModelShape.from_config(cfg)
     except ValueError as e:
-        raise EmberError(f"--fit searches with the memory formulas, and {e}: `ember plan RECIPE` plans "
-                         f"it as written (its step traced), with --set to try another configuration") from None
+        if trace is None:
+            raise EmberError(f"--fit: {e}, and no tracer was given to plan its steps") from None
+        m = None
     d = devices[0]
     peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
     bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
-        if bitsandbytes_installed() else None  # a CPU measures its rate (cached), for QLoRA's time
-    result = search(r, m, budget, peak, req.allow_seq, source, bandwidth)
+        if bitsandbytes_installed() and m is not None else None  # a CPU measures its rate (cached), for QLoRA's time
+    result = search(r, m, budget, peak, req.allow_seq, source, bandwidth, trace)
     if req.apply is not None:
         req.apply.write_text(r.with_changes(result.best[0].changes, "--fit").to_toml())
         result.applied = req.apply

@@ -49,6 +49,11 @@ class Traced:
     params: int
     trainable: int
     family: str
+    # the bytes alive at each local high point of the second step, before the optimizer state's
+    # correction (peak_bytes - max(timeline)): two traces that differ only in the micro batch
+    # give every other micro batch's peak (ember.plan.fit.peak_between)
+    timeline: tuple[int, ...] = ()
+    optimizer_int8: int = 0  # the optimizer state's bytes were it 8-bit: the same step, another state
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,20 @@ def test_preflight_catches_a_state_that_does_not_resume(tmp_path):
                        env={"EMBER_FAULT_FLAGS": "resume.fresh_optimizer"})
     assert result.returncode == 1
     assert "FAIL  resume" in result.stdout and "differs" in result.stdout
+
+
+def test_plan_fit_searches_a_family_without_formulas(tmp_path):
+    """`ember plan --fit` on GPT-2 (no formulas): each configuration's step traced (before, it
+    refused: '--fit searches with the memory formulas'); the pick as --set lines, and why QLoRA
+    is not searched."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=257, n_positions=256)).save_pretrained(folder)
+    ByteTokenizer().save(folder)
+    recipe = write_recipe(tmp_path, model={"path": str(folder)}, train={"micro_batch": 1}, cost={"peak_tflops": 1.0})
+    result = run_ember("plan", recipe, "--fit", "1GiB")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("1. fastest that fits: "))
+    assert "MiB peak" in lines[first] and "s/step predicted" in lines[first], result.stdout
+    assert "steps traced" in result.stdout and "QLoRA not searched" in result.stdout

@@ -13,7 +13,7 @@ import pytest
 from ember.hardware import Device, Kind
 from ember.metrics.peaks import Peak
 from ember.models import config_fields
-from ember.plan.fit import NothingFits, candidates, search
+from ember.plan.fit import NothingFits, candidates, peak_between, search
 from ember.plan.memory import ModelShape
 from ember.plan.planner import make_plan, plan_memory
 from ember.plan.remedies import fits
@@ -131,3 +131,63 @@ def test_ember_plan_fit_prints_the_pick_as_set_lines(path):
     assert never.returncode == 1 and "nothing fits" in never.stderr and "Traceback" not in never.stderr
     unitless = run_ember("plan", path, "--fit", "8")
     assert unitless.returncode == 2 and "give a unit" in unitless.stderr
+
+
+# A family without formulas (issue 30: --fit searches it by its traced steps)
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory):
+    """A one-layer GPT-NeoX model (a trace's time is its number of ops: one layer keeps it short)."""
+    import torch
+    import transformers as tf
+
+    from ember.train.model import ByteTokenizer
+    folder = tmp_path_factory.mktemp("families") / "gpt_neox"
+    torch.manual_seed(0)
+    tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=1,
+                                           num_attention_heads=4, vocab_size=1000,
+                                           max_position_embeddings=512)).save_pretrained(folder)
+    ByteTokenizer().save(folder)
+    return folder
+
+
+def test_a_peak_derived_from_micro_batches_1_and_2_is_the_traced_one(tmp_path, neox):
+    """peak_between: the step at micro batch 5 from its traces at 1 and 2, to the byte;
+    none where the steps differ (a chunked loss has more chunks at a larger batch)."""
+    from ember.doctor.fake_step import trace
+    path = write_recipe(tmp_path, model={"path": str(neox)}, data={"seq_len": 32}, train={"grad_accum": 2})
+    extra = ["method.kind=lora", "train.activation_checkpointing=true"]
+    at = {mb: trace(load_recipe(path, [*extra, f"train.micro_batch={mb}"])) for mb in (1, 2, 5)}
+    assert at[1].peak_bytes < at[2].peak_bytes < at[5].peak_bytes  # the batch decides something
+    assert peak_between(at[1], at[2], 5) == at[5].peak_bytes
+    chunked = [trace(load_recipe(path, ["train.loss_chunk=32", f"train.micro_batch={mb}"])) for mb in (1, 2)]
+    assert peak_between(*chunked, 3) is None
+
+
+def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_path, neox):
+    """--fit on GPT-NeoX (no formulas: before, it refused): every configuration traced or derived,
+    the pick the fastest predicted that fits, and its step run for real peaks within the budget."""
+    import gc
+
+    import torch
+
+    from ember.doctor.measure import calibrate, live_tensor_bytes
+    from ember.doctor.traced import traced_step
+    from ember.plan.fit import FitRequest, fit_recipe
+    path = write_recipe(tmp_path, model={"path": str(neox)}, data={"seq_len": 32},
+                        train={"micro_batch": 1, "grad_accum": 1}, cost={"peak_tflops": 1.0})
+    budget = 2_500_000  # full: 8.4 MB with the margin (5.7 MB with int8 state); LoRA rank 4: 2.6 MB, 2.4 MB with
+    fit = fit_recipe(FitRequest(path, [], "2.5MB"), None, traced_step)  # activation checkpointing
+    pick = fit.best[0]
+    assert not fit.as_written.fits and 0 < fit.fitting < fit.searched
+    assert pick.fits and pick.with_margin <= budget and (pick.method, pick.rank) == ("lora", 4)
+    assert pick.activation_checkpointing and all(c.step_seconds >= pick.step_seconds for c in fit.best)
+    assert any("steps traced" in n for n in fit.notes) and any("QLoRA not searched" in n for n in fit.notes)
+    threads = torch.get_num_threads()
+    gc.collect()
+    held = live_tensor_bytes(torch.device("cpu"))
+    try:
+        measured = calibrate(load_recipe(path, pick.overrides()), steps=1).peak_bytes - held
+    finally:
+        torch.set_num_threads(threads)
+    assert measured <= budget and abs(pick.peak / measured - 1) <= 0.005, (pick.peak, measured)
