@@ -64,9 +64,11 @@ def warm_cmd(*args: str) -> list[str]:
     return [warm.stand_in_path(), *map(str, args)]
 
 
-def start_ember(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(ember_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+def start_ember(*args: str, env: dict | None = None, warm: bool = False) -> subprocess.Popen:
+    """`ember ...` started, its streams piped; `warm`: through the warm stand-in (warm_cmd), for
+    a test that signals or kills the process by the PID it started and nothing under it."""
+    return subprocess.Popen(warm_cmd(*args) if warm else ember_cmd(*args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
 
 
 def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:

@@ -66,7 +66,7 @@ def test_chat_run_with_evaluation_resumes_bit_for_bit(tmp_path):
         (s, p) for s in (4, 8, 12) for p in ("in the", "god created")]
 
     out = tmp_path / "run"  # stopped after its first evaluation, resumed with the same command
-    proc = start_ember("run", recipe, "--out", out, "--set", "train.max_steps=12")
+    proc = start_ember("run", recipe, "--out", out, "--set", "train.max_steps=12", warm=True)
     wait_for_step(proc, out / "metrics.jsonl", 6)
     assert stop(proc, signal.SIGTERM) in (0, 75)
     if losses(out)[-1][0] < 12:

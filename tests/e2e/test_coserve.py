@@ -36,7 +36,7 @@ def serving(tmp_path: Path, sections: dict):
     """The co-serving run started (a process we stop if the test fails), and its OUT/serve.json."""
     recipe = write_recipe(tmp_path, **sections, serve=SERVE)
     out = tmp_path / "run"
-    proc = start_ember("run", recipe, "--out", out, "--no-ledger")
+    proc = start_ember("run", recipe, "--out", out, "--no-ledger", warm=True)
     try:
         info = wait_until("OUT/serve.json", lambda: proc.poll() is None and (out / "serve.json").exists()
                           and json.loads((out / "serve.json").read_text()), 300, 0.01)
@@ -174,7 +174,7 @@ def test_a_stop_answers_the_request_under_way_with_an_error_and_the_run_exits(tm
     slow = {**FULL, "train": {**FULL["train"], "max_steps": 100_000}}
     recipe = write_recipe(tmp_path, **slow, serve={**SERVE, "gap_share": 0.05})
     out = tmp_path / "run"
-    proc = start_ember("run", recipe, "--out", out, "--no-ledger")
+    proc = start_ember("run", recipe, "--out", out, "--no-ledger", warm=True)
     try:
         info = wait_until("OUT/serve.json", lambda: (out / "serve.json").exists()
                           and json.loads((out / "serve.json").read_text()), 300, 0.01)

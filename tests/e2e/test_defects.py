@@ -137,7 +137,7 @@ def test_copied_run_folder_is_a_new_run(tmp_path):
     new run, says so, and runs/a keeps its own ledger history."""
     recipe = write_recipe(tmp_path, train={"max_steps": 12}, checkpoint={"every_steps": 2})
     ledger, a, b = tmp_path / "ledger.db", tmp_path / "runs" / "a", tmp_path / "runs" / "b"
-    proc = start_ember("run", recipe, "--out", a, "--ledger", ledger, env={"EMBER_FAULT_DATA_DELAY": "0.2"})
+    proc = start_ember("run", recipe, "--out", a, "--ledger", ledger, env={"EMBER_FAULT_DATA_DELAY": "0.2"}, warm=True)
     wait_for_step(proc, a / "metrics.jsonl", 3)
     assert stop(proc, signal.SIGTERM) == 75
     before = report_json(a, ledger)
@@ -431,7 +431,7 @@ def test_negative_price_is_refused(tmp_path):
 def test_runs_shows_steps_and_goodput_of_an_interrupted_run(tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 20})
     ledger, out = tmp_path / "ledger.db", tmp_path / "o"
-    proc = start_ember("run", recipe, "--out", out, "--ledger", ledger)
+    proc = start_ember("run", recipe, "--out", out, "--ledger", ledger, warm=True)
     wait_for_step(proc, out / "metrics.jsonl", 5)
     assert stop(proc, signal.SIGTERM) == 75
     done = steps_of(out)[-1]

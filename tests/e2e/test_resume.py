@@ -80,7 +80,7 @@ def test_sigkill_at_random_moments_resumes_bit_exact(name, baselines, tmp_path):
 def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 400})
     out = tmp_path / "run"
-    proc = start_ember("run", recipe, "--out", out)
+    proc = start_ember("run", recipe, "--out", out, warm=True)
     wait_for_step(proc, out / "metrics.jsonl", 7)
     assert stop(proc, sig) == 75, proc.stderr.read() if proc.stderr else ""
     stopped_at = losses(out)[-1][0]
