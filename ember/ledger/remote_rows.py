@@ -123,7 +123,11 @@ def month_spend(con: sqlite3.Connection, target: str, since: float, final: tuple
 def import_run(con: sqlite3.Connection, src: sqlite3.Connection, run_id: str, local_path: Path) -> bool:
     """Copy run `run_id`'s rows from the remote job's ledger `src` into `con` (its attempts,
     events, checkpoints, step phases, summary), the run registered at `local_path`. Replaces what
-    an earlier copy brought, in one transaction, so it can run at every status poll."""
+    an earlier copy brought, in one transaction, so it can run at every status poll. False when
+    `src` does not hold the run yet: a poll can land after the run wrote its record and before its
+    ledger has tables (`ember remote status --wait` died of "no such table: runs" there)."""
+    if src.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone() is None:
+        return False
     run = src.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     if run is None:
         return False
