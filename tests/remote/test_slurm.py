@@ -252,9 +252,9 @@ def test_a_target_reached_over_ssh(site, sshd):
     assert done.returncode == 0, done.stderr
     job = site.job("over-ssh")
     assert (job.host, job.ssh_options) == ("root@127.0.0.1", sshd)
-    # 18 s on a quiet machine; beside a CPU-heavy process (`make demo`'s training) the 240 s this
-    # waited ran out once, every Slurm command and the staging going through ssh: 500 s, as the
-    # requeue test waits, and what the command said if it still runs out.
+    # 18 s on a quiet machine; every Slurm command and the staging go through ssh, so it waits as
+    # long as the requeue test does, and a failure says what the command said (it once died of a
+    # race in bringing the job's ledger rows back, ember.ledger.remote_rows.import_run).
     status = site.ember("remote", "status", "over-ssh", "--wait", "--timeout", "500", "--json", *site.files()[4:])
     assert status.returncode == 0 and status.stdout, (status.returncode, status.stdout[-2000:], status.stderr[-3000:])
     (st,) = json.loads(status.stdout)
