@@ -22,8 +22,9 @@ process found in the tree, power cuts) and everything under it, and the service 
 are fresh interpreters.
 
 Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
-descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper forks the command, says its PID as one JSON line, waits
-for it and answers with its exit status as another; if the client goes away first, the command's
+descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper
+forks the command, says its PID as one JSON line, waits for it and answers with its exit status
+as another; if the client goes away first, the command's
 process group is killed.
 """
 
@@ -124,7 +125,7 @@ def _ember_children_forked_here(path: str) -> None:
     """In a command forked from here, every `python -m ember ...` it starts (torchrun's agent its
     ranks, a supervisor its child, preflight its trial run) starts `stand_in` instead, which has
     that command forked from here too. Popen is the one place they all pass."""
-    stand_in = os.path.join(os.path.dirname(path), "python")
+    stand_in = os.path.join(os.path.dirname(path), STAND_IN)
     with open(stand_in, "w") as f:
         f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                 f"from tests.warm import stand_in\nstand_in({path!r})\n")
@@ -141,6 +142,7 @@ def _ember_children_forked_here(path: str) -> None:
 # Signals a parent (torchrun's agent, a supervisor) or a test may send; passed on to the command.
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 MAX_FDS = 16
+STAND_IN = "python"  # the stand-in's file name, beside the warm process's socket
 
 
 def stand_in(path: str) -> None:
@@ -283,7 +285,7 @@ def _instance() -> _Warm:
 
 def stand_in_path() -> str:
     """The stand-in for `python -m ember` of this worker's warm process (`stand_in`)."""
-    return os.path.join(_instance().folder, "python")
+    return os.path.join(_instance().folder, STAND_IN)
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
