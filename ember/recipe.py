@@ -266,15 +266,21 @@ class DistributedConfig:
         f"{summaries()}. [train] micro_batch x grad_accum stays the global batch: the data-parallel "
         "ranks share it out, each taking grad_accum / ranks of the micro-batches (or, when grad_accum "
         "is not a multiple of the ranks, an equal slice of each micro-batch's rows); the ranks of a "
-        "tensor-parallel group compute the same ones (under 'tp', every rank computes all of them).")
+        "tensor-parallel group, and the stages of a pipeline, compute the same ones (under 'tp' and "
+        "'pp', every rank computes all of them).")
     tp_size: int = setting(2, "Ranks in each tensor-parallel group under strategy 'fsdp+tp' (keep a group "
                            "within one node).", min=2)
+    pp_size: int = setting(2, "Stages in each pipeline under strategy 'pp+ddp': the ranks divide into "
+                           "ranks / pp_size replicas of one pipeline (under 'pp', every rank is a stage "
+                           "of the one pipeline).", min=2)
     schedule: PipelineSchedule = setting(
-        PipelineSchedule.ONE_F_ONE_B, "Under strategy 'pp', the order the stages run the step's grad_accum "
-        "micro-batches in: '1f1b' (a backward as soon as a micro-batch's forward reaches the last stage: "
-        "at most one micro-batch per stage in flight) or 'gpipe' (every forward, then every backward: "
-        "every micro-batch's activations held at once). Both compute the same gradients; the idle share "
-        "(the bubble) is (stages - 1) / (grad_accum + stages - 1) for either.")
+        PipelineSchedule.ONE_F_ONE_B, "Under strategies 'pp' and 'pp+ddp', the order the stages run their "
+        "pipeline's micro-batches in (grad_accum / replicas of them): '1f1b' (a backward as soon as a "
+        "micro-batch's forward reaches the last stage: at most one micro-batch per stage in flight; it "
+        "needs at least one micro-batch per stage) or "
+        "'gpipe' (every forward, then every backward: every micro-batch's activations held at once). Both "
+        "compute the same gradients; the idle share (the bubble) is (stages - 1) / (micro-batches + "
+        "stages - 1) for either.")
     timeout_seconds: float = setting(300.0, "A collective (gradient all-reduce, the stop agreement, "
                                      "a checkpoint barrier) that waits longer than this fails the "
                                      "group instead of hanging it.", min=1)
@@ -372,8 +378,8 @@ OPERATIONAL_KEYS = frozenset({
     "plan.local_max_hours", "plan.memory_margin", "plan.assumed_mfu",
     # How ranks split the work changes the order of floating-point sums, not the optimization:
     # a run may resume under another strategy or world size (within the tolerance in README).
-    "distributed.strategy", "distributed.tp_size", "distributed.timeout_seconds", "distributed.hang_factor",
-    "distributed.hang_min_seconds",
+    "distributed.strategy", "distributed.tp_size", "distributed.pp_size", "distributed.timeout_seconds",
+    "distributed.hang_factor", "distributed.hang_min_seconds",
     # Evaluation reads the model; it never changes what training computes. (eval.patience is not
     # here: it decides where the run ends. Under it, a changed every_steps or max_batches changes
     # which evaluations the counter counts from then on: allowed, like any operational change.)

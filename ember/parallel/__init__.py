@@ -2,13 +2,14 @@
 about it, found by name in a plain dict (`registry.STRATEGIES`, the recipe's [distributed]
 strategy values in the order `ember plan` lists them).
 
-    mesh.py         Mesh: how the world's ranks divide into replicas, shards and tensor-parallel
-                    groups (torchtitan's ParallelDims), validated once where it is made
+    mesh.py         Mesh: how the world's ranks divide into replicas, shards, tensor-parallel
+                    groups and pipeline stages (torchtitan's ParallelDims), validated once where it is made
     collectives.py  the ring model of a collective's seconds and bytes (the advisor's arithmetic)
     strategy.py     Strategy: the protocol every strategy module satisfies, and the figures its
                     arithmetic reads (Footprint, Step, Ranks) and returns (Cost)
-    ddp.py, fsdp.py, tp.py, fsdp_tp.py, pp.py   the strategies (stages.py: the pipeline's torch side;
-                    placement.py: a stage's layers, and how messages name a rank by its stage)
+    ddp.py, fsdp.py, tp.py, fsdp_tp.py, pp.py, pp_ddp.py   the strategies (stages.py: the
+                    pipeline's torch side; placement.py: a stage's layers, and how messages name a
+                    rank by its stage)
     registry.py     STRATEGIES
 
 A strategy says what it requires (LoRA, whole replicas, its mesh's degrees), how it changes one

@@ -17,7 +17,7 @@ class DDP:
     lora_conflict = ""
     whole_model = True
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
         """Every rank a replica."""
         return Mesh(world, replicate=world)
 

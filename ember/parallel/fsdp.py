@@ -19,7 +19,7 @@ class FSDP:
     lora_conflict = ""
     whole_model = False
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
         """Every rank a shard of the one model."""
         return Mesh(world, shard=world)
 

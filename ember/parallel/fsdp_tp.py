@@ -24,7 +24,7 @@ class FSDPTP:
     lora_conflict = ""  # the adapters split with their base (ember.parallel.tp), then shard as it does
     whole_model = False
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
         """Groups of tp_size ranks, at least two of them."""
         if world % tp_size or world == tp_size:
             raise EmberError(f"[distributed] strategy = '{self.name}' with tp_size = {tp_size} needs a multiple "

@@ -2,7 +2,9 @@
 (DDP), each sharded over `shard` ranks (FSDP), each rank's layers split over `tp` ranks (tensor
 parallelism), the layers in `pp` stages, one rank each (pipeline parallelism). replicate x shard x
 tp x pp = world. The data-parallel ranks (replicas and shards) read different rows; the ranks of
-one tensor-parallel group, and the stages of one pipeline, read the same ones."""
+one tensor-parallel group, and the stages of one pipeline, read the same ones. The innermost
+degree varies fastest: with replicate 2 x pp 2, ranks 0 and 1 are the stages of replica 0, ranks
+2 and 3 those of replica 1 (torch's init_device_mesh lays out (dp, pp) the same way)."""
 
 from __future__ import annotations
 

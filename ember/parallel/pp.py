@@ -4,7 +4,8 @@ the head and the loss on the last); the step's grad_accum micro-batches flow thr
 under a schedule, [distributed] schedule: 'gpipe' (every forward, then every backward) or '1f1b'
 (one forward, one backward once the pipeline is full: at most `stages` micro-batches' activations
 held at once). Each stage sends its micro-batch's hidden states to the next and their gradient
-back; every rank reads the same rows (the first stage needs the ids, the last the labels).
+back; every stage reads the same rows (the first stage needs the ids, the last the labels).
+Several pipelines side by side, each reading its share of the rows: ember/parallel/pp_ddp.py.
 
 Its cost: the bubble, (p-1)/(m+p-1) of the step with m micro-batches over p stages, when a stage
 waits, and one send of the activations per stage boundary and micro-batch, each way. Its
@@ -13,13 +14,14 @@ whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded
 
 LoRA composes: peft's adapters sit in the layers a stage keeps, and each micro-batch's dropout
 keys are set as the schedule starts its forward. What it does not do yet, refused where a recipe
-asks: a second dimension (stages x DDP replicas, stages x FSDP/TP), the held-out evaluation (its
+asks: stages x FSDP/TP (stages x DDP replicas is 'pp+ddp'), the held-out evaluation (its
 forward needs every stage), LoRA dropout under activation checkpointing, fp16's loss scaling,
 and models whose head shares the embeddings' weight (they would sit on two stages). The torch side is
 ember/parallel/stages.py, imported when a run applies it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +39,8 @@ class PP:
     lora_conflict = ""
     whole_model = False
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
-        """Every rank a stage (one pipeline: no replicas yet)."""
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
+        """Every rank a stage of one pipeline ([distributed] pp_size is 'pp+ddp''s)."""
         return Mesh(world, pp=world)
 
     def memory(self, fp: Footprint, n: int) -> float:
@@ -66,34 +68,52 @@ class PP:
         """This rank's stage of the model (the other stages' modules removed), carrying the
         pipeline that runs it (`pipeline_of`)."""
         from ember.parallel.stages import split_into_stage
-        return split_into_stage(model, mesh.pp, device)
+        return split_into_stage(model, mesh, device)
 
     def check(self, recipe: Any, ranks: int) -> str | None:
         """What a recipe asks that a pipeline run cannot do yet (None: nothing)."""
-        from ember.models import config_fields
-        fields = config_fields(recipe.model.path)
-        layers = getattr(fields, "num_hidden_layers", None)
-        if layers is not None and ranks > layers:
-            return (f"{ranks} stages (one per rank) for the model's {layers} decoder layers: a stage "
-                    f"would hold none; use at most {layers} ranks")
-        if getattr(fields, "tie_word_embeddings", False):
-            return ("the model's head shares the embeddings' weight (tie_word_embeddings), which would "
-                    "sit on the first and the last stage at once; use strategy 'fsdp'")
-        if recipe.eval.holdout or recipe.eval.files:
-            return ("the held-out evaluation runs the whole model's forward in one process, which no "
-                    "stage holds; set [eval] holdout = 0 and files = [] (evaluate afterwards on the "
-                    "final weights), or use strategy 'ddp'")
-        if recipe.method.kind == "lora" and recipe.method.dropout and recipe.train.activation_checkpointing:
-            return ("LoRA's dropout with [train] activation_checkpointing: 1F1B runs a micro-batch's "
-                    "backward (where checkpointing recomputes its dropout) after later forwards, which "
-                    "moved the dropout's keys on; set [method] dropout = 0 or activation_checkpointing = false")
-        if recipe.precision.mode == "fp16":
-            return ("[precision] mode = 'fp16' scales the loss before backward (GradScaler), and the "
-                    "schedule runs backward itself on the unscaled loss; use 'bf16' or 'fp32'")
-        if recipe.train.compile is True:
-            return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
-                    "'auto' or false (the stages run eagerly)")
-        return None
+        return refusal(recipe, (ranks, 1), f"{ranks} stages (one per rank)", "use at most {layers} ranks")
+
+
+def refusal(recipe: Any, layout: tuple[int, int], what: str, fewer: str) -> str | None:
+    """Why pipelines of `layout` = (stages, replicas) cannot run `recipe` (None: they can); `what`
+    names the stages, `fewer` says what to do when the model has fewer decoder layers ({layers})."""
+    from ember.models import config_fields
+    (stages, replicas), fields = layout, config_fields(recipe.model.path)
+    layers = getattr(fields, "num_hidden_layers", None)
+    if layers is not None and stages > layers:
+        return (f"{what} for the model's {layers} decoder layers: a stage would hold none; "
+                + fewer.format(layers=layers))
+    accum = recipe.train.grad_accum
+    if recipe.distributed.schedule == "1f1b" and micro_batches(accum, replicas) < stages:
+        over = f" over {replicas} replicas" if replicas > 1 else ""
+        return (f"schedule '1f1b' runs at least one micro-batch per stage, and grad_accum = {accum}{over} "
+                f"gives each pipeline {micro_batches(accum, replicas)} for {stages} stages; set [train] "
+                f"grad_accum = {stages * replicas} or [distributed] schedule = 'gpipe'")
+    if getattr(fields, "tie_word_embeddings", False):
+        return ("the model's head shares the embeddings' weight (tie_word_embeddings), which would "
+                "sit on the first and the last stage at once; use strategy 'fsdp'")
+    if recipe.eval.holdout or recipe.eval.files:
+        return ("the held-out evaluation runs the whole model's forward in one process, which no "
+                "stage holds; set [eval] holdout = 0 and files = [] (evaluate afterwards on the "
+                "final weights), or use strategy 'ddp'")
+    if recipe.method.kind == "lora" and recipe.method.dropout and recipe.train.activation_checkpointing:
+        return ("LoRA's dropout with [train] activation_checkpointing: 1F1B runs a micro-batch's "
+                "backward (where checkpointing recomputes its dropout) after later forwards, which "
+                "moved the dropout's keys on; set [method] dropout = 0 or activation_checkpointing = false")
+    if recipe.precision.mode == "fp16":
+        return ("[precision] mode = 'fp16' scales the loss before backward (GradScaler), and the "
+                "schedule runs backward itself on the unscaled loss; use 'bf16' or 'fp32'")
+    if recipe.train.compile is True:
+        return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
+                "'auto' or false (the stages run eagerly)")
+    return None
+
+
+def micro_batches(grad_accum: int, replicas: int) -> int:
+    """The micro-batches each of `replicas` pipelines runs a step: its share of grad_accum, or all of
+    them cut into slices of rows when grad_accum is not a multiple (ember.data.loader.row_parts)."""
+    return grad_accum * (replicas // math.gcd(grad_accum, replicas)) // replicas
 
 
 def bubble(stages: int, micro_batches: int) -> float:
@@ -102,21 +122,26 @@ def bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def stages_of(recipe: Any, ranks: int) -> int:
+    """The stages of each pipeline of a run of `recipe` over `ranks` ranks (1: it runs none)."""
+    return {PP.name: ranks, "pp+ddp": recipe.distributed.pp_size}.get(recipe.distributed.strategy, 1)
+
+
 def rank_names(recipe: Any, ranks: int) -> Callable[[int], str]:
     """How the launcher names the ranks of a run of `recipe` over `ranks` ranks (ember.ranks): by
-    their stage under strategy 'pp' (from the model's config: the launcher holds no model)."""
-    if recipe.distributed.strategy != PP.name:
+    their stage (and replica) under a pipeline (from the model's config: the launcher holds no model)."""
+    stages = stages_of(recipe, ranks)
+    if stages == 1 or ranks % stages:  # no pipeline, or a layout the run refuses with the reason
         return rank_name
     from ember.models import config_fields
     layers = getattr(config_fields(recipe.model.path), "num_hidden_layers", None) or 0
-    return lambda rank: rank_name(rank, ranks, layers)
+    return lambda rank: rank_name(rank, stages, layers, ranks // stages)
 
 
 def pipeline_of(model: Any) -> Any:
     """The pipeline a pipeline-parallel stage carries (ember.parallel.stages.Pipeline); None for
     any other model."""
     return getattr(model, "ember_pipeline", None)
-
 
 
 def names_of(model: Any) -> Callable[[int], str]:

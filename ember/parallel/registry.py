@@ -9,10 +9,11 @@ from ember.parallel.ddp import DDP
 from ember.parallel.fsdp import FSDP
 from ember.parallel.fsdp_tp import FSDPTP
 from ember.parallel.pp import PP
+from ember.parallel.pp_ddp import PPDDP
 from ember.parallel.strategy import Strategy
 from ember.parallel.tp import TP
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP(), FSDP(), TP(), FSDPTP(), PP())}
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP(), FSDP(), TP(), FSDPTP(), PP(), PPDDP())}
 
 
 def either(names: Iterable[str]) -> str:

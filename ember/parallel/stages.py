@@ -6,9 +6,12 @@ ModuleDict keyed by their index in the whole model, so every parameter keeps its
 ("model.layers.3.mlp.up_proj.weight") and a stage's state dict, optimizer state and checkpoint
 are the whole model's, restricted to the stage. Its forward (`StageForward`) is the decoder's
 own, cut where the stage ends: the first stage embeds the ids, every stage builds the causal
-mask and the rotary embeddings from the micro-batch's positions (each rank reads the same rows)
-and runs its layers, the last applies the final norm and the head, and the schedule applies the
-model's own loss (transformers' ForCausalLMLoss) to the logits.
+mask and the rotary embeddings from the micro-batch's positions (the stages of a pipeline read
+the same rows) and runs its layers, the last applies the final norm and the head, and the
+schedule applies the model's own loss (transformers' ForCausalLMLoss) to the logits. The ranks
+form a (dp, pp) device mesh (`Groups`; dp is 1 under 'pp'): a stage talks to its pipeline over
+the pp sub-group and, under 'pp+ddp', averages its gradients with the other replicas of the
+stage over the dp sub-group.
 
 Each step also says where the stage's time went (`Pipeline.seconds`): computing (its forwards
 with the loss, its backwards: `BusyClock`, wrapped around the stage's own calls) and the rest of
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,13 +33,15 @@ from torch import nn
 
 from ember import faults
 from ember.errors import EmberError
+from ember.parallel.mesh import Mesh
 from ember.parallel.placement import layer_range, rank_name
 
 
-def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.Module:
-    """Keep this rank's stage of `model` (in place) and attach its Pipeline as `ember_pipeline`.
-    Under LoRA `model` is peft's wrapper: the stage is cut in the causal LM under it, whose
-    layers carry the adapters, and the parameters keep the wrapper's names."""
+def split_into_stage(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
+    """Keep this rank's stage of `model` (in place) and attach its Pipeline as `ember_pipeline`:
+    stage rank % mesh.pp of replica rank // mesh.pp. Under LoRA `model` is peft's wrapper: the
+    stage is cut in the causal LM under it, whose layers carry the adapters, and the parameters
+    keep the wrapper's names."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(lm, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
@@ -47,11 +53,12 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
         raise EmberError("[distributed] strategy = 'pp': the model's head shares the embeddings' weight "
                          "(tie_word_embeddings), which would sit on the first and the last stage at once; "
                          "use strategy 'fsdp'")
-    n = len(inner.layers)
+    n, stages = len(inner.layers), mesh.pp
     if stages > n:  # ember.parallel.pp refuses it before launch, from the model's config
-        raise EmberError(f"[distributed] strategy = 'pp' over {stages} ranks: the model has {n} decoder layers, "
-                         f"fewer than the stages (one per rank); use at most {n} ranks")
-    stage = dist.get_rank()
+        raise EmberError(f"[distributed] a pipeline of {stages} stages: the model has {n} decoder layers, "
+                         f"fewer than the stages; use at most {n} stages")
+    groups = Groups.of(mesh, device)
+    stage = groups.stage
     mine = layer_range(n, stages, stage)
     inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in mine})
     first, last = stage == 0, stage == stages - 1
@@ -59,8 +66,27 @@ def split_into_stage(model: nn.Module, stages: int, device: torch.device) -> nn.
         inner.embed_tokens = None
     if not last:
         inner.norm, lm.lm_head = None, None
-    model.ember_pipeline = Pipeline(model, lm, (stage, stages, n), device)
+    model.ember_pipeline = Pipeline(model, lm, (stage, stages, n), device, groups)
     return model
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's place on the (dp, pp) device mesh and its two sub-groups: the stages of its
+    pipeline (sends, receives, the loss) and the replicas of its stage (the gradients' average)."""
+    stage: int
+    replica: int
+    replicas: int
+    pp: Any   # torch.distributed.ProcessGroup
+    dp: Any
+
+    @staticmethod
+    def of(mesh: Mesh, device: torch.device) -> Groups:
+        """The groups of `mesh` (dp = its replicas, pp = its stages), made on every rank (a collective)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        grid = init_device_mesh(device.type, (mesh.dp, mesh.pp), mesh_dim_names=("dp", "pp"))
+        return Groups(grid.get_local_rank("pp"), grid.get_local_rank("dp"), mesh.dp,
+                      grid["pp"].get_group(), grid["dp"].get_group())
 
 
 class StageForward(nn.Module):
@@ -129,9 +155,10 @@ class Pipeline:
     """This rank's stage under a schedule of torch.distributed.pipelining, built at the first step
     (it needs the step's micro-batch count and the recipe's schedule)."""
 
-    def __init__(self, root: nn.Module, lm: nn.Module, place: tuple[int, int, int], device: torch.device):
+    def __init__(self, root: nn.Module, lm: nn.Module, place: tuple[int, int, int], device: torch.device,
+                 groups: Groups):
         """`place`: this stage's index, the stages, and the whole model's decoder layers."""
-        self.root, self.lm, self.device = root, lm, device
+        self.root, self.lm, self.device, self.groups = root, lm, device, groups
         self.stage, self.stages, self.layers = place
         self.forward = StageForward(lm, self.stage == 0, self.last)
         self.schedule: Any = None
@@ -146,7 +173,7 @@ class Pipeline:
 
     def name(self, rank: int) -> str:
         """How messages name `rank`: its stage and layers (ember.parallel.placement.rank_name)."""
-        return rank_name(rank, self.stages, self.layers)
+        return rank_name(rank, self.stages, self.layers, self.groups.replicas)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the model's own loss, as the one-process step computes it (sum over learned tokens / the step's count)
@@ -155,7 +182,7 @@ class Pipeline:
 
     def _build(self, kind: str, micro_batches: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        stage = PipelineStage(self.forward, self.stage, self.stages, self.device)
+        stage = PipelineStage(self.forward, self.stage, self.stages, self.device, group=self.groups.pp)
         # the schedule calls these for the stage's compute; between them it sends, receives and waits
         stage.forward_one_chunk = self.clock.timed("forward", stage.forward_one_chunk)
         stage.backward_one_chunk = self.clock.timed("backward", stage.backward_one_chunk)
@@ -193,17 +220,33 @@ class Pipeline:
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None,
                            return_outputs=False, position_ids=positions, rows=rows)
         total = torch.tensor([sum(float(x) for x in losses) if self.last else 0.0], dtype=torch.float64)
-        dist.all_reduce(total)  # the last stage's loss, to every stage; a stage done early waits here (the bubble)
+        # the last stage's loss, to every stage of this pipeline; a stage done early waits here (the bubble)
+        dist.all_reduce(total, group=self.groups.pp)
         loss, wall = float(total), time.perf_counter() - start
         busy = self.clock.take()
         self.seconds = {**busy, "bubble": max(0.0, wall - sum(busy.values()))}
         return loss
 
     def sum_over_stages(self, value: float) -> float:
-        """`value` summed over the stages (a gradient norm's squares: each stage holds its own parameters)."""
+        """`value` summed over the stages of this pipeline (a gradient norm's squares: each stage holds
+        its own parameters; after `average_over_replicas` every replica sums the same)."""
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.groups.pp)
         return float(t)
+
+    def average_over_replicas(self) -> None:
+        """Each gradient of this stage averaged over the stage's replicas (ember/parallel/pp_ddp.py):
+        summed in buckets of flattened gradients, then divided by the replicas. A sync point."""
+        if self.groups.replicas == 1:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        grads = [p.grad for p in self.root.parameters() if p.grad is not None]
+        for bucket in _buckets(grads):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.groups.dp)  # every replica receives the same sum
+            flat.div_(self.groups.replicas)
+            for g, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(averaged)
 
     def gathered_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (each stage's, gathered; None elsewhere). Under LoRA
@@ -215,7 +258,23 @@ class Pipeline:
         else:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
             sd = get_model_state_dict(self.root)
-        mine = {k: v.detach().cpu() for k, v in sd.items()}
-        out: list[Any] | None = [None] * self.stages if dist.get_rank() == 0 else None
+        # one replica's stages hold the whole model: the others send nothing
+        mine = {k: v.detach().cpu() for k, v in sd.items()} if self.groups.replica == 0 else {}
+        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, out, dst=0)
         return {k: v for part in out for k, v in part.items()} if out is not None else None
+
+
+def _buckets(grads: list[torch.Tensor], limit: int = 25 << 20) -> list[list[torch.Tensor]]:
+    """`grads` in order, cut into runs of one dtype of at most `limit` bytes each (one tensor alone
+    when larger): one all-reduce per bucket, without copying every gradient at once."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not out or g.dtype != out[-1][0].dtype or size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out

@@ -72,9 +72,9 @@ class Strategy(Protocol):
     lora_conflict: str   # why it cannot train LoRA adapters ("" when it can)
     whole_model: bool    # every rank holds the whole model (generation, a merged LoRA export)
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
-        """How `world` ranks divide under it ([distributed] tp_size where it has groups); raises
-        EmberError, without a location, when they cannot."""
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
+        """How `world` ranks divide under it ([distributed] tp_size and pp_size where it has groups
+        of them); raises EmberError, without a location, when they cannot."""
         ...
 
     def memory(self, fp: Footprint, n: int) -> float:

@@ -35,7 +35,7 @@ class TP:
     lora_conflict = ""
     whole_model = False
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
         """One tensor-parallel group of every rank ([distributed] tp_size is fsdp+tp's)."""
         return Mesh(world, tp=world)
 

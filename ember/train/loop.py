@@ -323,6 +323,7 @@ def pipeline_micro_batches(job: Steppable, pipe: Any, fetched: list, per_rank: f
         loss_sum = pipe.step([b.to(job.device) for _, b in fetched], per_rank, job.recipe.distributed.schedule,
                              lambda first: job.dropout.at(job.state.step + 1, first))
     job.timer.split(pipe.seconds, "h2d")  # its forwards, backwards and bubble; the rest, the batches' copies
+    pipe.average_over_replicas()  # 'pp+ddp': a stage's gradients over its replicas (sync point: the 'sync' phase)
     for _ in fetched:  # the fault point of each micro-batch, once the schedule has run them all
         faults.point("train.micro_batch")
     return loss_sum, [o for o, _ in fetched]

@@ -17,7 +17,7 @@ from ember.ckpt.store import CheckpointStore
 from ember.control import Pause
 from ember.ledger.goodput import EventKind
 from ember.metrics import rank_times as ranks
-from ember.parallel.pp import bubble, pipeline_of
+from ember.parallel.pp import bubble, micro_batches, pipeline_of
 from ember.runfolder import MetricsLog
 from ember.train.compiled import break_warning, described
 from ember.train.job import Job
@@ -162,7 +162,8 @@ class RunRecorder:
             mine = ranks.figures(world.rank, self.step_seconds, self.tokens // world.size, job.phase_totals,
                                  self.bubbles)
             everyone = world.gather(mine)
-            predicted = bubble(world.size, job.recipe.train.grad_accum) if pipeline_of(job.model) else None
+            pipe = pipeline_of(job.model)  # each pipeline runs its replica's share of the micro-batches
+            predicted = bubble(pipe.stages, micro_batches(job.recipe.train.grad_accum, world.dp_size)) if pipe else None
             if world.main:
                 ranks.save(job.run.path, ranks.summarize(job.run.attempt, everyone, predicted))
 

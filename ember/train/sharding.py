@@ -64,7 +64,7 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
 def mesh(recipe: Recipe, ranks: int, where: str = "") -> Mesh:
     """How `ranks` divide under the recipe's strategy; refused, at `where`, when they cannot."""
     try:
-        return STRATEGIES[recipe.distributed.strategy].mesh(ranks, recipe.distributed.tp_size)
+        return STRATEGIES[recipe.distributed.strategy].mesh(ranks, recipe.distributed.tp_size, recipe.distributed.pp_size)
     except EmberError as e:
         raise EmberError(f"{where}: {e}" if where else str(e)) from None
 

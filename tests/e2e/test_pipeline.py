@@ -94,6 +94,8 @@ def test_lora_on_two_stages_trains_what_one_process_trains(pipeline, tmp_path):
      "LoRA's dropout with [train] activation_checkpointing"),
     (2, ["eval.holdout=0.1"], "the held-out evaluation runs the whole model's forward"),
     (2, ["precision.mode=fp16"], "the schedule runs backward itself on the unscaled loss"),
+    (2, ["train.grad_accum=1"], "schedule '1f1b' runs at least one micro-batch per stage, and grad_accum = 1 "
+                                "gives each pipeline 1 for 2 stages; set [train] grad_accum = 2"),
 ])
 def test_what_a_pipeline_cannot_do_is_refused_with_the_fix(tmp_path, ranks, sets, said):
     r = load_recipe(recipe(tmp_path), ["distributed.strategy=pp", *sets])

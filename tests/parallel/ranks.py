@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, name: str, tp_size: int, folder: str, lora: b
         reference = plain(input_ids=ids, labels=ids).loss
         reference.backward()
         strategy = STRATEGIES[name]
-        applied = strategy.apply(model, strategy.mesh(world, tp_size), torch.device("cpu"))
+        applied = strategy.apply(model, strategy.mesh(world, tp_size, pp_size=2), torch.device("cpu"))
         loss = applied(input_ids=ids, labels=ids).loss
         loss.backward()
         inner = getattr(applied, "module", applied)  # DDP wraps; the others change the model in place

@@ -11,7 +11,7 @@ from tests.parallel.ranks import apply_on_ranks
 
 
 def test_every_rank_is_a_replica_that_reads_its_own_rows():
-    m = DDP().mesh(4, tp_size=2)
+    m = DDP().mesh(4, tp_size=2, pp_size=2)
     assert m == Mesh(4, replicate=4) and m.dp == 4 and m.tp == 1
 
 

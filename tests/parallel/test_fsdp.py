@@ -11,7 +11,7 @@ from tests.parallel.ranks import apply_on_ranks
 
 
 def test_every_rank_holds_a_shard_and_reads_its_own_rows():
-    m = FSDP().mesh(4, tp_size=2)
+    m = FSDP().mesh(4, tp_size=2, pp_size=2)
     assert m == Mesh(4, shard=4) and m.dp == 4 and m.tp == 1
 
 

@@ -12,12 +12,12 @@ from tests.parallel.ranks import apply_on_ranks
 
 
 def test_groups_of_tp_size_ranks_at_least_two_of_them():
-    m = FSDPTP().mesh(8, tp_size=2)
+    m = FSDPTP().mesh(8, tp_size=2, pp_size=2)
     assert m == Mesh(8, shard=4, tp=2) and m.dp == 4 and [m.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     with pytest.raises(EmberError, match="with tp_size = 2 needs a multiple of 2 ranks, at least 4; got 2"):
-        FSDPTP().mesh(2, tp_size=2)
+        FSDPTP().mesh(2, tp_size=2, pp_size=2)
     with pytest.raises(EmberError, match="needs a multiple of 4 ranks, at least 8; got 6"):
-        FSDPTP().mesh(6, tp_size=4)
+        FSDPTP().mesh(6, tp_size=4, pp_size=2)
 
 
 def test_the_plan_prices_pairs_of_ranks_from_four_devices_on():

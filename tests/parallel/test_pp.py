@@ -12,7 +12,7 @@ from tests.parallel.figures import FP, STEP, ranks
 
 
 def test_every_rank_is_a_stage_and_the_stages_read_the_same_rows():
-    m = PP().mesh(2, tp_size=2)
+    m = PP().mesh(2, tp_size=2, pp_size=2)
     assert m == Mesh(2, pp=2) and m.dp == 1 and [m.dp_rank(r) for r in (0, 1)] == [0, 0]
 
 

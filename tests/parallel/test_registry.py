@@ -30,7 +30,7 @@ class Halves:
     lora_conflict = "has no adapters"
     whole_model = False
 
-    def mesh(self, world: int, tp_size: int) -> Mesh:
+    def mesh(self, world: int, tp_size: int, pp_size: int) -> Mesh:
         return Mesh(world, replicate=2, shard=world // 2)
 
     def memory(self, fp: Footprint, n: int) -> float:
@@ -51,10 +51,10 @@ def test_the_recipe_offers_and_documents_exactly_the_registered_strategies():
 
 
 def test_each_strategy_is_registered_under_its_name_with_a_mesh_of_the_world():
-    assert list(STRATEGIES) == ["ddp", "fsdp", "tp", "fsdp+tp", "pp"]  # the order `ember plan` lists them in
+    assert list(STRATEGIES) == ["ddp", "fsdp", "tp", "fsdp+tp", "pp", "pp+ddp"]  # the order `ember plan` lists them in
     for name, s in STRATEGIES.items():
         assert s.name == name and s.summary
-        m = s.mesh(8, 2)
+        m = s.mesh(8, 2, 2)
         assert m.world == 8 and m.replicate * m.shard * m.tp * m.pp == 8
 
 
@@ -80,7 +80,7 @@ def test_a_registered_strategy_is_checked_by_the_run_and_priced_by_the_plan(monk
     with pytest.raises(EmberError, match="recipe.toml: 5 ranks do not divide into replicate x shard x tp x pp = 2 x 2 x 1 x 1"):
         check_distributed(r, 5, "recipe.toml")
     r.method.kind = "lora"
-    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp', 'fsdp', 'tp', 'fsdp\\+tp' or 'pp' for LoRA"):
+    with pytest.raises(EmberError, match="strategy = 'halves' has no adapters; use strategy 'ddp', 'fsdp', 'tp', 'fsdp\\+tp', 'pp' or 'pp\\+ddp' for LoRA"):
         check_distributed(r, 4, "recipe.toml")
     m = ModelShape("llama", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000)
     t = TrainShape(micro_batch=4, seq_len=64)

@@ -14,7 +14,7 @@ from tests.parallel.ranks import apply_on_ranks
 
 
 def test_all_ranks_are_one_group_that_reads_the_same_rows():
-    m = TP().mesh(4, tp_size=2)
+    m = TP().mesh(4, tp_size=2, pp_size=2)
     assert m == Mesh(4, tp=4) and m.dp == 1 and m.dp_rank(3) == 0
 
 
