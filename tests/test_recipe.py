@@ -160,9 +160,10 @@ def test_strategy_and_data_format_are_strenums_written_as_before(tmp_path):
     plain = dataclasses.replace(r, distributed=dataclasses.replace(r.distributed, strategy="fsdp+tp"),
                                 data=dataclasses.replace(r.data, format="chat"))
     assert plain.digest() == r.digest()
-    with pytest.raises(EmberError, match=r"strategy = 'zero3': must be one of 'ddp', 'fsdp', 'tp', 'fsdp\+tp', 'pp'$"):
+    choices = r"'ddp', 'fsdp', 'tp', 'fsdp\+tp', 'pp', 'pp\+ddp'$"
+    with pytest.raises(EmberError, match=r"strategy = 'zero3': must be one of " + choices):
         load_recipe(write_recipe_file(tmp_path), ["distributed.strategy='zero3'"])
     with pytest.raises(EmberError, match="must be one of 'auto', 'text', 'chat', 'completion'"):
         load_recipe(write_recipe_file(tmp_path), ["data.format='csv'"])
-    assert ("distributed.strategy", "'ddp' | 'fsdp' | 'tp' | 'fsdp+tp' | 'pp'", '"ddp"') == \
+    assert ("distributed.strategy", "'ddp' | 'fsdp' | 'tp' | 'fsdp+tp' | 'pp' | 'pp+ddp'", '"ddp"') == \
         next(row[:3] for row in explain() if row[0] == "distributed.strategy")

@@ -106,9 +106,10 @@ def print_report(report: RunReport) -> None:
                   f"ranks; the others wait for rank {rk.slowest} ({rk.slowest_cause}); {rk.sync_share:.1%} of a "
                   f"step spent waiting at the step's all-reduce", highlight=False, markup=False)
         if rk.bubble is not None:
-            stages = ", ".join(f"stage {x.rank} {x.bubble:.1%}" for x in rk.ranks if x.bubble is not None)
+            stages = ", ".join(f"rank {x.rank} {x.bubble:.1%}" for x in rk.ranks if x.bubble is not None)
             out.print(f"pipeline bubble: {rk.bubble:.1%} of the schedule measured (median step; {stages}); "
-                      f"{_fmt(rk.bubble_predicted, '.1%')} predicted, (stages - 1) / (grad_accum + stages - 1)",
+                      f"{_fmt(rk.bubble_predicted, '.1%')} predicted, (stages - 1) / (micro-batches per "
+                      f"pipeline + stages - 1)",
                       highlight=False, markup=False)
     if report.attempts:
         out.print(attempts_table(report))

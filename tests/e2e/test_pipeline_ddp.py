@@ -17,7 +17,7 @@ from tests.artifacts import copy_of, shared
 from tests.distributed_harness import ember_run
 from tests.e2e.test_distributed import close
 from tests.e2e.test_group_signals import signal_group_and_reap, start_group
-from tests.helpers import assert_same_result, losses, wait_for_step, write_recipe
+from tests.helpers import assert_same_result, losses, run_ember, wait_for_step, write_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +71,9 @@ def test_two_pipelines_of_two_stages_train_what_one_process_trains(runs):
     assert record["manifest"]["world"] == {"ranks": 4, "strategy": "pp+ddp", "backend": "gloo"}
     ranks = json.loads((runs["2x2"] / "ranks.json").read_text())
     assert ranks["bubble_predicted"] == pytest.approx(1 / 3)  # (2-1)/(2+2-1): 2 micro-batches per pipeline
+    shown = run_ember("report", runs["2x2"])
+    assert shown.returncode == 0 and "33.3% predicted" in shown.stdout and ", rank 3 " in shown.stdout, \
+        shown.stdout[-2000:] + shown.stderr[-2000:]
 
 
 def test_each_stage_is_written_once_though_two_replicas_hold_it(runs):
