@@ -82,5 +82,7 @@ class PPDDP:
     def check(self, recipe: Any, ranks: int) -> str | None:
         """What a recipe asks that its pipelines cannot do (None: nothing)."""
         stages = recipe.distributed.pp_size
-        return refusal(recipe, (stages, max(1, ranks // stages)), f"pp_size = {stages} stages",
+        if ranks % stages or ranks == stages:  # no layout: `mesh` refuses it, with the ranks it needs
+            return None
+        return refusal(recipe, (stages, ranks // stages), f"pp_size = {stages} stages",
                        "set [distributed] pp_size to at most {layers}")

@@ -65,6 +65,8 @@ def test_ember_plan_ranks_it_beside_the_others_from_four_devices_on():
      "pp_size = 3 stages for the model's 2 decoder layers: a stage would hold none; set [distributed] pp_size "
      "to at most 2"),
     (2, ["train.grad_accum=4"], "with pp_size = 2 needs a multiple of 2 ranks, at least 4; got 2"),
+    (5, ["train.grad_accum=10"], "with pp_size = 2 needs a multiple of 2 ranks, at least 4; got 5"),
+    (3, [], "with pp_size = 2 needs a multiple of 2 ranks, at least 4; got 3"),  # not 1F1B's micro-batches
     (4, ["train.grad_accum=4", "eval.holdout=0.1"], "the held-out evaluation runs the whole model's forward"),
 ])
 def test_what_its_pipelines_cannot_do_is_refused_with_the_fix(tmp_path, ranks, sets, said):
@@ -86,3 +88,12 @@ def test_a_rank_is_named_by_its_stage_and_replica(tmp_path):
     r = load_recipe(write_recipe(tmp_path), ["distributed.strategy=pp+ddp"])  # builtin:tiny: 2 layers
     assert [rank_names(r, 4)(k) for k in (1, 2)] == ["rank 1 (pipeline stage 1 of 2, layer 1, replica 0 of 2)",
                                                     "rank 2 (pipeline stage 0 of 2, layer 0, replica 1 of 2)"]
+
+
+def test_gradients_are_averaged_in_buckets_of_one_dtype_and_bounded_size():
+    import torch
+
+    from ember.parallel.stages import _buckets
+    grads = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(1)]
+    # 16 + 16 bytes of fp32; the bf16 one alone; 40 bytes, over the limit, alone; then a new bucket
+    assert [[len(g) for g in b] for b in _buckets(grads, limit=32)] == [[4, 4], [2], [10], [1]]
