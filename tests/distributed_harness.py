@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 
+from tests import warm
 from tests.artifacts import shared
 from tests.helpers import run_ember, write_recipe
 
@@ -38,18 +39,21 @@ def make_baselines() -> dict:
     return {"recipe": folder / "recipe.toml", "one": folder / "one", "ddp": folder / "ddp"}
 
 
-def rank_pid(launcher: psutil.Process, rank: str, timeout: float = 300.0) -> int:
-    """The PID of `rank` under the launcher we started. While the supervisor restarts a group
-    there is a moment with no ranks at all: wait for the new ones (bounded), as long as the
-    launcher lives. A group torn down while a rank is stuck in a collective takes up to the
-    launcher's 30 s, then the backoff and a start-up: 300 s is ten times that."""
+def rank_pid(launcher: int, rank: str, timeout: float = 300.0) -> int:
+    """The PID of `rank` under the launcher we started (its PID), seen through the warm stand-ins
+    (tests.warm.tree): the rank's own process, which a signal then reaches at once. While the
+    supervisor restarts a group there is a moment with no ranks at all: wait for the new ones
+    (bounded), as long as the launcher lives. A group torn down while a rank is stuck in a
+    collective takes up to the launcher's 30 s, then the backoff and a start-up: 300 s is ten
+    times that."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
-        for child in launcher.children(recursive=True):
+    top = psutil.Process(launcher)
+    while time.monotonic() < deadline and top.is_running() and top.status() != psutil.STATUS_ZOMBIE:
+        for child in warm.tree(launcher)[1:]:
             try:
-                if child.environ().get("RANK") == rank:
-                    return child.pid
+                if child.environ().get("RANK") == rank:  # a stand-in's is the rank's own
+                    return warm.command_of(child.pid) or child.pid
             except psutil.Error:
                 continue
         time.sleep(0.05)
-    raise AssertionError(f"no rank {rank} under {launcher.pid} within {timeout:g} s")
+    raise AssertionError(f"no rank {rank} under {launcher} within {timeout:g} s")

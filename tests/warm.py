@@ -17,25 +17,30 @@ inherited (the supervisor's lock), passes on the signals it gets, and exits as t
 ending a real process would leave. A test may start the stand-in itself (tests.helpers.warm_cmd:
 the crash harness's attempts, killed by their PID).
 
-What must be a real start stays one: `start_ember` (signals to a process group, kills of a
-process found in the tree, power cuts) and everything under it, and the service and its jobs,
-are fresh interpreters.
+A test that walks the process tree under a stand-in sees through it with `tree` (each stand-in's
+command, and what that started, count as its children) and signals the command itself: a rank
+SIGKILLed at a random moment is the rank, and its stand-in dies of the same signal after it.
+What must be a real start stays one: `start_ember` without `warm` (signals to a process group,
+reached by every process in it; a lock holder named by its PID) and everything under it, and the
+service and its jobs, are fresh interpreters.
 
 Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
 descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper
 forks the command, says its PID as one JSON line, waits for it and answers with its exit status
-as another; if the client goes away first, the command's
-process group is killed.
+as another; if the client goes away first, the command's process group is killed. While the
+command runs, the file `of-<client PID>` beside the socket holds the command's PID (`command_of`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -75,13 +80,15 @@ def serve(path: str) -> None:
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _helper(conn)
+            _helper(conn, os.path.dirname(path))
         conn.close()
 
 
-def _helper(conn: socket.socket) -> None:
+def _helper(conn: socket.socket, folder: str) -> None:
     """Forks the command, waits for it and answers; kills it if the client leaves first."""
     status = 1
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    known = os.path.join(folder, f"of-{struct.unpack('3i', creds)[0]}")  # the client's PID
     try:
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
         request = json.loads(msg)
@@ -91,6 +98,9 @@ def _helper(conn: socket.socket) -> None:
             _command(request, fds)
         for fd in fds:
             os.close(fd)
+        with open(known + ".new", "w") as f:
+            f.write(str(pid))
+        os.replace(known + ".new", known)  # before the client learns the PID: a test reads it after
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         pidfd = os.pidfd_open(pid)
         sel = selectors.DefaultSelector()
@@ -104,6 +114,8 @@ def _helper(conn: socket.socket) -> None:
                 _kill(pid)
                 break
         _, wait_status = os.waitpid(pid, 0)
+        with contextlib.suppress(FileNotFoundError):  # a client with two commands at once
+            os.unlink(known)
         code = os.waitstatus_to_exitcode(wait_status)
         conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
         status = 0
@@ -286,6 +298,35 @@ def _instance() -> _Warm:
 def stand_in_path() -> str:
     """The stand-in for `python -m ember` of this worker's warm process (`stand_in`)."""
     return os.path.join(_instance().folder, STAND_IN)
+
+
+def command_of(pid: int) -> int | None:
+    """The PID of the command forked for the stand-in `pid` of this worker's warm process, while
+    it runs (None: `pid` is no such stand-in, or its command has ended)."""
+    if _warm is None:
+        return None
+    try:
+        with open(os.path.join(_warm.folder, f"of-{pid}")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def tree(pid: int) -> list:
+    """psutil's processes under `pid`, itself first, as fresh starts would have them: a stand-in's
+    command, and every process under that, are under the stand-in too. Those gone meanwhile are
+    left out."""
+    import psutil
+    found, todo = [], [pid]
+    while todo:
+        try:
+            p = psutil.Process(todo.pop(0))
+            children = [c.pid for c in p.children()]
+        except psutil.Error:
+            continue
+        found.append(p)
+        todo += children + [c for c in [command_of(p.pid)] if c is not None]
+    return found
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -75,12 +74,12 @@ def test_resume_on_other_world_sizes_and_strategies(baselines, tmp_path):
 def test_a_signal_to_one_rank_stops_both_at_one_step(baselines, tmp_path):
     out = tmp_path / "run"
     proc = start_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2",
-                       "--set", "checkpoint.every_steps=0")
+                       "--set", "checkpoint.every_steps=0", warm=True)
     deadline = time.monotonic() + 180
     while proc.poll() is None and time.monotonic() < deadline and not (
             (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
         time.sleep(0.01)
-    os.kill(rank_pid(psutil.Process(proc.pid), "1"), signal.SIGTERM)  # a rank this test started, by PID
+    os.kill(rank_pid(proc.pid, "1"), signal.SIGTERM)  # a rank this test started, by PID
     assert stop(proc, signal.SIGCONT) == 75, proc.stderr.read() if proc.stderr else ""
     stopped = losses(out)[-1][0]
     assert stopped < STEPS

@@ -11,7 +11,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.distributed_harness import ember_run, make_baselines, rank_pid
@@ -48,7 +47,8 @@ def test_ranks_killed_at_random_moments_resume_bit_for_bit(baselines, tmp_path, 
     # Slowed input (it does not change what is computed): unslowed, the 12 steps took 0.2 s on a
     # quiet machine and the first kill landed after the run had completed.
     proc = start_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2", "--restarts", "4",
-                       "--set", f"distributed.strategy={strategy}", env={"EMBER_FAULT_DATA_DELAY": "0.2"})
+                       "--set", f"distributed.strategy={strategy}", env={"EMBER_FAULT_DATA_DELAY": "0.2"},
+                       warm=True)
     try:
         for kill in range(2):
             deadline = time.monotonic() + 180
@@ -56,7 +56,7 @@ def test_ranks_killed_at_random_moments_resume_bit_for_bit(baselines, tmp_path, 
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.5))  # somewhere in a step, a checkpoint, or between them
             if proc.poll() is None:
-                os.kill(rank_pid(psutil.Process(proc.pid), str(rng.randrange(2))), signal.SIGKILL)
+                os.kill(rank_pid(proc.pid, str(rng.randrange(2))), signal.SIGKILL)
         out_text, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -96,7 +96,7 @@ def test_kill_9_at_a_random_moment_and_rerun_at_once_ends_bit_identical(tmp_path
     metrics = out / "metrics.jsonl"
     kills = 0
     while kills < KILLS[soak]:
-        run = start_ember("run", recipe, "--out", out, env=DELAY)
+        run = start_ember("run", recipe, "--out", out, env=DELAY, warm=True)
         try:
             before = metrics.read_text().count("\n") if metrics.exists() else 0
             wait_for_step(run, metrics, before + 1, timeout=180)  # it trains: start-up is not the target

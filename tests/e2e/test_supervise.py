@@ -59,7 +59,7 @@ def test_gives_up_after_n_crashes(tmp_path):
 
 def test_sigterm_is_forwarded_and_exit_75_is_not_restarted(tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 400})
-    proc = start_ember("run", recipe, "--out", tmp_path / "o", "--restarts", "3")
+    proc = start_ember("run", recipe, "--out", tmp_path / "o", "--restarts", "3", warm=True)
     wait_for_step(proc, tmp_path / "o" / "metrics.jsonl", 5)
     assert stop(proc, signal.SIGTERM) == 75
     attempts = (tmp_path / "o" / "attempts.jsonl").read_text().splitlines()
