@@ -33,8 +33,8 @@ SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tes
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
 LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py", "tests/e2e/test_compile.py",
                  "tests/e2e/test_distributed_faults.py", "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_lora.py",
-                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_serve.py", "tests/e2e/test_resume.py", "tests/e2e/test_rerun.py",
-                 "tests/e2e/test_two_nodes.py",
+                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_pipeline_ddp.py", "tests/e2e/test_serve.py",
+                 "tests/e2e/test_resume.py", "tests/e2e/test_rerun.py", "tests/e2e/test_two_nodes.py",
                  "tests/e2e/test_defects.py", "tests/web/test_browser.py", "tests/e2e/test_orphans.py",
                  "tests/e2e/test_accounting.py",
                  "tests/e2e/test_plan.py", "tests/e2e/test_cli.py", "tests/e2e/test_chat_data.py"]
