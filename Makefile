@@ -69,9 +69,12 @@ $(BIN)/.llama-server-installed: $(BIN)/.ember-installed
 	[ ! -e $(LLAMA_UNAVAILABLE) ] || cat $(LLAMA_UNAVAILABLE)
 	touch $@
 
-# Two parts: most tests two at a time (one per core; the longest first, a file on one worker unless
-# tests/conftest.py lets its tests spread), then the tests that measure time or CPU load (marked
-# serial), alone, so no other test disturbs them. The tests marked soak run here at small counts;
+# Two parts: most tests four at a time (two per core: a third of their time is waiting on Slurm,
+# shaped links and paced inputs; the longest first, a file on one worker unless tests/conftest.py
+# lets its tests spread), then the tests that measure time or CPU load (marked serial), alone, so
+# no other test disturbs them. With more processes than cores, OpenMP's idle threads (torch's
+# intra-op pool) wait passively instead of spinning (OMP_WAIT_POLICY=PASSIVE; what is computed is
+# unchanged): tests/plan's three slowest files under -n 4 took 60 CPU-s spinning, 45 passive. The tests marked soak run here at small counts;
 # `make soak` runs them at their full counts (30 kills, 12 power cuts), with the same assertions.
 # Artifacts several tests read (uninterrupted baselines, finished runs) are built once into
 # .test-cache/, keyed by the code that builds them (tests/artifacts.py). pytest keeps the test
@@ -81,11 +84,11 @@ $(BIN)/.llama-server-installed: $(BIN)/.ember-installed
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -rs
 test: $(BIN)/.ember-installed $(BIN)/.llama-server-installed
 	$(BIN)/python -m compileall -q ember tests  # bytecode once: PYTHONDONTWRITEBYTECODE=1 shells never write it
-	$(PYTEST) -n 4 --no-loadscope-reorder -m "not serial" --durations=40 tests
+	OMP_WAIT_POLICY=PASSIVE $(PYTEST) -n 4 --no-loadscope-reorder -m "not serial" --durations=40 tests
 	$(PYTEST) -m serial --durations=5 $$(grep -rlE --include="*.py" "mark\.serial" tests | sort)
 
 soak: $(BIN)/.ember-installed
-	$(PYTEST) -n 2 --no-loadscope-reorder -m soak --soak tests
+	OMP_WAIT_POLICY=PASSIVE $(PYTEST) -n 2 --no-loadscope-reorder -m soak --soak tests
 
 bench: $(BIN)/.ember-installed
 	$(BIN)/python bench/run_all.py
