@@ -14,8 +14,8 @@ The search tries every combination of
 Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe with its changes),
 and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
 its step time is the planner's estimate (estimated_seconds: FLOPs, with activation checkpointing's
-recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's dequantization bytes over
-that rate).
+recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's 4-bit calls: each one's
+fixed cost and its dequantization's bytes over that rate, ember.plan.planner.dequant_seconds).
 
 A family without formulas (traced_candidates) is searched the same way, each configuration's peak
 and FLOPs from its step traced on fake tensors (ember.doctor.traced, cached), except QLoRA (a 4-bit
@@ -330,7 +330,8 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
            f"over {peak.source} at [plan] assumed_mfu {r.plan.assumed_mfu:.0%}" if peak.flops
            else f"unknown ({peak.source}): ranked by FLOPs per token")
     if left_out is None:
-        how += (f"; QLoRA's 4-bit dequantization: its bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
+        fixed = f"{bandwidth.per_call_s * 1e6:.3g} µs a call and " if bandwidth.per_call_s else ""
+        how += (f"; QLoRA's 4-bit calls: {fixed}their bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
                 f"({bandwidth.source})")
     notes = [] if "int8" in space(r)["state_dtype"] else \
         ["int8 optimizer state not searched: the bitsandbytes package is not installed"]

@@ -219,14 +219,34 @@ def dequantized(m: ModelShape, t: TrainShape) -> int:
     return max(i * o for i, o in m.linear_shapes().values()) * (F32 + (2 if t.autocast else 0))
 
 
-def dequant_bytes(m: ModelShape, t: TrainShape) -> int:
-    """Bytes a micro-batch's 4-bit linears read and write dequantizing their weights: each linear
-    once in forward, once in backward (its input's gradient), once more to recompute forward
-    under activation checkpointing (0 without [method] quantize = 'nf4')."""
+# What feeds each linear's input within a decoder layer: in the first layer, whose input (the
+# embeddings through a frozen norm) carries no gradient, a linear's input needs one only where
+# one of these is adapted.
+UPSTREAM = {"q_proj": (), "k_proj": (), "v_proj": (), "o_proj": ("q_proj", "k_proj", "v_proj"),
+            "gate_proj": ("q_proj", "k_proj", "v_proj", "o_proj"), "up_proj": ("q_proj", "k_proj", "v_proj", "o_proj"),
+            "down_proj": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}
+
+
+def quantized_calls(m: ModelShape, t: TrainShape) -> list[tuple[int, int]]:
+    """(weights, calls per micro-batch) of every 4-bit linear (none without [method] quantize =
+    'nf4'), as bitsandbytes runs them: once in forward (its fused 4-bit matmul), once more in the
+    forward recomputed under activation checkpointing, and once in backward (a dequantization for
+    its input's gradient) where that input needs a gradient: all but some of the first layer's."""
     if t.quantize != "nf4":
-        return 0
-    passes = 3 if t.activation_checkpointing else 2
-    return passes * m.layers * sum(dequantize_once(i * o) for i, o in m.linear_shapes().values())
+        return []
+    forward = 2 if t.activation_checkpointing else 1
+    out = []
+    for i in range(m.layers):
+        for name, (a, b) in m.linear_shapes().items():
+            backward = i > 0 or bool(t.lora_targets & set(UPSTREAM[name]))
+            out.append((a * b, forward + backward))
+    return out
+
+
+def dequant_bytes(m: ModelShape, t: TrainShape) -> int:
+    """Bytes a micro-batch's 4-bit linears move, each call (quantized_calls) priced as one
+    dequantization of its weight (0 without [method] quantize = 'nf4')."""
+    return sum(calls * dequantize_once(n) for n, calls in quantized_calls(m, t))
 
 
 def dequantize_once(n: int) -> int:

@@ -21,7 +21,7 @@ from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
 from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, dequantize_once, estimate,
-                               optimizer_bytes, trainable_params)
+                               optimizer_bytes, quantized_calls, trainable_params)
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 
@@ -306,7 +306,9 @@ def _dequant_how(m: ModelShape | None, t: TrainShape, grad_accum: int, bandwidth
     """The 4-bit dequantization's part of the time, in words."""
     if m is None or not bandwidth.bytes_per_s:
         return f"; 4-bit dequantization not priced ({bandwidth.source if m is not None else 'no formula'})"
-    return (f" + {dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
+    calls = sum(c for _, c in quantized_calls(m, t)) * grad_accum
+    fixed = f"{calls} 4-bit calls x {bandwidth.per_call_s * 1e6:.3g} µs + " if bandwidth.per_call_s else ""
+    return (f" + {fixed}{dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
             f"({bandwidth.bytes_per_s / 1e9:.4g} GB/s, {bandwidth.source})")
 
 
@@ -325,11 +327,13 @@ def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak,
 
 
 def dequant_seconds(m: ModelShape, t: TrainShape, grad_accum: int, bandwidth: Bandwidth | None) -> float:
-    """Seconds an optimizer step spends dequantizing 4-bit weights (0 where none, or the
-    bandwidth is unknown: the time then says so, see _time)."""
+    """Seconds an optimizer step spends in its 4-bit linears beyond plain ones: each call's fixed
+    cost and its bytes over the rate (0 where none, or the rate is unknown: the time then says so,
+    see _time)."""
     if bandwidth is None or not bandwidth.bytes_per_s:
         return 0.0
-    return dequant_bytes(m, t) * grad_accum / bandwidth.bytes_per_s
+    calls = sum(c for _, c in quantized_calls(m, t))
+    return grad_accum * (calls * bandwidth.per_call_s + dequant_bytes(m, t) / bandwidth.bytes_per_s)
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:
