@@ -13,8 +13,9 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
     backward end    weights + optimizer state + all gradients (activations are freed by now)
     optimizer step  weights + gradients + optimizer state + the update's temporaries
     4-bit dequantize  (QLoRA, [method] quantize = 'nf4') the largest linear's weight dequantized
-                    to fp32 for its matmul, at the end of forward or inside a layer's backward
-                    (measured -2%..+4% on tiny shapes: tests/plan/test_memory.py)
+                    to fp32 for its matmul, in the last layer's forward or inside a layer's
+                    backward (measured -2.9%..+0.1% on 11 tiny shapes, one thread:
+                    tests/plan/test_memory.py)
 
 Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
 SmolLM), as PyTorch autograd keeps them on the SDPA path: every figure below was checked
@@ -213,10 +214,33 @@ def weight_copies(m: ModelShape, t: TrainShape) -> int:
 
 def dequantized(m: ModelShape, t: TrainShape) -> int:
     """Bytes a 4-bit linear's matmul allocates for its weight, in forward and in backward: the
-    largest linear dequantized to fp32, and its half-precision cast under autocast."""
+    largest linear dequantized to fp32 (its absmaxes first, to fp32 with their offset added), and
+    its half-precision cast under autocast."""
     if t.quantize != "nf4":
         return 0
-    return max(i * o for i, o in m.linear_shapes().values()) * (F32 + (2 if t.autocast else 0))
+    n = max(i * o for i, o in m.linear_shapes().values())
+    return n * (F32 + (2 if t.autocast else 0)) + -(-n // NF4_BLOCK) * F32
+
+
+def forward_dequantize(m: ModelShape, t: TrainShape, acts: int) -> int:
+    """Bytes alive, the dequantized weight aside, while the last layer's down_proj (the last of the
+    largest 4-bit linears) runs in forward, without activation checkpointing; `acts` is what
+    the whole forward saves."""
+    T, h, f, a, r = t.tokens, m.hidden, m.intermediate, 2 if t.autocast else F32, t.lora_rank
+    down = "down_proj" in t.lora_targets
+    # Not made yet: the output layer's half-precision weight, the final norm's saved input and
+    # rsqrt, down_proj's adapter (its A output, and under autocast its weights' copies).
+    later = (2 * m.vocab * h if t.autocast else 0) + T * (h * F32 + F32) + \
+        (T * r * a + (2 * r * (f + h) if t.autocast else 0) if down else 0)
+    # Alive but not saved for backward: the embeddings' output (the model's forward holds it to
+    # the end), the MLP's input and product (saved in fp32 as the adapters' inputs; under
+    # autocast their half-precision copies are saved instead).
+    kept = T * h * F32
+    if t.autocast or not t.lora_targets & {"gate_proj", "up_proj"}:
+        kept += T * h * F32
+    if t.autocast or not down:
+        kept += T * f * mlp_bytes(t)
+    return acts - later + kept
 
 
 # What feeds each linear's input within a decoder layer: in the first layer, whose input (the
@@ -381,7 +405,8 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
         dq = dequantized(m, t)
         # In backward beside it: the gradient it receives and the one it makes for its input.
         back = dq + T * (m.hidden * F32 + m.intermediate * (2 if t.autocast else F32))
-        parts["4-bit dequantize"] = max((0, acts, 0, dq), (layer[0], layer[1], 0, back), key=sum)
+        fwd = forward_dequantize(m, t, acts) if not t.activation_checkpointing else acts
+        parts["4-bit dequantize"] = max((0, fwd, 0, dq), (layer[0], layer[1], 0, back), key=sum)
     phases = {name: weights + optim + sum(p) for name, p in parts.items()}
     phase = max(phases, key=phases.__getitem__)
     g, a, loss, tmp = parts[phase]
