@@ -13,8 +13,8 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
     backward end    weights + optimizer state + all gradients (activations are freed by now)
     optimizer step  weights + gradients + optimizer state + the update's temporaries
     4-bit dequantize  (QLoRA, [method] quantize = 'nf4') the largest linear's weight dequantized
-                    to fp32 for its matmul, in the last layer's forward or inside a layer's
-                    backward (measured -2.9%..+0.1% on 11 tiny shapes, one thread:
+                    to fp32 for its matmul, in the last layer's forward or in a layer's
+                    down_proj backward (measured -0.6%..+0.4% on 11 tiny shapes, one thread:
                     tests/plan/test_memory.py)
 
 Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
@@ -403,8 +403,11 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     }
     if t.quantize == "nf4":  # a layer's weight dequantized, late in forward or during a layer's backward
         dq = dequantized(m, t)
-        # In backward beside it: the gradient it receives and the one it makes for its input.
-        back = dq + T * (m.hidden * F32 + m.intermediate * (2 if t.autocast else F32))
+        # In down_proj's backward beside it: the gradient it receives, and the fp32 gradient it
+        # makes for its input (backward runs outside autocast), beside the adapter's own, made
+        # first and not yet summed with it.
+        adapted = "down_proj" in t.lora_targets
+        back = dq + T * (m.hidden * F32 + m.intermediate * F32 * (2 if adapted else 1))
         fwd = forward_dequantize(m, t, acts) if not t.activation_checkpointing else acts
         parts["4-bit dequantize"] = max((0, fwd, 0, dq), (layer[0], layer[1], 0, back), key=sum)
     phases = {name: weights + optim + sum(p) for name, p in parts.items()}

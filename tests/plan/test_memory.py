@@ -104,6 +104,8 @@ DEQUANTIZE_PEAKS = [
     (512, 1408, 2, 8, 4, 500, 1, 16, "qlora", False, "bf16", 0),  # the last down_proj in forward: was +2.06%
     (384, 1024, 3, 6, 2, 300, 1, 8, "qlora", False, "fp32", 0),
     (512, 1408, 2, 8, 4, 500, 1, 16, "qlora", True, "fp32", 0),
+    (256, 704, 2, 4, 2, 1000, 1, 32, "qlora", True, "bf16", 0),  # down_proj's backward: was -3.1%
+    (256, 704, 2, 4, 2, 1000, 1, 32, "qlora", False, "fp32", 0),
 ]
 
 
@@ -111,7 +113,8 @@ DEQUANTIZE_PEAKS = [
 def test_qlora_dequantize_peak_within_two_percent(case):
     """Issue 30's goal for QLoRA: within 2% where the dequantized weight is at the peak (in
     forward: the output layer's half-precision copy and the final norm do not exist yet; the
-    embeddings' output, the MLP's input and product are alive, and the absmaxes in fp32)."""
+    embeddings' output, the MLP's input and product are alive, and the absmaxes in fp32; in
+    down_proj's backward: two fp32 gradients for its input, the base's and the adapter's)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # oneDNN's bf16 matmul takes scratch space that grows with threads (unplanned)
     try:
