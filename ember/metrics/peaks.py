@@ -265,7 +265,7 @@ def measured_dequant_rate(threads: int, bytes_of: Callable[[int], int]) -> Bandw
     rate, how = cached_cpu_rate(f"nf4 linear, {cpu_peak_key(threads)}", lambda: time_dequant(threads, bytes_of))
     sizes = ", ".join(f"{n}x{n}" for n in DEQUANT_SIZES)
     return Bandwidth(rate.flops, f"{how}: bitsandbytes' NF4 linear over a plain one at {sizes}, {threads} threads, "
-                                 f"{rate.per_call * 1e6:.3g} µs a call + its bytes at {rate.flops / 1e9:.3g} GB/s",
+                                 f"{rate.per_call * 1e6:,.1f} µs a call + its bytes at {rate.flops / 1e9:.3g} GB/s",
                      rate.per_call)
 
 

@@ -330,7 +330,7 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
            f"over {peak.source} at [plan] assumed_mfu {r.plan.assumed_mfu:.0%}" if peak.flops
            else f"unknown ({peak.source}): ranked by FLOPs per token")
     if left_out is None:
-        fixed = f"{bandwidth.per_call_s * 1e6:.3g} µs a call and " if bandwidth.per_call_s else ""
+        fixed = f"{bandwidth.per_call_s * 1e6:,.1f} µs a call and " if bandwidth.per_call_s else ""
         how += (f"; QLoRA's 4-bit calls: {fixed}their bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
                 f"({bandwidth.source})")
     notes = [] if "int8" in space(r)["state_dtype"] else \

@@ -307,7 +307,7 @@ def _dequant_how(m: ModelShape | None, t: TrainShape, grad_accum: int, bandwidth
     if m is None or not bandwidth.bytes_per_s:
         return f"; 4-bit dequantization not priced ({bandwidth.source if m is not None else 'no formula'})"
     calls = sum(c for _, c in quantized_calls(m, t)) * grad_accum
-    fixed = f"{calls} 4-bit calls x {bandwidth.per_call_s * 1e6:.3g} µs + " if bandwidth.per_call_s else ""
+    fixed = f"{calls} 4-bit calls x {bandwidth.per_call_s * 1e6:,.1f} µs + " if bandwidth.per_call_s else ""
     return (f" + {fixed}{dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
             f"({bandwidth.bytes_per_s / 1e9:.4g} GB/s, {bandwidth.source})")
 
