@@ -35,7 +35,8 @@ def main() -> None:
     from ember.doctor.measure import calibrate
     from ember.metrics.peaks import memory_bandwidth
     from ember.models import config_fields
-    from ember.plan.memory import ModelShape, dequantize_once
+    from ember.plan.dequant import dequantize_once
+    from ember.plan.memory import ModelShape
     from ember.plan.planner import dequant_seconds
     from ember.plan.remedies import train_shape
     from ember.recipe import load_recipe

@@ -70,7 +70,7 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
 
 
 # Memory bandwidth of the same devices, vendors' figures (bytes/s), for what a step spends moving
-# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.memory.dequant_bytes).
+# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.dequant.dequant_bytes).
 BANDWIDTHS: list[tuple[str, float]] = [
     ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12), ("a100", 2.039e12),
     ("l40s", 0.864e12), ("l4", 0.3e12), ("a10g", 0.6e12), ("rtx 4090", 1.008e12), ("rtx 3090", 0.936e12),

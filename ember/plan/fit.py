@@ -45,7 +45,8 @@ from ember.errors import BadInput, EmberError
 from ember.hardware import Device, parse_size
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.models import check_against_model, config_fields
-from ember.plan.memory import ModelShape, TrainShape, dequantize_once, estimate
+from ember.plan.dequant import dequantize_once
+from ember.plan.memory import ModelShape, TrainShape, estimate
 from ember.plan.planner import Traced, estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe

@@ -20,8 +20,8 @@ from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
-from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, dequantize_once, estimate,
-                               optimizer_bytes, quantized_calls, trainable_params)
+from ember.plan.dequant import dequant_bytes, dequantize_once, quantized_calls
+from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 

@@ -1,4 +1,4 @@
-"""QLoRA's 4-bit dequantization priced in the plan's step time (ember.plan.memory.dequant_bytes,
+"""QLoRA's 4-bit dequantization priced in the plan's step time (ember.plan.dequant.dequant_bytes,
 ember.plan.planner.dequant_seconds) and searched by `ember plan --fit` (ember/plan/fit.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from ember.hardware import Device, Kind
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth
 from ember.models import config_fields
 from ember.plan.fit import candidates, search
-from ember.plan.memory import ModelShape, TrainShape, dequant_bytes, dequantize_once, quantized_calls
+from ember.plan.dequant import dequant_bytes, dequantize_once, quantized_calls
+from ember.plan.memory import ModelShape, TrainShape
 from ember.plan.planner import dequant_seconds, make_plan
 from ember.plan.remedies import step_flops, train_shape
 from ember.recipe import load_recipe
