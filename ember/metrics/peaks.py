@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ember.paths import home
@@ -44,6 +44,7 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 class Peak:
     flops: float | None   # FLOP/s, or None when unknown
     source: str           # "table: h100", "recipe override", "measured: ...", or why unknown
+    per_op_s: float = 0.0  # fixed seconds each op activation checkpointing recomputes costs (with_op_cost)
 
 
 def lookup_peak(name: str, dtype: str) -> Peak:
@@ -328,3 +329,60 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
         x, y = max(points)
         return 0.0, max(y, 1e-12) / x
     return max(0.0, my - per_byte * mx), per_byte
+
+
+def with_op_cost(peak: Peak, device_type: str, threads: int) -> Peak:
+    """`peak` with the fixed seconds each recomputed op costs: measured on a CPU (see
+    time_recompute), cached with the CPU peak by the same rules; 0 on an accelerator (not measured:
+    its ops are queued, their fixed cost overlaps the previous op's compute)."""
+    if device_type != "cpu" or not peak.flops:
+        return peak
+    threads = threads or os.cpu_count() or 1
+    rate, how = cached_cpu_rate(f"recomputed op, {cpu_peak_key(threads)}", lambda: time_recompute(threads))
+    return replace(peak, per_op_s=1 / rate.flops,
+                   source=f"{peak.source}; recomputed ops {1e6 / rate.flops:.1f} µs each ({how})")
+
+
+def time_recompute(threads: int, width: int = 64, rows: int = 4, blocks: int = 4, window: float = 0.05) -> CpuPeak:
+    """Seconds each op activation checkpointing recomputes costs on this CPU with `threads`
+    threads: `blocks` small gated blocks (width `width`, `rows` rows) forward and backward, each
+    checkpointed (as ember's models are: non-reentrant) against the same without, the extra time
+    over the extra ops counted (the record's 'flops' holds ops/s). Best of three windows each."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+    ws = [torch.randn(width, width, generator=gen).requires_grad_() for _ in range(3 * blocks)]
+    x = torch.randn(rows, width, generator=gen).requires_grad_()
+
+    def block(h, i):
+        a, b, c = ws[3 * i:3 * i + 3]
+        return h + torch.nn.functional.silu(h @ a) * (h @ b) @ c
+
+    def step(ac: bool):
+        h = x
+        for i in range(blocks):
+            h = checkpoint(block, h, i, use_reentrant=False) if ac else block(h, i)
+        h.sum().backward()
+    first, mine = _cpu_jiffies(), time.process_time()
+    extra_ops = _ops_in(lambda: step(True)) - _ops_in(lambda: step(False))
+    extra = max(0.0, _best_seconds(lambda: step(True), window) - _best_seconds(lambda: step(False), window))
+    others = _others_since(first, mine) if first is not None else None
+    torch.set_num_threads(previous)
+    return CpuPeak(extra_ops / max(extra, 1e-12), time.time(), others)
+
+
+def _ops_in(call: Callable[[], object]) -> int:
+    """Ops (aten and others) `call` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count() as counted:
+        call()
+    return counted.n
