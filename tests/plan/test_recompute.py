@@ -95,3 +95,22 @@ def test_a_cpu_measures_its_recomputed_ops_cost_once(tmp_path, monkeypatch):
     assert math.isclose(1 / record["flops"], first.per_op_s) and record["at"] > 0
     assert with_op_cost(PEAK, "cpu", 1) == first  # read back, not measured again
     assert with_op_cost(PEAK, "cuda", 1) == PEAK
+
+
+def test_fit_ranks_qlora_ahead_of_checkpointed_lora_where_the_recomputation_costs_more(tmp_path):
+    """bench/fit_check.py's case 3 (builtin:tiny, seq 64, 4 x 2, budget 0.22x the recipe's peak):
+    only checkpointed LoRA and QLoRA fit; measured here QLoRA rank 4 is the faster (65 against 79
+    ms). With each 4-bit call and each recomputed op at the cost measured here (~55 and ~12 µs),
+    the search picks QLoRA; with the recomputation priced by its FLOPs only, checkpointed LoRA."""
+    from ember.metrics.peaks import Bandwidth
+    from ember.plan.fit import search
+    path = write_recipe(tmp_path, data={"seq_len": 64}, train={"micro_batch": 4, "grad_accum": 2})
+    r, m = load_recipe(path), ModelShape.from_config(config_fields("builtin:tiny"))
+    rate = Bandwidth(7.31e9, "test: 7.31 GB/s, 55 µs a call", per_call_s=55e-6)
+    peak = Peak(1e11, "test: 100 GFLOP/s (this CPU, one thread: ~113)")
+    whole = search(r, m, 2**40, peak, bandwidth=rate).as_written
+    budget = int(whole.with_margin * 0.22)
+    old = search(r, m, budget, peak, bandwidth=rate).best[0]
+    new = search(r, m, budget, replace(peak, per_op_s=12e-6), bandwidth=rate).best[0]
+    assert (old.method, old.rank, old.activation_checkpointing) == ("lora", 4, True), old
+    assert (new.method, new.rank, new.activation_checkpointing) == ("qlora", 4, False), new
