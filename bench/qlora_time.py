@@ -1,8 +1,8 @@
-"""QLoRA's step time as `ember plan` prices it (LoRA's, plus the 4-bit dequantization's bytes over
-the rate: ember.plan.memory.dequant_bytes, ember.metrics.peaks.memory_bandwidth) against QLoRA's
-step measured, on this CPU, for a small Llama-shaped model (each arm the fastest of --rounds
-calibrations, interleaved: the machine may be shared). The dequantization's part is
-predicted from LoRA's measured step plus the priced bytes, so the FLOPs' MFU guess is out of it.
+"""QLoRA's step time as `ember plan` prices it (LoRA's, plus each 4-bit call's fixed cost and its
+bytes over the rate: ember.plan.planner.dequant_seconds, ember.metrics.peaks.memory_bandwidth)
+against QLoRA's step measured, on this CPU, for a small Llama-shaped model (each arm the fastest
+of --rounds calibrations, interleaved: the machine may be shared). The 4-bit part is predicted
+from LoRA's measured step plus the priced calls, so the FLOPs' MFU guess is out of it.
 
 usage: python bench/qlora_time.py [--threads N] [--steps N] [--rounds N]
 """
@@ -35,7 +35,9 @@ def main() -> None:
     from ember.doctor.measure import calibrate
     from ember.metrics.peaks import memory_bandwidth
     from ember.models import config_fields
-    from ember.plan.memory import ModelShape, dequant_bytes, dequantize_once
+    from ember.plan.dequant import dequantize_once
+    from ember.plan.memory import ModelShape
+    from ember.plan.planner import dequant_seconds
     from ember.plan.remedies import train_shape
     from ember.recipe import load_recipe
     from ember.data.tokenizer import ByteTokenizer
@@ -62,7 +64,7 @@ def main() -> None:
                 times["lora"].append(calibrate(load_recipe(path, sets), steps=args.steps).step_seconds)
                 times["qlora"].append(calibrate(q, steps=args.steps).step_seconds)
             lora, qlora = min(times["lora"]), min(times["qlora"])
-            priced = dequant_bytes(m, train_shape(q)) / rate.bytes_per_s
+            priced = dequant_seconds(m, train_shape(q), 1, rate)  # one micro-batch, as calibrated
             print(f"| {'on' if ac else 'off'} | {lora:.4f} s | {qlora:.4f} s | {priced:.4f} s | {lora + priced:.4f} s | "
                   f"{100 * ((lora + priced) / qlora - 1):+.1f}% |", flush=True)
 

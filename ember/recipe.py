@@ -237,7 +237,8 @@ class CostConfig:
                                  "for MFU (0 = ember's table, or a measured peak on CPU).", min=0)
     memory_gbps: float = setting(0.0, "Memory bandwidth of one device in GB/s, for the time QLoRA's 4-bit "
                                  "dequantization takes in the plan (0 = ember's table; on a CPU, where the memory "
-                                 "is not what limits it, bitsandbytes' dequantization measured here).", min=0)
+                                 "is not what limits it, bitsandbytes' 4-bit linear measured here: a fixed cost "
+                                 "per call plus its bytes over a rate).", min=0)
 
 
 @dataclass

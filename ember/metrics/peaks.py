@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ember.paths import home
@@ -44,6 +44,7 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 class Peak:
     flops: float | None   # FLOP/s, or None when unknown
     source: str           # "table: h100", "recipe override", "measured: ...", or why unknown
+    per_op_s: float = 0.0  # fixed seconds each op activation checkpointing recomputes costs (with_op_cost)
 
 
 def lookup_peak(name: str, dtype: str) -> Peak:
@@ -70,7 +71,7 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
 
 
 # Memory bandwidth of the same devices, vendors' figures (bytes/s), for what a step spends moving
-# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.memory.dequant_bytes).
+# bytes rather than multiplying: QLoRA's 4-bit dequantization (ember.plan.dequant.dequant_bytes).
 BANDWIDTHS: list[tuple[str, float]] = [
     ("gh200", 4.0e12), ("h200", 4.8e12), ("h100 pcie", 2.0e12), ("h100", 3.35e12), ("a100", 2.039e12),
     ("l40s", 0.864e12), ("l4", 0.3e12), ("a10g", 0.6e12), ("rtx 4090", 1.008e12), ("rtx 3090", 0.936e12),
@@ -82,6 +83,7 @@ BANDWIDTHS: list[tuple[str, float]] = [
 class Bandwidth:
     bytes_per_s: float | None   # None when unknown
     source: str                 # "table: h100", "recipe override", or why unknown
+    per_call_s: float = 0.0     # fixed seconds each 4-bit call costs beside its bytes (measured on a CPU)
 
 
 def memory_bandwidth(override_gbps: float, device_type: str, name: str, threads: int = 0,
@@ -116,6 +118,7 @@ class CpuPeak:
     flops: float
     at: float
     others: float | None
+    per_call: float = 0.0   # a rate fitted per call (measured_dequant_rate): its fixed seconds per call
 
     def describe(self) -> str:
         """When and under what load, for the peak's source."""
@@ -226,7 +229,8 @@ def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = Fals
     others_now = others_share() if loaded and not again else None  # only a loaded record needs it
     peak, why = choose_cpu_peak(record, time.time(), others_now, measure, again)
     if why is not None:
-        known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others}
+        known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others} | \
+            ({"per_call": peak.per_call} if peak.per_call else {})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
     return peak, peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
@@ -238,7 +242,8 @@ def _from_json(value: object) -> CpuPeak | None:
         return None
     try:
         others = value.get("others")
-        return CpuPeak(float(value["flops"]), float(value["at"]), None if others is None else float(others))
+        return CpuPeak(float(value["flops"]), float(value["at"]), None if others is None else float(others),
+                       float(value.get("per_call", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -250,41 +255,134 @@ def cpu_peak_key(threads: int) -> str:
     return f"{os.uname().nodename}:{os.cpu_count()}:{threads}:{importlib.metadata.version('torch')}"
 
 
-def measured_dequant_rate(threads: int, bytes_of: Callable[[int], int], size: int = 1024) -> Bandwidth:
-    """bitsandbytes' NF4 dequantization on this CPU with `threads` threads, as bytes moved per
-    second (`bytes_of(n)` per n-weight dequantization), cached with the CPU peak by the same rules
-    (the record's 'flops' holds bytes/s)."""
-    rate, how = cached_cpu_rate(f"nf4 dequantize, {cpu_peak_key(threads)}",
-                                lambda: time_dequant(threads, bytes_of, size))
-    return Bandwidth(rate.flops, f"{how}: bitsandbytes' NF4 dequantization of a {size}x{size} weight, "
-                                 f"{threads} threads")
+DEQUANT_SIZES = (64, 256, 1024)  # square weights the 4-bit linear is timed at, for its fixed and per-byte cost
 
 
-def time_dequant(threads: int, bytes_of: Callable[[int], int], size: int = 1024, rounds: int = 5) -> CpuPeak:
-    """Bytes per second bitsandbytes moves dequantizing a size x size NF4 weight (double
-    quantization, blocks of 64) on this CPU, the best of `rounds` windows of 0.1 s, with other
-    processes' share of the cores while it ran."""
-    import logging
+def measured_dequant_rate(threads: int, bytes_of: Callable[[int], int]) -> Bandwidth:
+    """What a 4-bit (NF4) linear call of bitsandbytes costs on this CPU with `threads` threads
+    beyond a plain linear's, as fixed seconds per call plus `bytes_of(n)` bytes (per n-weight
+    dequantization) over a rate (see time_dequant), cached with the CPU peak by the same rules
+    (the record's 'flops' holds bytes/s, 'per_call' the seconds)."""
+    rate, how = cached_cpu_rate(f"nf4 linear, {cpu_peak_key(threads)}", lambda: time_dequant(threads, bytes_of))
+    sizes = ", ".join(f"{n}x{n}" for n in DEQUANT_SIZES)
+    return Bandwidth(rate.flops, f"{how}: bitsandbytes' NF4 linear over a plain one at {sizes}, {threads} threads, "
+                                 f"{rate.per_call * 1e6:,.1f} µs a call + its bytes at {rate.flops / 1e9:.3g} GB/s",
+                     rate.per_call)
+
+
+def time_dequant(threads: int, bytes_of: Callable[[int], int], rows: int = 4, window: float = 0.05) -> CpuPeak:
+    """bitsandbytes' NF4 linear (double quantization, blocks of 64: forward through its fused 4-bit
+    matmul, backward dequantizing) against a plain fp32 linear, both forward and backward on
+    `rows` rows, at each of DEQUANT_SIZES: the extra seconds per call, fitted by least squares as
+    a fixed cost per call plus `bytes_of(n)` bytes over a rate. Each timing is the best of three
+    `window`-second windows; the record holds other processes' share of the cores meanwhile."""
     import torch
+    bnb = _quiet_bitsandbytes()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+    first, mine, points = _cpu_jiffies(), time.process_time(), []
+    for n in DEQUANT_SIZES:
+        w, x = torch.randn(n, n, generator=gen), torch.randn(rows, n, generator=gen).requires_grad_()
+        codes, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        four = _best_seconds(lambda: bnb.matmul_4bit(x, codes.t(), quant_state=state).sum().backward(), window)
+        plain = _best_seconds(lambda: torch.nn.functional.linear(x, w).sum().backward(), window)
+        points.append((float(bytes_of(n * n)), max(0.0, four - plain) / 2))  # a forward and a backward call
+    others = _others_since(first, mine) if first is not None else None
+    torch.set_num_threads(previous)
+    per_call, per_byte = _line(points)
+    return CpuPeak(1 / per_byte, time.time(), others, per_call)
+
+
+def _quiet_bitsandbytes():
+    import logging
     log = logging.getLogger("bitsandbytes")
     level = log.level
     log.setLevel(logging.ERROR)  # its import warns about optional CPU kernels it does not need here
     try:
-        import bitsandbytes.functional as bnb
+        import bitsandbytes
+        return bitsandbytes
     finally:
         log.setLevel(level)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    w = torch.randn(size, size, generator=torch.Generator().manual_seed(0))  # never the global RNG
-    codes, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-    bnb.dequantize_4bit(codes, state)  # warm-up
-    first, mine, best = _cpu_jiffies(), time.process_time(), 0.0
+
+
+def _best_seconds(call: Callable[[], object], window: float, rounds: int = 3) -> float:
+    """Seconds one `call` takes: the best of `rounds` windows of `window` seconds (after a warm-up)."""
+    call()
+    best = float("inf")
     for _ in range(rounds):
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.1:
-            bnb.dequantize_4bit(codes, state)
+        while time.perf_counter() - t0 < window:
+            call()
             n += 1
-        best = max(best, bytes_of(size * size) * n / (time.perf_counter() - t0))
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of seconds = fixed + bytes x per_byte over (bytes, seconds) points, neither
+    below what noise can make of them: fixed >= 0, per_byte > 0 (else the largest point's average)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    per_byte = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    if per_byte <= 0:
+        x, y = max(points)
+        return 0.0, max(y, 1e-12) / x
+    return max(0.0, my - per_byte * mx), per_byte
+
+
+def with_op_cost(peak: Peak, device_type: str, threads: int) -> Peak:
+    """`peak` with the fixed seconds each recomputed op costs: measured on a CPU (see
+    time_recompute), cached with the CPU peak by the same rules; 0 on an accelerator (not measured:
+    its ops are queued, their fixed cost overlaps the previous op's compute)."""
+    if device_type != "cpu" or not peak.flops:
+        return peak
+    threads = threads or os.cpu_count() or 1
+    rate, how = cached_cpu_rate(f"recomputed op, {cpu_peak_key(threads)}", lambda: time_recompute(threads))
+    return replace(peak, per_op_s=1 / rate.flops,
+                   source=f"{peak.source}; recomputed ops {1e6 / rate.flops:.1f} µs each ({how})")
+
+
+def time_recompute(threads: int, width: int = 64, rows: int = 4, blocks: int = 4, window: float = 0.05) -> CpuPeak:
+    """Seconds each op activation checkpointing recomputes costs on this CPU with `threads`
+    threads: `blocks` small gated blocks (width `width`, `rows` rows) forward and backward, each
+    checkpointed (as ember's models are: non-reentrant) against the same without, the extra time
+    over the extra ops counted (the record's 'flops' holds ops/s). Best of three windows each."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+    ws = [torch.randn(width, width, generator=gen).requires_grad_() for _ in range(3 * blocks)]
+    x = torch.randn(rows, width, generator=gen).requires_grad_()
+
+    def block(h, i):
+        a, b, c = ws[3 * i:3 * i + 3]
+        return h + torch.nn.functional.silu(h @ a) * (h @ b) @ c
+
+    def step(ac: bool):
+        h = x
+        for i in range(blocks):
+            h = checkpoint(block, h, i, use_reentrant=False) if ac else block(h, i)
+        h.sum().backward()
+    first, mine = _cpu_jiffies(), time.process_time()
+    extra_ops = _ops_in(lambda: step(True)) - _ops_in(lambda: step(False))
+    extra = max(0.0, _best_seconds(lambda: step(True), window) - _best_seconds(lambda: step(False), window))
     others = _others_since(first, mine) if first is not None else None
     torch.set_num_threads(previous)
-    return CpuPeak(best, time.time(), others)
+    return CpuPeak(extra_ops / max(extra, 1e-12), time.time(), others)
+
+
+def _ops_in(call: Callable[[], object]) -> int:
+    """Ops (aten and others) `call` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count() as counted:
+        call()
+    return counted.n

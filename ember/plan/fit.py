@@ -14,8 +14,9 @@ The search tries every combination of
 Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe with its changes),
 and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
 its step time is the planner's estimate (estimated_seconds: FLOPs, with activation checkpointing's
-recomputation, over the device's peak at [plan] assumed_mfu, and QLoRA's dequantization bytes over
-that rate).
+recomputation, over the device's peak at [plan] assumed_mfu; QLoRA's 4-bit calls: each one's
+fixed cost and its dequantization's bytes over that rate, ember.plan.planner.dequant_seconds; and
+the recomputation's fixed cost per op on a CPU, ember.plan.recompute.recomputed_ops x Peak.per_op_s).
 
 A family without formulas (traced_candidates) is searched the same way, each configuration's peak
 and FLOPs from its step traced on fake tensors (ember.doctor.traced, cached), except QLoRA (a 4-bit
@@ -43,9 +44,10 @@ from typing import Any, Callable
 
 from ember.errors import BadInput, EmberError
 from ember.hardware import Device, parse_size
-from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
+from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, with_op_cost
 from ember.models import check_against_model, config_fields
-from ember.plan.memory import ModelShape, TrainShape, dequantize_once, estimate
+from ember.plan.dequant import dequantize_once
+from ember.plan.memory import ModelShape, TrainShape, estimate
 from ember.plan.planner import Traced, estimated_seconds, planned_devices
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
@@ -329,8 +331,10 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
     how = (f"FLOPs (with activation checkpointing's recomputation{', counted on the traced step' if steps else ''}) "
            f"over {peak.source} at [plan] assumed_mfu {r.plan.assumed_mfu:.0%}" if peak.flops
            else f"unknown ({peak.source}): ranked by FLOPs per token")
+    how += f"; activation checkpointing's recomputed ops: {peak.per_op_s * 1e6:.1f} µs each" if peak.per_op_s else ""
     if left_out is None:
-        how += (f"; QLoRA's 4-bit dequantization: its bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
+        fixed = f"{bandwidth.per_call_s * 1e6:,.1f} µs a call and " if bandwidth.per_call_s else ""
+        how += (f"; QLoRA's 4-bit calls: {fixed}their bytes over {bandwidth.bytes_per_s / 1e9:.4g} GB/s "
                 f"({bandwidth.source})")
     notes = [] if "int8" in space(r)["state_dtype"] else \
         ["int8 optimizer state not searched: the bitsandbytes package is not installed"]
@@ -386,6 +390,7 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
         m = None
     d = devices[0]
     peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
+    peak = with_op_cost(peak, d.kind, r.train.threads) if m is not None else peak  # recomputed ops' fixed cost
     bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
         if bitsandbytes_installed() and m is not None else None  # a CPU measures its rate (cached), for QLoRA's time
     result = search(r, m, budget, peak, req.allow_seq, source, bandwidth, trace)

@@ -13,8 +13,9 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
     backward end    weights + optimizer state + all gradients (activations are freed by now)
     optimizer step  weights + gradients + optimizer state + the update's temporaries
     4-bit dequantize  (QLoRA, [method] quantize = 'nf4') the largest linear's weight dequantized
-                    to fp32 for its matmul, at the end of forward or inside a layer's backward
-                    (measured -2%..+4% on tiny shapes: tests/plan/test_memory.py)
+                    to fp32 for its matmul, in the last layer's forward or in a layer's
+                    down_proj backward (measured -0.6%..+0.4% on 11 tiny shapes, one thread:
+                    tests/plan/test_memory.py)
 
 Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
 SmolLM), as PyTorch autograd keeps them on the SDPA path: every figure below was checked
@@ -213,31 +214,33 @@ def weight_copies(m: ModelShape, t: TrainShape) -> int:
 
 def dequantized(m: ModelShape, t: TrainShape) -> int:
     """Bytes a 4-bit linear's matmul allocates for its weight, in forward and in backward: the
-    largest linear dequantized to fp32, and its half-precision cast under autocast."""
+    largest linear dequantized to fp32 (its absmaxes first, to fp32 with their offset added), and
+    its half-precision cast under autocast."""
     if t.quantize != "nf4":
         return 0
-    return max(i * o for i, o in m.linear_shapes().values()) * (F32 + (2 if t.autocast else 0))
+    n = max(i * o for i, o in m.linear_shapes().values())
+    return n * (F32 + (2 if t.autocast else 0)) + -(-n // NF4_BLOCK) * F32
 
 
-def dequant_bytes(m: ModelShape, t: TrainShape) -> int:
-    """Bytes a micro-batch's 4-bit linears read and write dequantizing their weights: each linear
-    once in forward, once in backward (its input's gradient), once more to recompute forward
-    under activation checkpointing (0 without [method] quantize = 'nf4')."""
-    if t.quantize != "nf4":
-        return 0
-    passes = 3 if t.activation_checkpointing else 2
-    return passes * m.layers * sum(dequantize_once(i * o) for i, o in m.linear_shapes().values())
-
-
-def dequantize_once(n: int) -> int:
-    """Bytes read and written dequantizing one n-element NF4 weight, as bitsandbytes' ops do it
-    (double quantization; its compute dtype fp32, under autocast too): the 8-bit absmaxes, their
-    fp32 scales and 256-entry fp32 code map read, fp32 absmaxes written; the fp32 offset added
-    (read, written); the codes and fp32 absmaxes read, the fp32 weight written."""
-    blocks = -(-n // NF4_BLOCK)
-    absmax = blocks + F32 * (-(-blocks // NF4_NESTED_BLOCK) + 256) + F32 * blocks
-    offset = F32 * (2 * blocks + 1)
-    return absmax + offset + -(-n // 2) + F32 * blocks + F32 * n
+def forward_dequantize(m: ModelShape, t: TrainShape, acts: int) -> int:
+    """Bytes alive, the dequantized weight aside, while the last layer's down_proj (the last of the
+    largest 4-bit linears) runs in forward, without activation checkpointing; `acts` is what
+    the whole forward saves."""
+    T, h, f, a, r = t.tokens, m.hidden, m.intermediate, 2 if t.autocast else F32, t.lora_rank
+    down = "down_proj" in t.lora_targets
+    # Not made yet: the output layer's half-precision weight, the final norm's saved input and
+    # rsqrt, down_proj's adapter (its A output, and under autocast its weights' copies).
+    later = (2 * m.vocab * h if t.autocast else 0) + T * (h * F32 + F32) + \
+        (T * r * a + (2 * r * (f + h) if t.autocast else 0) if down else 0)
+    # Alive but not saved for backward: the embeddings' output (the model's forward holds it to
+    # the end), the MLP's input and product (saved in fp32 as the adapters' inputs; under
+    # autocast their half-precision copies are saved instead).
+    kept = T * h * F32
+    if t.autocast or not t.lora_targets & {"gate_proj", "up_proj"}:
+        kept += T * h * F32
+    if t.autocast or not down:
+        kept += T * f * mlp_bytes(t)
+    return acts - later + kept
 
 
 def fixed_activations(m: ModelShape, t: TrainShape) -> float:
@@ -359,9 +362,13 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
     }
     if t.quantize == "nf4":  # a layer's weight dequantized, late in forward or during a layer's backward
         dq = dequantized(m, t)
-        # In backward beside it: the gradient it receives and the one it makes for its input.
-        back = dq + T * (m.hidden * F32 + m.intermediate * (2 if t.autocast else F32))
-        parts["4-bit dequantize"] = max((0, acts, 0, dq), (layer[0], layer[1], 0, back), key=sum)
+        # In down_proj's backward beside it: the gradient it receives, and the fp32 gradient it
+        # makes for its input (backward runs outside autocast), beside the adapter's own, made
+        # first and not yet summed with it.
+        adapted = "down_proj" in t.lora_targets
+        back = dq + T * (m.hidden * F32 + m.intermediate * F32 * (2 if adapted else 1))
+        fwd = forward_dequantize(m, t, acts) if not t.activation_checkpointing else acts
+        parts["4-bit dequantize"] = max((0, fwd, 0, dq), (layer[0], layer[1], 0, back), key=sum)
     phases = {name: weights + optim + sum(p) for name, p in parts.items()}
     phase = max(phases, key=phases.__getitem__)
     g, a, loss, tmp = parts[phase]

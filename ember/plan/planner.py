@@ -16,12 +16,13 @@ from ember.hardware import Device, for_run, host_device
 from ember.ledger import history
 from ember.metrics.cost import Cost, cost
 from ember.metrics.flops import flops_per_token, mfu
-from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak
+from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, with_op_cost
 from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
-from ember.plan.memory import (F32, GiB, ModelShape, TrainShape, dequant_bytes, dequantize_once, estimate,
-                               optimizer_bytes, trainable_params)
+from ember.plan.dequant import dequant_bytes, dequantize_once, quantized_calls
+from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
+from ember.plan.recompute import recomputed_ops
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
 from ember.recipe import Recipe
 
@@ -287,6 +288,7 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         bandwidth = memory_bandwidth(r.cost.memory_gbps, dev.kind, dev.name, r.train.threads, dequantize_once) \
             if t.quantize == "nf4" else None  # a CPU measures its rate: only where there is something to price
         if m is not None:
+            peak = with_op_cost(peak, dev.kind, r.train.threads) if t.activation_checkpointing else peak
             step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved, bandwidth)
             extra = recompute_flops(m, t)
         else:  # the traced count has the recomputation in it: its backward ran it
@@ -294,7 +296,9 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         again = f" + {extra:.3g} recomputed" if extra else ""
         how = (f"({fpt.formula} = {fpt.total:.3g}{again}) FLOPs/token x {tokens_per_step} tokens / "
                f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})"
-               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if bandwidth is not None else ""))
+               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if bandwidth is not None else "")
+               + (f" + {recomputed_ops(m, t) * r.train.grad_accum:,.0f} recomputed ops x "
+                  f"{peak.per_op_s * 1e6:.1f} µs" if m is not None and peak.per_op_s and extra else ""))
     else:
         step_s, achieved = float("nan"), None
         how = f"unknown: {peak.source}" if fpt is not None else "unknown"
@@ -306,7 +310,9 @@ def _dequant_how(m: ModelShape | None, t: TrainShape, grad_accum: int, bandwidth
     """The 4-bit dequantization's part of the time, in words."""
     if m is None or not bandwidth.bytes_per_s:
         return f"; 4-bit dequantization not priced ({bandwidth.source if m is not None else 'no formula'})"
-    return (f" + {dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
+    calls = sum(c for _, c in quantized_calls(m, t)) * grad_accum
+    fixed = f"{calls} 4-bit calls x {bandwidth.per_call_s * 1e6:,.1f} µs + " if bandwidth.per_call_s else ""
+    return (f" + {fixed}{dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
             f"({bandwidth.bytes_per_s / 1e9:.4g} GB/s, {bandwidth.source})")
 
 
@@ -320,16 +326,20 @@ class CountedFlops:
 def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak, assumed_mfu: float,
                       bandwidth: Bandwidth | None = None) -> float:
     """The optimizer step's time without measuring: its FLOPs over the peak at the assumed MFU,
-    and (QLoRA) its 4-bit dequantization's bytes over the memory bandwidth, where known."""
-    return step_flops(m, t, grad_accum) / (peak.flops * assumed_mfu) + dequant_seconds(m, t, grad_accum, bandwidth)
+    and (QLoRA) its 4-bit calls' fixed cost and bytes over the memory bandwidth, where known, and
+    (activation checkpointing) each recomputed op's fixed cost (Peak.per_op_s)."""
+    return step_flops(m, t, grad_accum) / (peak.flops * assumed_mfu) + dequant_seconds(m, t, grad_accum, bandwidth) \
+        + grad_accum * recomputed_ops(m, t) * peak.per_op_s
 
 
 def dequant_seconds(m: ModelShape, t: TrainShape, grad_accum: int, bandwidth: Bandwidth | None) -> float:
-    """Seconds an optimizer step spends dequantizing 4-bit weights (0 where none, or the
-    bandwidth is unknown: the time then says so, see _time)."""
+    """Seconds an optimizer step spends in its 4-bit linears beyond plain ones: each call's fixed
+    cost and its bytes over the rate (0 where none, or the rate is unknown: the time then says so,
+    see _time)."""
     if bandwidth is None or not bandwidth.bytes_per_s:
         return 0.0
-    return dequant_bytes(m, t) * grad_accum / bandwidth.bytes_per_s
+    calls = sum(c for _, c in quantized_calls(m, t))
+    return grad_accum * (calls * bandwidth.per_call_s + dequant_bytes(m, t) / bandwidth.bytes_per_s)
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:

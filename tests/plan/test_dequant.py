@@ -1,4 +1,4 @@
-"""QLoRA's 4-bit dequantization priced in the plan's step time (ember.plan.memory.dequant_bytes,
+"""QLoRA's 4-bit dequantization priced in the plan's step time (ember.plan.dequant.dequant_bytes,
 ember.plan.planner.dequant_seconds) and searched by `ember plan --fit` (ember/plan/fit.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from ember.hardware import Device, Kind
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth
 from ember.models import config_fields
 from ember.plan.fit import candidates, search
-from ember.plan.memory import ModelShape, TrainShape, dequant_bytes, dequantize_once
-from ember.plan.planner import make_plan
-from ember.plan.remedies import step_flops
+from ember.plan.dequant import dequant_bytes, dequantize_once, quantized_calls
+from ember.plan.memory import ModelShape, TrainShape
+from ember.plan.planner import dequant_seconds, make_plan
+from ember.plan.remedies import step_flops, train_shape
 from ember.recipe import load_recipe
 from ember.train.quantize import quantize_base
 from tests.helpers import write_recipe
@@ -35,14 +36,68 @@ def test_dequantize_once_by_hand():
 
 def test_dequant_bytes_of_a_step_by_hand():
     """Per layer: q and o 128x128, k and v 128x64, gate, up, down 128x256; two layers; each
-    linear dequantized in forward and in backward, and again in the recomputed forward."""
+    linear once in forward (and again in the recomputed forward) and once in backward, but the
+    first layer's q, k and v: their input (the embeddings, normed) needs no gradient."""
     layer = 2 * 79_112 + 2 * 40_072 + 3 * 157_196
     assert layer == 709_956
     t = TrainShape(4, 32, lora=True, quantize="nf4")
-    assert dequant_bytes(SHAPE, t) == 2 * 2 * layer == 2_839_824
+    assert dequant_bytes(SHAPE, t) == 2 * 2 * layer - (79_112 + 2 * 40_072) == 2_680_568
     assert dequant_bytes(SHAPE, TrainShape(4, 32, lora=True, quantize="nf4", activation_checkpointing=True)) == \
-        3 * 2 * layer
+        2_680_568 + 2 * layer
+    # Adapters on down_proj only: nothing upstream of any of the first layer's linears trains
+    # (down_proj's input comes from the base's gate and up), so none of them runs backward.
+    down = TrainShape(4, 32, lora=True, quantize="nf4", lora_targets=frozenset({"down_proj"}))
+    assert dequant_bytes(SHAPE, down) == layer + 2 * layer
     assert dequant_bytes(SHAPE, TrainShape(4, 32, lora=True)) == 0  # no 4-bit base, nothing to price
+
+
+class _Calls(TorchDispatchMode):
+    """bitsandbytes' 4-bit matmuls and dequantizations of 4-bit weights, counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += str(func).startswith(("bitsandbytes.gemm_4bit", "bitsandbytes.dequantize_4bit"))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_calls_priced_are_the_4bit_calls_a_step_makes(tmp_path):
+    """builtin:tiny's QLoRA micro-batch step, with and without activation checkpointing, makes
+    as many 4-bit calls as quantized_calls prices (25 and 39: not two or three per linear)."""
+    from ember.doctor.measure import build_for_measurement, measured_step
+    m = ModelShape.from_config(config_fields("builtin:tiny"))
+    seen = {}
+    for ac in (False, True):
+        path = write_recipe(tmp_path / str(ac), data={"seq_len": 16}, method={"kind": "lora", "quantize": "nf4"},
+                            train={"micro_batch": 1, "grad_accum": 1, "activation_checkpointing": ac})
+        r = load_recipe(path)
+        bundle, device = build_for_measurement(r)
+        step = measured_step(bundle.model, torch.randint(0, 200, (1, 16)), device, "fp32", 0, r)
+        step()  # the optimizer state exists from here on
+        counted = _Calls()
+        with counted:
+            step()
+        seen[ac] = (counted.calls, sum(c for _, c in quantized_calls(m, train_shape(r))))
+    assert seen == {False: (25, 25), True: (39, 39)}, seen
+
+
+def test_the_priced_time_grows_with_the_count_of_4bit_calls():
+    """Two models of nearly the same 4-bit bytes, one with four times the linears, each a quarter
+    the size: each call's fixed cost makes the one with more linears slower by that cost times
+    the extra calls; without a fixed cost the two differ by their bytes only."""
+    many = ModelShape("llama", layers=8, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=32, vocab=100)
+    t = TrainShape(4, 32, lora=True, quantize="nf4")
+    assert dequant_bytes(SHAPE, t) < dequant_bytes(many, t) < 1.1 * dequant_bytes(SHAPE, t)
+    assert sum(c for _, c in quantized_calls(many, t)) == 8 * 14 - 3 == 109
+    fixed = Bandwidth(1e9, "test: 1 GB/s, 100 µs a call", per_call_s=1e-4)
+    assert math.isclose(dequant_seconds(SHAPE, t, 2, fixed), 2 * (25 * 1e-4 + dequant_bytes(SHAPE, t) / 1e9))
+    # The same rate (1 GB/s) with and without the fixed cost: the gap between the two models grows
+    # by 84 calls' worth a micro-batch, twice (the accumulation).
+    gap = dequant_seconds(many, t, 2, fixed) - dequant_seconds(SHAPE, t, 2, fixed)
+    bytes_gap = dequant_seconds(many, t, 2, SLOW) - dequant_seconds(SHAPE, t, 2, SLOW)
+    assert math.isclose(gap - bytes_gap, 2 * 84 * 1e-4) and gap > 10 * bytes_gap > 0
 
 
 class _DequantBytes(TorchDispatchMode):
@@ -119,14 +174,16 @@ def test_fit_searches_qlora_where_its_time_is_known(tmp_path):
 
 
 def test_a_cpu_measures_its_dequantization_rate_once(tmp_path, monkeypatch):
-    """On a CPU the rate is bitsandbytes' own dequantization, measured and cached in
-    $EMBER_HOME like the CPU peak: the second plan reads it back; [cost] memory_gbps wins."""
+    """On a CPU the rate and each call's fixed cost are bitsandbytes' 4-bit linear's, measured
+    and cached in $EMBER_HOME like the CPU peak: the second plan reads them back; [cost]
+    memory_gbps wins."""
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
     first = memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once)
     assert first.bytes_per_s and first.bytes_per_s > 0 and "measured" in first.source, first
     cached = json.loads((tmp_path / "home/cache/cpu_peak.json").read_text())
-    (record,) = [v for k, v in cached.items() if k.startswith("nf4 dequantize")]
+    (record,) = [v for k, v in cached.items() if k.startswith("nf4 linear")]
     assert record["flops"] == first.bytes_per_s and record["at"] > 0  # bytes/s, with when and the load
+    assert record["per_call"] == first.per_call_s > 0  # and each call's fixed seconds
     assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first  # read back, not measured again
     assert memory_bandwidth(3.0, "cpu", "cpu", 1, dequantize_once).bytes_per_s == 3e9
     assert memory_bandwidth(0.0, "cuda", "NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12

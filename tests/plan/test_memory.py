@@ -95,6 +95,37 @@ CASES = [  # hidden, mlp, layers, heads, kv, vocab, b, s, method, checkpointing,
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[8]}-{c[10]}-ac{int(c[9])}-chunk{c[11]}" for c in CASES])
 def test_estimate_matches_measured_peak(case):
+    est, measured = estimated_and_measured(case)
+    assert -0.05 <= est / measured - 1 <= 0.10, (est, measured)
+
+
+# QLoRA shapes whose peak is a 4-bit linear's dequantized weight (wide linears, few tokens).
+DEQUANTIZE_PEAKS = [
+    (512, 1408, 2, 8, 4, 500, 1, 16, "qlora", False, "bf16", 0),  # the last down_proj in forward: was +2.06%
+    (384, 1024, 3, 6, 2, 300, 1, 8, "qlora", False, "fp32", 0),
+    (512, 1408, 2, 8, 4, 500, 1, 16, "qlora", True, "fp32", 0),
+    (256, 704, 2, 4, 2, 1000, 1, 32, "qlora", True, "bf16", 0),  # down_proj's backward: was -3.1%
+    (256, 704, 2, 4, 2, 1000, 1, 32, "qlora", False, "fp32", 0),
+]
+
+
+@pytest.mark.parametrize("case", DEQUANTIZE_PEAKS, ids=[f"h{c[0]}-{c[10]}-ac{int(c[9])}" for c in DEQUANTIZE_PEAKS])
+def test_qlora_dequantize_peak_within_two_percent(case):
+    """Issue 30's goal for QLoRA: within 2% where the dequantized weight is at the peak (in
+    forward: the output layer's half-precision copy and the final norm do not exist yet; the
+    embeddings' output, the MLP's input and product are alive, and the absmaxes in fp32; in
+    down_proj's backward: two fp32 gradients for its input, the base's and the adapter's)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # oneDNN's bf16 matmul takes scratch space that grows with threads (unplanned)
+    try:
+        est, measured = estimated_and_measured(case)
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(est / measured - 1) <= 0.02, (est, measured, f"{est / measured - 1:+.2%}")
+
+
+def estimated_and_measured(case: tuple) -> tuple[int, int]:
+    """The estimate's peak and the peak measured on a real step, for a CASES row."""
     h, f, layers, heads, kv, vocab, b, s, method, ac, precision, chunk = case
     cpu = torch.device("cpu")
     # step_peak counts every tensor alive in the process, as `ember plan` does in a process of its
@@ -120,8 +151,7 @@ def test_estimate_matches_measured_peak(case):
     shape = TrainShape(b, s, lora=method != "full", lora_targets=frozenset(LINEARS),
                        activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk,
                        quantize="nf4" if method == "qlora" else "none")
-    est = estimate(ModelShape.from_config(config), shape).peak
-    assert -0.05 <= est / measured - 1 <= 0.10, (est, measured)
+    return estimate(ModelShape.from_config(config), shape).peak, measured
 
 
 def test_chunked_loss_equals_the_plain_loss():
