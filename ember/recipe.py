@@ -234,7 +234,9 @@ class CostConfig:
     energy_price_kwh: float = setting(0.0, "Price of one kWh (0 = machine.toml).", min=0)
     currency: str = setting("", "Currency of the prices ('' = machine.toml, else USD).")
     peak_tflops: float = setting(0.0, "Peak dense TFLOP/s of one device at the run's precision, "
-                                 "for MFU (0 = ember's table, or a measured peak on CPU).", min=0)
+                                 "for MFU and the plan's step time (0 = ember's table, or a measured peak on CPU, with the "
+                                 "fixed cost of each op activation checkpointing recomputes; set, nothing is "
+                                 "measured and the plan prices FLOPs alone).", min=0)
     memory_gbps: float = setting(0.0, "Memory bandwidth of one device in GB/s, for the time QLoRA's 4-bit "
                                  "dequantization takes in the plan (0 = ember's table; on a CPU, where the memory "
                                  "is not what limits it, bitsandbytes' 4-bit linear measured here: a fixed cost "

@@ -331,11 +331,13 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - per_byte * mx), per_byte
 
 
-def with_op_cost(peak: Peak, device_type: str, threads: int) -> Peak:
+def with_op_cost(peak: Peak, device_type: str, threads: int, given: bool = False) -> Peak:
     """`peak` with the fixed seconds each recomputed op costs: measured on a CPU (see
     time_recompute), cached with the CPU peak by the same rules; 0 on an accelerator (not measured:
-    its ops are queued, their fixed cost overlaps the previous op's compute)."""
-    if device_type != "cpu" or not peak.flops:
+    its ops are queued, their fixed cost overlaps the previous op's compute), and 0 where the
+    recipe `given` its peak ([cost] peak_tflops: the user's figure prices the step, nothing is
+    measured, and the plan stays torch-free)."""
+    if device_type != "cpu" or not peak.flops or given:
         return peak
     threads = threads or os.cpu_count() or 1
     rate, how = cached_cpu_rate(f"recomputed op, {cpu_peak_key(threads)}", lambda: time_recompute(threads))

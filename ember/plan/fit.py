@@ -390,7 +390,8 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
         m = None
     d = devices[0]
     peak = select_peak(r.cost.peak_tflops, d.kind, d.name, r.precision.mode, r.train.threads)
-    peak = with_op_cost(peak, d.kind, r.train.threads) if m is not None else peak  # recomputed ops' fixed cost
+    if m is not None:  # the recomputed ops' fixed cost
+        peak = with_op_cost(peak, d.kind, r.train.threads, bool(r.cost.peak_tflops))
     bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
         if bitsandbytes_installed() and m is not None else None  # a CPU measures its rate (cached), for QLoRA's time
     result = search(r, m, budget, peak, req.allow_seq, source, bandwidth, trace)

@@ -288,7 +288,8 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
         bandwidth = memory_bandwidth(r.cost.memory_gbps, dev.kind, dev.name, r.train.threads, dequantize_once) \
             if t.quantize == "nf4" else None  # a CPU measures its rate: only where there is something to price
         if m is not None:
-            peak = with_op_cost(peak, dev.kind, r.train.threads) if t.activation_checkpointing else peak
+            if t.activation_checkpointing:
+                peak = with_op_cost(peak, dev.kind, r.train.threads, bool(r.cost.peak_tflops))
             step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved, bandwidth)
             extra = recompute_flops(m, t)
         else:  # the traced count has the recomputation in it: its backward ran it
