@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ember.ckpt.store import CheckpointStore
 from ember.data.sources import data_file_hashes
+from ember import faults
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
 from ember.launchspec import ENV as LAUNCH_ENV
@@ -179,6 +180,7 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
     try:
         serving = start_serving(req, job)
         outcome.code = train(job, stop, serving=serving)
+        faults.point("train.ended")  # a signal here, as the process goes, stops nothing (ember.train.signals)
         if not job.world.main:  # rank 0 reports and records the run
             job.world.close()
             # Everything this rank wrote is durable (the commit is collective): leave without the

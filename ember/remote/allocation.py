@@ -15,6 +15,7 @@ decides what the allocation's end means.
                  75 after Slurm's USR1: requeue itself (`scontrol requeue`) when budget is left,
                  else stopped at its limit
                  75 after TERM: exit 75 (Slurm requeues or cancels, as it was asked to)
+                 killed by the signal passed on (srun: 128 + N): as 75 (`decide`)
                  anything else: failed, with the exit code
 """
 
@@ -84,19 +85,41 @@ def run_allocation(folder: Path, events: Events) -> int:
             signal.signal(s, h)
     reason = why[0] if why else ""
     events.info(f"the training exited {code}" + (f" after {reason}" if reason else ""))
-    if code == EXIT_OK:
+    left = spec.budget_seconds - ledger.earlier() - ledger.held()
+    ending = decide(code, reason, left > spec.signal_seconds)
+    if ending == "completed":
         return finish(folder, "completed", "max_steps reached", EXIT_OK, events)
-    if reason == "terminated":  # however srun ended: Slurm requeues or cancels the job, as it was asked to
+    if ending == "interrupted":  # however srun ended: Slurm requeues or cancels the job, as it was asked to
         return EXIT_INTERRUPTED
-    if code not in (EXIT_INTERRUPTED, -signal.SIGUSR1, -signal.SIGTERM) or not reason:
+    if ending == "failed":
         return finish(folder, "failed", f"the training exited {code}", code if code > 0 else EXIT_ERROR, events)
-    if reason == "limit":
-        return finish(folder, "limit", f"its limits reached: checkpointed and stopped within its budget of "
-                      f"{spec.budget_seconds:.0f} s", EXIT_OK, events)
-    left = spec.budget_seconds - ledger.earlier() - ledger.held()  # the allocation ends (Slurm's USR1)
-    if left <= spec.signal_seconds:
-        return finish(folder, "limit", "the allocation ended with its limits spent", EXIT_OK, events)
+    if ending == "limit":
+        said = (f"its limits reached: checkpointed and stopped within its budget of {spec.budget_seconds:.0f} s"
+                if reason == "limit" else "the allocation ended with its limits spent")
+        return finish(folder, "limit", said, EXIT_OK, events)
     return requeue(job_id, events)
+
+
+# How the training ended when it stopped on a signal we passed on: 75 (it checkpointed), or killed
+# by that signal itself (before its handlers were up, say), which srun reports as 128 + the signal.
+# Either way its newest committed checkpoint is where the next allocation resumes.
+STOPPED = (EXIT_INTERRUPTED, -signal.SIGUSR1, -signal.SIGTERM, 128 + signal.SIGUSR1, 128 + signal.SIGTERM)
+
+
+def decide(code: int, reason: str, budget_left: bool) -> str:
+    """What this allocation's end means, from the training's exit `code`, why it was stopped
+    (`reason`: '', 'terminated', 'limit' or 'allocation-end') and whether the job's budget
+    outlasts another allocation: 'completed', 'interrupted' (Slurm's TERM: it requeues or
+    cancels), 'failed', 'limit' (stopped within the job's own limits) or 'requeue'."""
+    if code == EXIT_OK:
+        return "completed"
+    if reason == "terminated":
+        return "interrupted"
+    if code not in STOPPED or not reason:
+        return "failed"
+    if reason == "limit" or not budget_left:
+        return "limit"
+    return "requeue"
 
 
 def requeue(job_id: str, events: Events) -> int:

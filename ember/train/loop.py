@@ -100,7 +100,8 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     r, state, world = job.recipe, job.state, job.world
     record = RunRecorder(job)  # metrics.jsonl and [log] sinks (rank 0), ledger events, progress
     data, evaluator = Data(job), Evaluator(job)
-    stop = stop or StopRequest(job.events).install()  # given: installed before prepare(), which it covers
+    owned = stop is None  # given: installed before prepare(), which it covers; its owner restores it
+    stop = stop or StopRequest(job.events).install()
     between = Between(job, stop, record, serving)  # soft pauses, a stop, co-serving: between micro-batches
     watchdog = Watchdog(world, r.distributed, job.run.path, job.events, names_of(job.model)).start()  # distributed only
     policy = CheckpointPolicy.of(r, job.mtbf_seconds)  # [checkpoint] every_steps / every_seconds
@@ -145,6 +146,8 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 last, saved = LastSave(time.monotonic(), blocked), state.step
     finally:
         wind_down(job, state.step == r.train.max_steps or early, between.serving, watchdog, stop, record, data)
+        if owned:
+            stop.restore()
     if halt():
         return EXIT_OK  # the caller's stretch ended: nothing is saved, the attempt goes on
     record.attempt_end()
@@ -167,9 +170,9 @@ def evaluation(job: Job, evaluator: Evaluator) -> tuple[dict[str, float], bool, 
 def wind_down(job: Job, completed: bool, serving: Serving, watchdog: Watchdog, stop: StopRequest,
               record: RunRecorder, data: Data) -> None:
     """What the loop ends on every path, crashes included."""
+    stop.ended = True  # a signal from here on stops nothing: the files below are closed whatever comes
     serving.close(drain=completed)  # requests under way finish when the run completed, else a 503
     watchdog.stop()
-    stop.restore()
     record.close(completed=completed)
     data.close()
     settle_saves(job)  # a pending persist completes before the process goes

@@ -122,6 +122,21 @@ def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_p
     assert_same_result(out, base)
 
 
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_after_the_last_step_leaves_the_run_completed(sig, tmp_path):
+    """A scheduler's warning that lands as a completed run exits (its last step and final weights
+    written, the process closing its files): exit 0, the run completed. Before, the loop took its
+    handlers down as it wound down, and the signal's default action killed the finished run
+    (seen under Slurm: exit 138 after 'final weights written', the job recorded as failed)."""
+    recipe = write_recipe(tmp_path, train={"max_steps": 3})
+    out = tmp_path / "run"
+    done = run_ember("run", recipe, "--out", out, env={"EMBER_FAULT": "train.ended", "EMBER_FAULT_SIGNAL": sig})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert [s for s, _ in losses(out)] == [1, 2, 3] and (out / "final").is_dir()
+    again = run_ember("run", recipe, "--out", out)
+    assert again.returncode == 0 and "resuming" not in again.stderr, again.stderr[-2000:]
+
+
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest"])
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_identical(damage, baselines, tmp_path):
     sync = {"checkpoint": {"async": False}}  # both commits done by the kill
