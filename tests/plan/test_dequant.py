@@ -20,6 +20,7 @@ from ember.plan.remedies import step_flops, train_shape
 from ember.recipe import load_recipe
 from ember.train.quantize import quantize_base
 from tests.helpers import write_recipe
+from tests.plan.ops import second_step_ops
 
 SHAPE = ModelShape("llama", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=100)
 PEAK = Peak(1e12, "test: 1 TFLOP/s")
@@ -51,35 +52,15 @@ def test_dequant_bytes_of_a_step_by_hand():
     assert dequant_bytes(SHAPE, TrainShape(4, 32, lora=True)) == 0  # no 4-bit base, nothing to price
 
 
-class _Calls(TorchDispatchMode):
-    """bitsandbytes' 4-bit matmuls and dequantizations of 4-bit weights, counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += str(func).startswith(("bitsandbytes.gemm_4bit", "bitsandbytes.dequantize_4bit"))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_calls_priced_are_the_4bit_calls_a_step_makes(tmp_path):
     """builtin:tiny's QLoRA micro-batch step, with and without activation checkpointing, makes
     as many 4-bit calls as quantized_calls prices (25 and 39: not two or three per linear)."""
-    from ember.doctor.measure import build_for_measurement, measured_step
     m = ModelShape.from_config(config_fields("builtin:tiny"))
     seen = {}
-    for ac in (False, True):
-        path = write_recipe(tmp_path / str(ac), data={"seq_len": 16}, method={"kind": "lora", "quantize": "nf4"},
-                            train={"micro_batch": 1, "grad_accum": 1, "activation_checkpointing": ac})
-        r = load_recipe(path)
-        bundle, device = build_for_measurement(r)
-        step = measured_step(bundle.model, torch.randint(0, 200, (1, 16)), device, "fp32", 0, r)
-        step()  # the optimizer state exists from here on
-        counted = _Calls()
-        with counted:
-            step()
-        seen[ac] = (counted.calls, sum(c for _, c in quantized_calls(m, train_shape(r))))
+    for ac in (False, True):  # bitsandbytes' 4-bit matmuls and dequantizations of 4-bit weights
+        calls, r = second_step_ops(tmp_path / str(ac), {"kind": "lora", "quantize": "nf4"}, ac,
+                                   lambda name: name.startswith(("bitsandbytes.gemm_4bit", "bitsandbytes.dequantize_4bit")))
+        seen[ac] = (calls, sum(c for _, c in quantized_calls(m, train_shape(r))))
     assert seen == {False: (25, 25), True: (39, 39)}, seen
 
 

@@ -7,8 +7,6 @@ import json
 import math
 from dataclasses import replace
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ember.metrics.peaks import Peak, with_op_cost
 from ember.models import config_fields
@@ -18,36 +16,16 @@ from ember.plan.recompute import recomputed_ops
 from ember.plan.remedies import step_flops, train_shape
 from ember.recipe import load_recipe
 from tests.helpers import write_recipe
+from tests.plan.ops import second_step_ops
 
 SHAPE = ModelShape("llama", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=100)
 PEAK = Peak(1e12, "test: 1 TFLOP/s")
 
 
-class _Ops(TorchDispatchMode):
-    """Every op dispatched, counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _step_ops(tmp_path, method: dict, ac: bool) -> tuple[int, TrainShape]:
     """Ops of builtin:tiny's second micro-batch step (its update included) under `method`."""
-    from ember.doctor.measure import build_for_measurement, measured_step
-    path = write_recipe(tmp_path / f"{sorted(method.items())}{ac}".replace("/", "_"), data={"seq_len": 16},
-                        method=method, train={"micro_batch": 1, "grad_accum": 1, "activation_checkpointing": ac})
-    r = load_recipe(path)
-    bundle, device = build_for_measurement(r)
-    step = measured_step(bundle.model, torch.randint(0, 200, (1, 16)), device, "fp32", 0, r)
-    step()  # the optimizer state exists from here on
-    counted = _Ops()
-    with counted:
-        step()
-    return counted.n, train_shape(r)
+    n, r = second_step_ops(tmp_path / f"{sorted(method.items())}{ac}".replace("/", "_"), method, ac)
+    return n, train_shape(r)
 
 
 def test_the_ops_priced_are_the_ops_a_checkpointed_step_adds(tmp_path):
