@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ember import faults
 from ember.ckpt.store import CheckpointStore
 from ember.data.sources import data_file_hashes
-from ember import faults
 from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Events
 from ember.launchspec import ENV as LAUNCH_ENV

@@ -195,14 +195,8 @@ def time_matmul(threads: int, size: int = 1024, rounds: int = 5) -> CpuPeak:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
-    a @ b  # warm-up
-    first, mine, best = _cpu_jiffies(), time.process_time(), 0.0
-    for _ in range(rounds):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.1:
-            a @ b
-            n += 1
-        best = max(best, 2 * size ** 3 * n / (time.perf_counter() - t0))
+    first, mine = _cpu_jiffies(), time.process_time()
+    best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
     others = _others_since(first, mine) if first is not None else None
     torch.set_num_threads(previous)
     return CpuPeak(best, time.time(), others)
@@ -368,22 +362,22 @@ def time_recompute(threads: int, width: int = 64, rows: int = 4, blocks: int = 4
             h = checkpoint(block, h, i, use_reentrant=False) if ac else block(h, i)
         h.sum().backward()
     first, mine = _cpu_jiffies(), time.process_time()
-    extra_ops = _ops_in(lambda: step(True)) - _ops_in(lambda: step(False))
+    extra_ops = count_ops(lambda: step(True)) - count_ops(lambda: step(False))
     extra = max(0.0, _best_seconds(lambda: step(True), window) - _best_seconds(lambda: step(False), window))
     others = _others_since(first, mine) if first is not None else None
     torch.set_num_threads(previous)
     return CpuPeak(extra_ops / max(extra, 1e-12), time.time(), others)
 
 
-def _ops_in(call: Callable[[], object]) -> int:
-    """Ops (aten and others) `call` dispatches."""
+def count_ops(call: Callable[[], object], which: Callable[[str], bool] = lambda name: True) -> int:
+    """Ops (aten and others) `call` dispatches whose name `which` accepts."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
+            self.n += bool(which(str(func)))
             return func(*args, **(kwargs or {}))
     with Count() as counted:
         call()

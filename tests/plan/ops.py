@@ -1,5 +1,6 @@
-"""Ops a real micro-batch step of builtin:tiny dispatches, counted: what the plan's counts of
-4-bit calls (ember.plan.dequant) and recomputed ops (ember.plan.recompute) are checked against."""
+"""Ops a real micro-batch step of builtin:tiny dispatches, counted (ember.metrics.peaks.count_ops):
+what the plan's counts of 4-bit calls (ember.plan.dequant) and recomputed ops (ember.plan.recompute)
+are checked against."""
 
 from __future__ import annotations
 
@@ -7,22 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ember.metrics.peaks import count_ops
 from ember.recipe import Recipe, load_recipe
 from tests.helpers import write_recipe
-
-
-class Counted(TorchDispatchMode):
-    """Every op dispatched whose name `which` accepts, counted."""
-
-    def __init__(self, which: Callable[[str], bool]):
-        super().__init__()
-        self.which, self.n = which, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += bool(self.which(str(func)))
-        return func(*args, **(kwargs or {}))
 
 
 def second_step_ops(folder: Path, method: dict, ac: bool, which: Callable[[str], bool] = lambda _: True
@@ -35,7 +24,4 @@ def second_step_ops(folder: Path, method: dict, ac: bool, which: Callable[[str],
     bundle, device = build_for_measurement(r)
     step = measured_step(bundle.model, torch.randint(0, 200, (1, 16)), device, "fp32", 0, r)
     step()
-    counted = Counted(which)
-    with counted:
-        step()
-    return counted.n, r
+    return count_ops(step, which), r
