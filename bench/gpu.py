@@ -129,11 +129,12 @@ class Bench:
         why = "time limit" if code == 124 else f"exit {code}"
         return f"failed ({why}): {said[-1][:200]}"
 
-    def refusal(self, setting: str) -> str | None:
-        """None when this ember's recipe accepts `--set setting`, else why not (its error, after
-        the place it names)."""
+    def refusal(self, *settings: str) -> str | None:
+        """None when this ember's recipe accepts `--set` of each of `settings`, else why not (its
+        error, after the place it names)."""
         log = "recipe-checks"
-        code = self.call(self.ember("recipe", str(self.recipe), "--set", setting), log, limit=60)
+        sets = [x for one in settings for x in ("--set", one)]
+        code = self.call(self.ember("recipe", str(self.recipe), *sets), log, limit=60)
         return None if code == 0 else self.failure(log, code).split("): ")[-1]
 
     def run(self, slug: str, overrides: list[str]) -> tuple[int, Path, dict | None]:
@@ -306,7 +307,7 @@ class Planned:
     said: str = ""
 
 
-def plan_rows(b: Bench, compiled: str | None, qlora: str | None) -> list[Planned]:
+def plan_rows(b: Bench, compiled: str | None, qlora: str | None, int8: str | None) -> list[Planned]:
     """The rows in the order they run: what matters most first, so a spent budget cuts the least."""
     done: dict[str, Row] = {}
     full, lora = ["method.kind=full"], ["method.kind=lora", "method.rank=16"]
@@ -316,32 +317,37 @@ def plan_rows(b: Bench, compiled: str | None, qlora: str | None) -> list[Planned
             done[name] = make(name)
             return done[name]
         return Planned(name, need, None if unless else made, unless or "")
+    qlora_sets = ["method.kind=lora", "method.quantize=nf4", "method.rank=16"]
     return [
         measure("full, eager", 45, lambda n: mfu_row(b, n, full + b.eager)),
         measure("full, compiled", 150, lambda n: mfu_row(b, n, full + ["train.compile=true"]),
                 compiled and f"skipped: {compiled}"),
         measure("LoRA, eager", 45, lambda n: mfu_row(b, n, lora + b.eager)),
-        measure("LoRA, compiled", 150, lambda n: mfu_row(b, n, lora + ["train.compile=true"]),
-                compiled and f"skipped: {compiled}"),
         measure("checkpoint, synchronous", 60, lambda n: checkpoint_row(b, n, False, None)),
         measure("checkpoint, asynchronous", 60,
                 lambda n: checkpoint_row(b, n, True, done.get("checkpoint, synchronous"))),
         measure("memory, full", 40, lambda n: memory_row(b, n, full + b.eager, "full-eager")),
+        measure("QLoRA", 45, lambda n: mfu_row(b, n, qlora_sets + b.eager), qlora and f"not landed: {qlora}"),
+        measure("memory, QLoRA", 40, lambda n: memory_row(b, n, qlora_sets + b.eager, "qlora"),
+                qlora and f"not landed: {qlora}"),
+        measure("full, 8-bit optimizer states", 45,
+                lambda n: mfu_row(b, n, full + b.eager + ["optimizer.state_dtype=int8"]),
+                int8 and f"not landed: {int8}"),
+        measure("memory, LoRA", 40, lambda n: memory_row(b, n, lora + b.eager, "lora-eager")),
+        measure("LoRA, compiled", 150, lambda n: mfu_row(b, n, lora + ["train.compile=true"]),
+                compiled and f"skipped: {compiled}"),
         measure("full, eager, deterministic off", 45,
                 lambda n: mfu_row(b, n, full + b.eager + ["train.deterministic=false"])),
-        measure("memory, LoRA", 40, lambda n: memory_row(b, n, lora + b.eager, "lora-eager")),
-        measure("QLoRA", 45, lambda n: mfu_row(b, n, ["method.kind=qlora", "method.rank=16"] + b.eager),
-                qlora and f"not landed: {qlora}"),
-        Planned("co-serving", 0, None, "not landed: no co-serving in this ember (issue 29); its latency row "
-                "goes here when it lands"),
+        Planned("co-serving", 0, None, "not in this script yet: co-serving (`[serve] coserve = true`) is "
+                "measured on CPU by bench/coserve_light.py; its GPU latency row goes here"),
     ]
 
 
-ROWS = [p.name for p in plan_rows(None, None, None)]  # type: ignore[arg-type]  (names only: nothing runs)
+ROWS = [p.name for p in plan_rows(None, None, None, None)]  # type: ignore[arg-type]  (names only: nothing runs)
 
 
-def features(b: Bench, smoke: bool) -> tuple[str | None, str | None]:
-    """Why the compiled rows and the QLoRA row cannot run with this ember (None: they can), from
+def features(b: Bench, smoke: bool) -> tuple[str | None, str | None, str | None]:
+    """Why the compiled, QLoRA and 8-bit rows cannot run with this ember (None: they can), from
     what its recipe accepts; sets what makes the other rows eager."""
     compiled = b.refusal("train.compile=true")
     if compiled and "unknown key 'compile'" in compiled:
@@ -351,8 +357,10 @@ def features(b: Bench, smoke: bool) -> tuple[str | None, str | None]:
     b.eager = [] if compiled == "train.compile not available in this ember" else ["train.compile=false"]
     if smoke and not compiled and not os.environ.get("GPU_BENCH_SMOKE_COMPILE"):
         compiled = "--cpu-smoke leaves compiling out (minutes on a CPU; GPU_BENCH_SMOKE_COMPILE=1 runs it)"
-    qlora = b.refusal("method.kind=qlora")
-    return compiled, qlora and f"this ember's recipe refuses method.kind = 'qlora' ({qlora})"
+    qlora = b.refusal("method.kind=lora", "method.quantize=nf4")
+    int8 = b.refusal("optimizer.state_dtype=int8")
+    return (compiled, qlora and f"this ember's recipe refuses method.quantize = 'nf4' ({qlora})",
+            int8 and f"this ember's recipe refuses optimizer.state_dtype = 'int8' ({int8})")
 
 
 def measure_rows(b: Bench, planned: list[Planned], only: set[str], smoke: bool) -> list[Row]:
@@ -398,13 +406,13 @@ def main() -> int:
     b = Bench(sizes, work, out, args.budget or (600 if smoke else 480))
     model = work / "model"
     write_recipe(b, model)
-    compiled, qlora = features(b, smoke)
+    compiled, qlora, int8 = features(b, smoke)
     print(f"[bench] writing the {sizes.shape} model ...", file=sys.stderr, flush=True)
     if not model.exists() and b.call([sys.executable, str(ROOT / "bench" / "gpu_probe.py"), "model", str(model),
                                       sizes.shape], "model", limit=300) != 0:
         print(b.failure("model", 1), file=sys.stderr)
         return 1
-    rows = measure_rows(b, plan_rows(b, compiled, qlora), only, smoke)
+    rows = measure_rows(b, plan_rows(b, compiled, qlora, int8), only, smoke)
     full = [r.figures["mfu_steady"] for r in rows if r.name.startswith("full") and r.figures.get("mfu_steady")]
     goal = f"goal: MFU >= {GOAL_MFU:.0%} in bf16 on the 0.5B full fine-tune: " + (
         "not measured here (--cpu-smoke)" if smoke else "not measured (no full fine-tuning row has a figure)"
