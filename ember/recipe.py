@@ -157,8 +157,8 @@ class TrainConfig:
     activation_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
     compile: bool | Literal["auto"] = setting(
         "auto", "torch.compile (inductor) the forward, loss and backward of the step: true, false, or "
-        "'auto' = on on CUDA devices, off elsewhere (on a CPU compiling takes tens of seconds; ask with "
-        "true). The checkpoint format is the eager model's; the compile cache is $EMBER_HOME/cache/inductor; "
+        "'auto' = eager on every device (measured on an H200: compiling made full fine-tuning 1.24x slower "
+        "and LoRA 1.12x faster after a 74-104 s compile; it halved the step's peak memory; ask with true). The checkpoint format is the eager model's; the compile cache is $EMBER_HOME/cache/inductor; "
         "compile seconds are the goodput bucket 'compile' and graph breaks are warned of. A compiled run "
         "resumes bit-identically to an uninterrupted compiled run on a CPU; compiled and eager runs differ "
         "in the last bits.")
