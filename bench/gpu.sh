@@ -4,8 +4,9 @@
 # (`ember plan` against CUDA's caching allocator), QLoRA and co-serving where they have landed:
 # one markdown table on stdout, and with raw JSON and logs under $OUT (else bench/out/).
 #
-#   bash bench/gpu.sh               on a machine with a CUDA GPU: about 7.5 minutes for every row on an
-#                                   H200 (run 2026-12-04); rows stop starting after 480 s (--budget)
+#   bash bench/gpu.sh               on a machine with a CUDA GPU; rows stop starting after 480 s
+#                                   (--budget): on an H200 (2026-12-04) the first nine rows, the
+#                                   other three (~4 minutes) through --only in a second call
 #   bash bench/gpu.sh --cpu-smoke   the same pipeline on CPU with a tiny model and 2 steps
 #   bash bench/gpu.sh --only full-eager,checkpoint-synchronous    some rows (--help lists them)
 #
