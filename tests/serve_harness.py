@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.helpers import ROOT, ember_cmd
+from tests.helpers import ROOT, ember_cmd, run_ember
 
 
 class Serve:
@@ -58,8 +58,10 @@ class Serve:
         return httpx.request(method, self.url + path, json=body, timeout=timeout, headers=self.auth)
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(ember_cmd(*args), capture_output=True, text=True, env=self.env, cwd=ROOT,
-                              timeout=timeout)
+        """`ember ARGS` against this service, forked warm (tests.helpers.run_ember): the commands
+        that talk to the service import no torch, but a fresh interpreter still costs ~0.3 CPU-s
+        a call, and the tests make a few dozen (tests/test_startup.py starts them fresh)."""
+        return run_ember(*args, env=self.env, timeout=timeout)
 
     def jobs(self) -> dict[str, dict]:
         jobs = {j["name"]: j for j in self.api("GET", "/api/jobs").json()}

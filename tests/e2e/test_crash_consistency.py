@@ -22,17 +22,28 @@ from tests.helpers import (
     write_recipe,
 )
 
-RECIPE = {"train": {"max_steps": 3000, "micro_batch": 2}, "data": {"seq_len": 16},
-          "checkpoint": {"every_steps": 7, "keep_last": 2}, "schedule": {"kind": "constant"}}
 KILLS, CUTS = (6, 30), (3, 12)  # (make test, make soak)
+# Long enough that every kill lands while the run trains: an attempt killed at a random moment
+# trains at most 0.6 s (~90 steps here), one killed at a fault point ~21. `make test`'s 6 kills
+# reach step ~550 at most; the soak's 30 need its 3,000. A constant schedule: the first N losses
+# are the same whatever max_steps is. The run to the end is most of each test's CPU (3,000 steps:
+# ~20 CPU-s for the baseline and again for each test's last attempt).
+MAX_STEPS = (1000, 3000)  # (make test, make soak)
 
 
-def baseline() -> Path:
-    """The uninterrupted run of RECIPE, shared by the kill and power-cut tests."""
+def recipe_of(soak: bool) -> dict:
+    return {"train": {"max_steps": MAX_STEPS[soak], "micro_batch": 2}, "data": {"seq_len": 16},
+            "checkpoint": {"every_steps": 7, "keep_last": 2}, "schedule": {"kind": "constant"}}
+
+
+def baseline(soak: bool) -> Path:
+    """The uninterrupted run, shared by the kill and power-cut tests."""
+    sections = recipe_of(soak)
+
     def build(folder: Path) -> None:
-        recipe = write_recipe(folder, **RECIPE)
+        recipe = write_recipe(folder, **sections)
         assert run_ember("run", recipe, "--out", folder / "run", "--no-ledger").returncode == 0
-    return shared("crash-baseline", RECIPE, build) / "run"
+    return shared("crash-baseline", sections, build) / "run"
 
 
 def enough(done: int, asked: int) -> bool:
@@ -43,12 +54,12 @@ def enough(done: int, asked: int) -> bool:
 @pytest.mark.soak
 def test_kills_lose_nothing_committed_and_end_identical(tmp_path, soak):
     kills = KILLS[soak]
-    recipe = write_recipe(tmp_path, **RECIPE)
+    recipe = write_recipe(tmp_path, **recipe_of(soak))
     stats = crash_and_resume(recipe, tmp_path / "run", kills=kills, seed=20261130)
     print(f"kills: {stats.kills} {stats.by_fault}")
     assert stats.violations == []
     assert enough(stats.kills, kills), stats
-    assert_same_result(tmp_path / "run", baseline())
+    assert_same_result(tmp_path / "run", baseline(soak))
 
 
 def fuse_missing() -> str | None:
@@ -68,8 +79,8 @@ def test_power_cuts_keep_every_durable_commit_and_end_identical(tmp_path, soak):
     if why := fuse_missing():
         pytest.skip(why)
     cuts = CUTS[soak]
-    recipe = write_recipe(tmp_path, **RECIPE)
-    base = baseline()
+    recipe = write_recipe(tmp_path, **recipe_of(soak))
+    base = baseline(soak)
     stats = power_cuts(recipe, tmp_path / "cut", cuts=cuts, seed=20261201, baseline=losses(base))
     print(f"power cuts: {stats.kills} {stats.by_fault}")
     assert stats.violations == []
