@@ -32,23 +32,31 @@ def test_a_rank_killed_mid_step_resumes_bit_for_bit(baselines, tmp_path):
     assert_same_result(out, baselines["ddp"])
 
 
-# A pipeline's random kills (~2 min) run in `make soak` only; `make test` kills a pipeline group
-# mid-step in tests/e2e/test_pipeline.py.
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("pp", marks=[pytest.mark.soak, pytest.mark.soak_only])])
+# A pipeline's random kills (~2 min each) run in `make soak` only; `make test` kills a pipeline
+# group mid-step in tests/e2e/test_pipeline.py and a pp+ddp group in tests/e2e/test_pipeline_ddp.py.
+# pp+ddp: 2 stages x 2 replicas on 4 ranks, grad_accum 4 (two micro-batches per pipeline: 1F1B
+# needs one per stage).
+LAYOUTS = {"ddp": ("2", ()), "fsdp": ("2", ()), "pp": ("2", ()), "pp+ddp": ("4", ("train.grad_accum=4",))}
+SOAK_ONLY = [pytest.mark.soak, pytest.mark.soak_only]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("pp", marks=SOAK_ONLY),
+                                      pytest.param("pp+ddp", marks=SOAK_ONLY)])
 def test_ranks_killed_at_random_moments_resume_bit_for_bit(baselines, tmp_path, strategy):
     """SIGKILL of a random rank at random moments (seeded: the same in every run of the suite),
     twice; the supervisor restarts the group each time from its last durable checkpoint."""
     rng = random.Random(12)
+    nproc, extra = LAYOUTS[strategy]
+    sets = [x for item in (f"distributed.strategy={strategy}", *extra) for x in ("--set", item)]
     base = baselines["ddp"]
     if strategy != "ddp":
         base = tmp_path / "base"
-        ember_run(baselines["recipe"], base, "--nproc", "2", "--set", f"distributed.strategy={strategy}")
+        ember_run(baselines["recipe"], base, "--nproc", nproc, *sets)
     out = tmp_path / "run"
     # Slowed input (it does not change what is computed): unslowed, the 12 steps took 0.2 s on a
     # quiet machine and the first kill landed after the run had completed.
-    proc = start_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2", "--restarts", "4",
-                       "--set", f"distributed.strategy={strategy}", env={"EMBER_FAULT_DATA_DELAY": "0.2"},
-                       warm=True)
+    proc = start_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", nproc, "--restarts", "4",
+                       *sets, env={"EMBER_FAULT_DATA_DELAY": "0.2"}, warm=True)
     try:
         for kill in range(2):
             deadline = time.monotonic() + 180
@@ -56,7 +64,7 @@ def test_ranks_killed_at_random_moments_resume_bit_for_bit(baselines, tmp_path, 
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.5))  # somewhere in a step, a checkpoint, or between them
             if proc.poll() is None:
-                os.kill(rank_pid(proc.pid, str(rng.randrange(2))), signal.SIGKILL)
+                os.kill(rank_pid(proc.pid, str(rng.randrange(int(nproc)))), signal.SIGKILL)
         out_text, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
