@@ -12,7 +12,8 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -187,19 +188,29 @@ def _others_since(first: tuple[int, int], mine: float) -> float | None:
     return min(1.0, max(0.0, busy / ((last[1] - first[1]) / tick)))
 
 
+@contextmanager
+def _timing(threads: int) -> Iterator[Callable[[], float | None]]:
+    """torch at `threads` threads while the block times something, the previous count put back
+    after (an error too); yields what gives other processes' share of the cores since it began."""
+    import torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    first, mine = _cpu_jiffies(), time.process_time()
+    try:
+        yield lambda: _others_since(first, mine) if first is not None else None
+    finally:
+        torch.set_num_threads(previous)
+
+
 def time_matmul(threads: int, size: int = 1024, rounds: int = 5) -> CpuPeak:
     """fp32 matmul FLOP/s on this CPU with `threads` threads, the best of `rounds` windows of
     0.1 s, with other processes' share of the cores while it ran."""
     import torch
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
-    first, mine = _cpu_jiffies(), time.process_time()
-    best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
-    others = _others_since(first, mine) if first is not None else None
-    torch.set_num_threads(previous)
-    return CpuPeak(best, time.time(), others)
+    with _timing(threads) as others:
+        gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
+        return CpuPeak(best, time.time(), others())
 
 
 def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5) -> Peak:
@@ -272,20 +283,17 @@ def time_dequant(threads: int, bytes_of: Callable[[int], int], rows: int = 4, wi
     `window`-second windows; the record holds other processes' share of the cores meanwhile."""
     import torch
     bnb = _quiet_bitsandbytes()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-    first, mine, points = _cpu_jiffies(), time.process_time(), []
-    for n in DEQUANT_SIZES:
-        w, x = torch.randn(n, n, generator=gen), torch.randn(rows, n, generator=gen).requires_grad_()
-        codes, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-        four = _best_seconds(lambda: bnb.matmul_4bit(x, codes.t(), quant_state=state).sum().backward(), window)
-        plain = _best_seconds(lambda: torch.nn.functional.linear(x, w).sum().backward(), window)
-        points.append((float(bytes_of(n * n)), max(0.0, four - plain) / 2))  # a forward and a backward call
-    others = _others_since(first, mine) if first is not None else None
-    torch.set_num_threads(previous)
-    per_call, per_byte = _line(points)
-    return CpuPeak(1 / per_byte, time.time(), others, per_call)
+    with _timing(threads) as others:
+        gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
+        points = []
+        for n in DEQUANT_SIZES:
+            w, x = torch.randn(n, n, generator=gen), torch.randn(rows, n, generator=gen).requires_grad_()
+            codes, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+            four = _best_seconds(lambda: bnb.matmul_4bit(x, codes.t(), quant_state=state).sum().backward(), window)
+            plain = _best_seconds(lambda: torch.nn.functional.linear(x, w).sum().backward(), window)
+            points.append((float(bytes_of(n * n)), max(0.0, four - plain) / 2))  # a forward and a backward call
+        per_call, per_byte = _line(points)
+        return CpuPeak(1 / per_byte, time.time(), others(), per_call)
 
 
 def _quiet_bitsandbytes():
@@ -346,8 +354,6 @@ def time_recompute(threads: int, width: int = 64, rows: int = 4, blocks: int = 4
     over the extra ops counted (the record's 'flops' holds ops/s). Best of three windows each."""
     import torch
     from torch.utils.checkpoint import checkpoint
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
     ws = [torch.randn(width, width, generator=gen).requires_grad_() for _ in range(3 * blocks)]
     x = torch.randn(rows, width, generator=gen).requires_grad_()
@@ -361,12 +367,10 @@ def time_recompute(threads: int, width: int = 64, rows: int = 4, blocks: int = 4
         for i in range(blocks):
             h = checkpoint(block, h, i, use_reentrant=False) if ac else block(h, i)
         h.sum().backward()
-    first, mine = _cpu_jiffies(), time.process_time()
-    extra_ops = count_ops(lambda: step(True)) - count_ops(lambda: step(False))
-    extra = max(0.0, _best_seconds(lambda: step(True), window) - _best_seconds(lambda: step(False), window))
-    others = _others_since(first, mine) if first is not None else None
-    torch.set_num_threads(previous)
-    return CpuPeak(extra_ops / max(extra, 1e-12), time.time(), others)
+    with _timing(threads) as others:
+        extra_ops = count_ops(lambda: step(True)) - count_ops(lambda: step(False))
+        extra = max(0.0, _best_seconds(lambda: step(True), window) - _best_seconds(lambda: step(False), window))
+        return CpuPeak(extra_ops / max(extra, 1e-12), time.time(), others())
 
 
 def count_ops(call: Callable[[], object], which: Callable[[str], bool] = lambda name: True) -> int:

@@ -77,3 +77,24 @@ def test_the_report_names_when_and_under_what_load_the_peak_was_measured(tmp_pat
     run["performance"].update(peak_flops=peak.flops, peak_source=peak.source)
     (tmp_path / "r" / "run.json").write_text(json.dumps(run))
     assert f"of 0.038 TFLOP/s (measured {when}, {says}: fp32" in summary_line(build_report(tmp_path / "r", None))
+
+
+@pytest.mark.parametrize("timed", ["time_matmul", "time_recompute"])
+def test_a_timing_puts_torchs_thread_count_back_also_when_it_fails(monkeypatch, timed):
+    """Each timing runs at the thread count it is asked for and leaves the process's count as it
+    found it: a run that times its CPU mid-start (the plan, the doctor) keeps its own threads."""
+    import torch
+
+    from ember.metrics import peaks
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    result = getattr(peaks, timed)(other, **({"size": 64, "rounds": 1} if timed == "time_matmul" else {"window": 0.01}))
+    assert result.flops > 0 and torch.get_num_threads() == before
+
+    def broken(*args, **kwargs):
+        assert torch.get_num_threads() == other
+        raise RuntimeError("the timing failed")
+    monkeypatch.setattr(peaks, "_best_seconds", broken)
+    with pytest.raises(RuntimeError, match="the timing failed"):
+        getattr(peaks, timed)(other)
+    assert torch.get_num_threads() == before

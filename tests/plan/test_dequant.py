@@ -164,7 +164,9 @@ def test_a_cpu_measures_its_dequantization_rate_once(tmp_path, monkeypatch):
     cached = json.loads((tmp_path / "home/cache/cpu_peak.json").read_text())
     (record,) = [v for k, v in cached.items() if k.startswith("nf4 linear")]
     assert record["flops"] == first.bytes_per_s and record["at"] > 0  # bytes/s, with when and the load
-    assert record["per_call"] == first.per_call_s > 0  # and each call's fixed seconds
+    # and each call's fixed seconds: the fit's intercept, which noise can take to 0 on a loaded
+    # machine (ember.metrics.peaks._line clamps it there; a 0 is left out of the record)
+    assert record.get("per_call", 0.0) == first.per_call_s >= 0
     assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first  # read back, not measured again
     assert memory_bandwidth(3.0, "cpu", "cpu", 1, dequantize_once).bytes_per_s == 3e9
     assert memory_bandwidth(0.0, "cuda", "NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
