@@ -5,7 +5,8 @@ no hub) over examples/data/genesis.jsonl, printed as one markdown table, with ra
 Rows: MFU in bf16 for full fine-tuning and LoRA, eager and compiled (`train.compile`, where this
 ember has it), and eager with `train.deterministic = false`; checkpoint blocking, synchronous
 against asynchronous, on the full state; memory, `ember plan`'s estimate against the measured
-peak; QLoRA and co-serving where they have landed. Every figure is ember's own record: `ember
+peak; QLoRA and 8-bit optimizer states; `ember doctor` on the full eager step (its first cause and
+the operators that took the device's time). Every figure is ember's own record: `ember
 report --json` (MFU over all steps, the FLOPs per token and the peak it divides by, each
 checkpoint's blocked and durable seconds, goodput's compile bucket), metrics.jsonl (the steady
 steps: those after the first `warmup`, which pay for compiling and warming up), `ember plan
@@ -52,6 +53,7 @@ class Sizes:
     warmup: int                 # first steps left out of the steady figures
     checkpoint: tuple[str, ...]  # the checkpoint rows' overrides
     row_seconds: int            # one row's time limit
+    doctor_seconds: int         # `ember doctor --budget` of the doctor row
     extra: tuple[str, ...] = ()  # overrides of every row
 
 
@@ -59,8 +61,8 @@ class Sizes:
 # asynchronous persist time to finish before the next one is due, at 1 GB/s or more (else the next
 # one waits for it, and its blocked time shows it).
 GPU = Sizes("qwen2.5-0.5b", "bf16", 2048, 8, 30, 5,
-            ("train.max_steps=80", "checkpoint.every_steps=0", "checkpoint.every_seconds=6"), 300)
-SMOKE = Sizes("qwen2-tiny", "fp32", 64, 8, 2, 1, ("train.max_steps=2", "checkpoint.every_steps=1"), 180,
+            ("train.max_steps=80", "checkpoint.every_steps=0", "checkpoint.every_seconds=6"), 300, 90)
+SMOKE = Sizes("qwen2-tiny", "fp32", 64, 8, 2, 1, ("train.max_steps=2", "checkpoint.every_steps=1"), 180, 25,
               ("train.threads=1",))
 
 
@@ -282,6 +284,35 @@ def memory_row(b: Bench, name: str, overrides: list[str], run_slug: str) -> Row:
     return row
 
 
+def doctor_row(b: Bench, name: str, overrides: list[str]) -> Row:
+    """`ember doctor --json` on a configuration: its first cause (what its remedy would save) and
+    the operators that took the step's time (torch.profiler: device time on CUDA), so a GPU run
+    says where the MFU it measured goes."""
+    s = b.sizes
+    row = Row(name, f"{s.precision}, {s.micro_batch} x {s.seq_len}, --budget {s.doctor_seconds}")
+    slug = slug_of(name)
+    found = b.out / "runs" / f"{slug}.json"
+    found.parent.mkdir(exist_ok=True)
+    sets = [x for o in (*s.extra, *overrides) for x in ("--set", o)]
+    code = b.call(b.ember("doctor", str(b.recipe), *sets, "--budget", str(s.doctor_seconds), "--json"), slug,
+                  stdout=found, limit=s.doctor_seconds + 60)
+    if code != 0:
+        row.result = b.failure(slug, code)
+        return row
+    report = json.loads(found.read_text())
+    first = (report["findings"] or [None])[0]
+    ops = report["figures"].get("top_ops") or []
+    row.figures = {"findings": report["findings"], "top_ops": ops, "headline": report["headline"],
+                   "skipped": report["skipped"]}
+    row.result = (f"{first['cause']}: its remedy saves {first['saving_share']:.0%}" if first
+                  else "no cause above the noise")
+    row.detail = ("top operators: " + ", ".join(f"{o['name']} {o['share']:.0%}" for o in ops[:6]) if ops
+                  else "no profile (" + "; ".join(f"{k}: {v}" for k, v in (report["skipped"] or {}).items()) + ")")
+    if first:
+        row.detail += f"; remedy: {first['remedy']}"
+    return row
+
+
 def write_recipe(b: Bench, model: Path) -> None:
     """The recipe every row starts from; a row's own settings are `--set` overrides of it."""
     s = b.sizes
@@ -322,6 +353,8 @@ def plan_rows(b: Bench, compiled: str | None, qlora: str | None, int8: str | Non
         measure("full, eager", 45, lambda n: mfu_row(b, n, full + b.eager)),
         measure("full, compiled", 150, lambda n: mfu_row(b, n, full + ["train.compile=true"]),
                 compiled and f"skipped: {compiled}"),
+        measure("doctor, full, eager", 130,  # its own loop, bounded by its budget, not by max_steps
+                lambda n: doctor_row(b, n, full + b.eager + ["train.max_steps=100000"])),
         measure("LoRA, eager", 45, lambda n: mfu_row(b, n, lora + b.eager)),
         measure("checkpoint, synchronous", 60, lambda n: checkpoint_row(b, n, False, None)),
         measure("checkpoint, asynchronous", 60,

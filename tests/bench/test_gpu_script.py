@@ -18,8 +18,8 @@ import torch
 
 from tests.helpers import ROOT
 
-ROWS = ["full, eager", "full, compiled", "LoRA, eager", "checkpoint, synchronous", "checkpoint, asynchronous",
-        "memory, full", "QLoRA", "memory, QLoRA", "full, 8-bit optimizer states", "memory, LoRA", "LoRA, compiled",
+ROWS = ["full, eager", "full, compiled", "doctor, full, eager", "LoRA, eager", "checkpoint, synchronous",
+        "checkpoint, asynchronous", "memory, full", "QLoRA", "memory, QLoRA", "full, 8-bit optimizer states", "memory, LoRA", "LoRA, compiled",
         "full, eager, deterministic off", "co-serving"]
 MFU_ROWS = ("full, eager", "LoRA, eager", "QLoRA", "full, 8-bit optimizer states", "full, eager, deterministic off")
 MEMORY_ROWS = ("memory, full", "memory, QLoRA", "memory, LoRA")
@@ -70,6 +70,10 @@ def test_the_gpu_scripts_cpu_smoke_prints_every_row_with_figures_or_the_reason_t
         for name in ("checkpoint, synchronous", "checkpoint, asynchronous"):
             assert re.match(r"blocked \d+\.\d{3} s \(median of 1 after the first\)", rows[name][1]), rows[name]
             assert rows[name][2].startswith("2 checkpoints of "), rows[name]
+        config, result, detail = rows["doctor, full, eager"]  # ember doctor's own ranking and profile
+        assert config == "fp32, 8 x 64, --budget 25"
+        assert re.fullmatch(r"[a-z-]+: its remedy saves \d+%|no cause above the noise", result), result
+        assert detail.startswith("top operators: aten::"), detail
         for name in MEMORY_ROWS:
             assert re.fullmatch(r"plan [\d.]+ MiB, measured [\d.]+ MiB \([+-]\d+\.\d%\)", rows[name][1]), rows[name]
     else:
