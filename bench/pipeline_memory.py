@@ -39,9 +39,11 @@ def _rank(rank: int, world: int, a: argparse.Namespace, folder: str) -> None:
     from transformers import LlamaForCausalLM
 
     from ember.data.loader import MicroBatch
+    from ember.device import autocast
     from ember.doctor.measure import step_peak
     from ember.parallel.pp import PP, pipeline_of
-    from ember.recipe import OptimizerConfig
+    from ember.recipe import MethodConfig, OptimizerConfig
+    from ember.train.model import apply_lora
     from ember.train.parts import build_optimizer
     from ember.train.sharding import clip_gradients
     torch.set_num_threads(1)
@@ -49,7 +51,10 @@ def _rank(rank: int, world: int, a: argparse.Namespace, folder: str) -> None:
     try:
         torch.manual_seed(0)
         cpu = torch.device("cpu")
-        model = PP().apply(LlamaForCausalLM(config(a.layers, a.vocab)), PP().mesh(world, 2, world), cpu)
+        model = LlamaForCausalLM(config(a.layers, a.vocab))
+        if a.lora:
+            model = apply_lora(model, MethodConfig(kind="lora", rank=a.lora, dropout=0.0))
+        model = PP().apply(model, PP().mesh(world, 2, world), cpu)
         pipe = pipeline_of(model)
         opt = build_optimizer(model, OptimizerConfig())
         gen = torch.Generator().manual_seed(1)
@@ -58,7 +63,8 @@ def _rank(rank: int, world: int, a: argparse.Namespace, folder: str) -> None:
         tokens = float(sum(b.targets() for b in batches))
 
         def step() -> None:
-            pipe.step(batches, tokens, a.schedule)
+            with autocast(cpu, a.precision):  # as the loop runs a pipeline's step
+                pipe.step(batches, tokens, a.schedule)
             clip_gradients([p for p in model.parameters() if p.requires_grad], 1.0, pipe.sum_over_stages)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -77,7 +83,8 @@ def predicted(a: argparse.Namespace) -> tuple[list[float], float]:
     from ember.parallel.pp import stage_memory
     from ember.plan.layout import footprint
     from ember.plan.memory import ModelShape, TrainShape, estimate
-    m, t = ModelShape.from_config(config(a.layers, a.vocab)), TrainShape(a.micro_batch, a.seq)
+    m = ModelShape.from_config(config(a.layers, a.vocab))
+    t = TrainShape(a.micro_batch, a.seq, lora=a.lora > 0, lora_rank=a.lora or 8, autocast=a.precision != "fp32")
     fp = footprint(m, estimate(m, t), t, (a.accum, a.schedule, a.stages))
     before = fp.state / a.stages + fp.activations + max(0.0, fp.peak - fp.state - fp.activations)
     return stage_memory(fp.stages, a.stages, a.accum, a.schedule), before
@@ -92,6 +99,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA adapters of this rank on every linear")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         mp.set_forkserver_preload(["transformers", "ember.parallel.stages"])
@@ -100,7 +109,7 @@ def main() -> None:
                     (json.loads(Path(folder, f"rank{i}.json").read_text()) for i in range(a.stages))}
     plan, before = predicted(a)
     print(f"{a.stages} stages, {a.layers} layers, vocab {a.vocab}, micro batch {a.micro_batch} x seq {a.seq}, "
-          f"{a.accum} micro-batches, {a.schedule}")
+          f"{a.accum} micro-batches, {a.schedule}, {a.precision}" + (f", LoRA rank {a.lora}" if a.lora else ""))
     print("| stage | measured | plan | plan / measured | plan before | before / measured |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for s in range(a.stages):

@@ -14,7 +14,7 @@ from ember.parallel.registry import STRATEGIES
 from ember.parallel.strategy import Footprint, Part, StageParts
 from ember.plan.memory import (F32, Breakdown, ModelShape, TrainShape, base_bytes, estimate, fixed_activations,
                                layer_activations, moment_bytes, trainable_params, trainable_sizes,
-                               update_temporaries, weight_copies)
+                               update_temporaries)
 
 
 def tp_share(m: ModelShape) -> float:
@@ -34,8 +34,7 @@ def footprint(m: ModelShape, b: Breakdown, t: TrainShape, pipeline: tuple[int, s
 def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) -> StageParts:
     """The pieces a pipeline stage holds, each priced as the one-process estimate prices it
     (ember.plan.memory): a decoder layer, the embeddings, the final norm with the head and the loss.
-    A stage computes the plain loss (the model's own, not [train] loss_chunk's) and, on CPU as on a
-    GPU, autocast keeps one half-precision copy of a weight for the whole step."""
+    A stage computes the plain loss (the model's own, not [train] loss_chunk's)."""
     T, h, V = t.tokens, m.hidden, m.vocab
     ends = (2 * V * h + h) * F32  # the embeddings, the final norm and the head stay fp32 (never quantized)
     layer_w = (base_bytes(m, t) - ends) / m.layers + (trainable_params(m, t) / m.layers * F32 if t.lora else 0)
@@ -43,20 +42,39 @@ def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) ->
     trained = [sizes[:1], sizes[1:-2], sizes[-2:]] if not t.lora else [[], sizes, []]
     grads = [sum(x) * F32 for x in trained]
     optim = [sum(moment_bytes(n, t.optimizer) for n in x) for x in trained]
-    copies = weight_copies(m, t)
-    head_copy = 2 * V * h if t.autocast else 0
+    (layer_once, layer_each), (head_once, head_each) = cast_copies(m, t)
     layer = Part(layer_w + (grads[1] + optim[1]) / m.layers, grads[1] / m.layers,
-                 layer_activations(m, t) * T, (copies - head_copy) / m.layers if copies else 0)
+                 layer_activations(m, t) * T + layer_each, layer_once)
     # the first layer of a LoRA model saves less (its input needs no gradient); the ids, for the embedding
     first_acts = (layer_activations(m, t, first=True) - layer_activations(m, t) + 8) * T
     first = Part(V * h * F32 + grads[0] + optim[0], grads[0], first_acts)
-    # the head's output (kept by the schedule as the stage's output) and the loss's log-softmax, per
-    # micro-batch; while the loss differentiates: its two T x V gradients
+    # the head's output (the logits: kept by the schedule as the stage's output; half precision
+    # under autocast) and the loss's fp32 log-softmax, per micro-batch; while the loss
+    # differentiates: its two T x V gradients
+    logits = 2 if t.autocast else F32
     last = Part((V * h + h) * F32 + grads[2] + optim[2], grads[2],
-                fixed_activations(m, t) * T + 2 * T * V * F32, head_copy, 2 * T * V * F32)
+                fixed_activations(m, t) * T + T * V * (logits + F32) + head_each, head_once, 2 * T * V * F32)
     rope = 2 * t.seq_len * m.head_dim * F32
     return StageParts(m.layers, layer, first, last, T * h * F32, rope + 8 * T, update_temporaries(m, t),
                       pipeline)
+
+
+def cast_copies(m: ModelShape, t: TrainShape) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Half-precision weight copies autocast leaves saved for backward, (once a step, per micro-batch
+    in flight), for a decoder layer and for the head. Autocast caches the cast of a trained weight
+    for its whole region (the schedule's step: one copy); a frozen weight (LoRA's base) is cast
+    anew by each micro-batch's forward, which keeps its copy until that micro-batch's backward.
+    A 4-bit linear casts inside its own matmul; under activation checkpointing a layer's copies
+    are remade with it."""
+    if not t.autocast:
+        return (0.0, 0.0), (0.0, 0.0)
+    linears = 0 if t.quantize == "nf4" or t.activation_checkpointing else \
+        2 * sum(i * o for i, o in m.linear_shapes().values())
+    head = 2 * m.vocab * m.hidden
+    if not t.lora:
+        return (linears, 0.0), (head, 0.0)
+    adapters = 0 if t.activation_checkpointing else 2 * trainable_params(m, t) / m.layers
+    return (adapters, linears), (0.0, head)
 
 
 @dataclass(frozen=True)

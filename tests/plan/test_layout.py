@@ -5,10 +5,12 @@ arithmetic per stage against each rank's peak)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ember.hardware import Device, Kind
 from ember.parallel.pp import stage_memory
 from ember.parallel.strategy import Part
-from ember.plan.layout import footprint, rank_memory, stage_parts
+from ember.plan.layout import cast_copies, footprint, rank_memory, stage_parts
 from ember.plan.memory import ModelShape, TrainShape, estimate
 
 # hidden 8, MLP 16, 2 heads of 4, vocab 32; one row of 4 tokens a micro-batch
@@ -50,3 +52,17 @@ def test_four_stages_each_priced_from_the_layers_it_holds():
     # at most, so stage 0 holds 2; the last stage, with the head and the loss, is the fullest:
     # 14720 + 2 x 128 + 4016 + 1024
     assert rank_memory(M, T, "pp+ddp", 8, 8, cpu, (4, "1f1b", 4)).per_rank == 20016
+
+
+def test_autocast_keeps_one_copy_of_a_trained_weight_and_one_per_micro_batch_of_a_frozen_one():
+    # a layer's linears: 640 weights, 2 bytes each in bf16; the head's 32 x 8
+    assert cast_copies(M, replace(T, autocast=True)) == ((1280, 0), (512, 0))
+    # LoRA: the frozen base's casts are made by each micro-batch's forward (kept until its backward),
+    # the adapters' (rank 8 on q, k, v, o: 8 x 16 each; gate, up, down: 8 x 24 each) cached once
+    assert cast_copies(M, replace(T, autocast=True, lora=True)) == ((2 * 8 * (4 * 16 + 3 * 24), 1280), (0, 512))
+    assert cast_copies(M, T) == ((0, 0), (0, 0))
+    sp = stage_parts(M, replace(T, autocast=True, lora=True), (4, "gpipe", 4))
+    # the last stage per micro-batch: the final norm's input and rsqrt and the targets (44 a token),
+    # the bf16 logits and the fp32 log-softmax (4 x 32 x (2 + 4)), the head's own bf16 copy (512)
+    assert sp.last.acts == 44 * 4 + 4 * 32 * 6 + 512 and sp.last.copies == 0
+    assert sp.layer.copies == 2176
