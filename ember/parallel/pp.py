@@ -8,7 +8,10 @@ back; every stage reads the same rows (the first stage needs the ids, the last t
 Several pipelines side by side, each reading its share of the rows: ember/parallel/pp_ddp.py.
 
 Its cost: the bubble, (p-1)/(m+p-1) of the step with m micro-batches over p stages, when a stage
-waits, and one send of the activations per stage boundary and micro-batch, each way. Its
+waits, and one send of the activations per stage boundary and micro-batch, each way. Its memory
+per device: its fullest stage's (`stage_memory`), from the layers `layer_range` gives each stage
+(the split the run makes), its end of the model and the schedule's micro-batches in flight; the
+plan prices the pieces (ember.plan.layout.stage_parts; bench/pipeline_memory.py measures them). Its
 checkpoint: each stage writes its own parameters and optimizer state under their names in the
 whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded.py).
 
