@@ -282,7 +282,9 @@ def check_ranks(recipe: Recipe, plan: MemoryPlan, topology: Topology) -> Planned
     from ember.plan.layout import rank_memory
     from ember.plan.remedies import fits, train_shape
     s, n, margin, dev = recipe.distributed.strategy, topology.nproc, recipe.plan.memory_margin, plan.devices[0]
-    rm = rank_memory(plan.model, train_shape(recipe), s, topology.world, n, plan.devices)
+    d = recipe.distributed
+    rm = rank_memory(plan.model, train_shape(recipe), s, topology.world, n, plan.devices,
+                     (recipe.train.grad_accum, str(d.schedule), d.pp_size))
     if rm.missing:
         raise EmberError(f"--nproc {n}: each rank takes one {dev.kind} device and this machine has "
                          f"{len(plan.devices)}; use --nproc {len(plan.devices)} or fewer")

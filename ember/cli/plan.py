@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ember.cli.render import stderr_events
 from ember.errors import EXIT_ERROR, EXIT_OK, BadInput, EmberError
+from ember.parallel.pp import STAGE_NOTE
 from ember.parallel.registry import STRATEGIES
 from ember.plan.memory import GiB, MiB
 
@@ -138,6 +139,9 @@ def render_parallel(a: Any, out: Console) -> None:
         t.add_row(str(o.devices), o.strategy, f"{o.step_seconds:.3g} s", f"{o.exposed_seconds:.3g} s",
                   _gib(o.memory_bytes) + ("" if o.fits else " (no fit)"), f"{o.efficiency:.0%}")
     out.print(t)
+    for o in a.options:  # a pipeline's memory is its fullest stage's: say which
+        for note in (n for n in o.notes if n.startswith(STAGE_NOTE)):
+            out.print(f"  {o.strategy} on {o.devices}: {note}", markup=False)
     *most, last = STRATEGIES
     out.print("step: predicted optimizer step; comm: communication the compute does not hide; memory: per "
               "device at the step's peak; eff.: one device's step / (n x this step); "

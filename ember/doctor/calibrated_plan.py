@@ -92,4 +92,5 @@ def parallel_advice(r: Recipe, plan: Plan, con: sqlite3.Connection) -> Advice | 
         threads = r.train.threads or cores
         slots = max(1, cores // threads) * max(1, len(row.hosts))
     return advise(m, t, estimate(m, t), r.train.grad_accum, plan.time.step_seconds, to_interconnect(row),
-                  dev.free, slots=slots, threads=threads, cores=cores)
+                  dev.free, slots=slots, threads=threads, cores=cores,
+                  pipeline=(str(r.distributed.schedule), r.distributed.pp_size))

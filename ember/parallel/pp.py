@@ -8,7 +8,10 @@ back; every stage reads the same rows (the first stage needs the ids, the last t
 Several pipelines side by side, each reading its share of the rows: ember/parallel/pp_ddp.py.
 
 Its cost: the bubble, (p-1)/(m+p-1) of the step with m micro-batches over p stages, when a stage
-waits, and one send of the activations per stage boundary and micro-batch, each way. Its
+waits, and one send of the activations per stage boundary and micro-batch, each way. Its memory
+per device: its fullest stage's (`stage_memory`), from the layers `layer_range` gives each stage
+(the split the run makes), its end of the model and the schedule's micro-batches in flight; the
+plan prices the pieces (ember.plan.layout.stage_parts; bench/pipeline_memory.py measures them). Its
 checkpoint: each stage writes its own parameters and optimizer state under their names in the
 whole model, so a checkpoint loads back into the same stages (ember/ckpt/sharded.py).
 
@@ -26,10 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.parallel.mesh import Mesh
-from ember.parallel.placement import rank_name
-from ember.parallel.strategy import Cost, Footprint, Ranks, Step
+from ember.parallel.placement import layer_range, rank_name
+from ember.parallel.strategy import Cost, Footprint, Ranks, StageParts, Step
 
 SCHEDULES = ("gpipe", "1f1b")  # [distributed] schedule; torch's ScheduleGPipe and Schedule1F1B
+STAGE_NOTE = "memory per stage"  # how the note naming the fullest stage begins (`ember plan` prints it)
 
 
 class PP:
@@ -44,10 +48,9 @@ class PP:
         return Mesh(world, pp=world)
 
     def memory(self, fp: Footprint, n: int) -> float:
-        """Its stage's share of the state; the activations of up to n micro-batches in flight, each
-        of its share of the layers (1F1B's bound; GPipe holds all of them: priced the same here)."""
-        temporaries = max(0.0, fp.peak - fp.state - fp.activations)
-        return fp.state / n + fp.activations + temporaries
+        """The fullest of its n stages (`stage_memory`), over the step's grad_accum micro-batches."""
+        accum, schedule, _ = parts_of(fp).pipeline
+        return max(stage_memory(parts_of(fp), n, accum, schedule))
 
     def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Compute split n ways and stretched by the bubble; one send of the activations per
@@ -61,6 +64,7 @@ class PP:
         notes = [f"bubble {share:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
+        notes.append(fullest(stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])))
         return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, self.memory(fp, p),
                     2 * m * step.act_bytes, tuple(notes))
 
@@ -120,6 +124,49 @@ def bubble(stages: int, micro_batches: int) -> float:
     """The share of a step a stage waits under GPipe or 1F1B, every stage's forward and backward
     of a micro-batch taking the same time: (p-1)/(m+p-1)."""
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def parts_of(fp: Footprint) -> StageParts:
+    """The stage parts of `fp`; the plan fills them (ember.plan.layout.footprint)."""
+    if fp.stages is None:
+        raise ValueError("a pipeline's memory needs the footprint's stage parts (ember.plan.layout.footprint)")
+    return fp.stages
+
+
+def in_flight(stages: int, stage: int, micro_batches: int, schedule: str) -> int:
+    """Micro-batches whose activations `stage` holds at once: GPipe runs every forward before any
+    backward; 1F1B runs min(m, stages - stage) forwards before its first backward (torch's
+    Schedule1F1B warm-up), then one forward after each backward."""
+    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+def stage_memory(sp: StageParts, stages: int, micro_batches: int, schedule: str) -> list[float]:
+    """Each stage's bytes at its peak, from the layers `layer_range` gives it (the split the run
+    makes): the larger of (a) its state, the schedule's in-flight micro-batches' activations and
+    the stage's own output kept for each (torch's fwd_cache), the receive buffers torch keeps per
+    micro-batch (hidden states in, their gradients back), the loss's buffers on the last stage,
+    and its gradients only when a forward follows a backward (1F1B with more micro-batches than in
+    flight); and (b) the optimizer step: its state, the buffers, the update's temporaries."""
+    out = []
+    for s in range(stages):
+        first, last = s == 0, s == stages - 1
+        held = [sp.layer] * len(layer_range(sp.layers, stages, s)) + [sp.first] * first + [sp.last] * last
+        state, grads = sum(x.state for x in held), sum(x.grads for x in held)
+        k = in_flight(stages, s, micro_batches, schedule)
+        per_micro = sum(x.acts for x in held) + sp.per_forward + (0 if last else sp.boundary)
+        buffers = micro_batches * sp.boundary * ((not first) + (not last))
+        with_grads = schedule == "1f1b" and micro_batches > k
+        flight = state - (0 if with_grads else grads) + buffers + sum(x.copies for x in held) + k * per_micro \
+            + sum(x.transient for x in held)
+        out.append(max(flight, state + buffers + sp.update))
+    return out
+
+
+def fullest(peaks: list[float]) -> str:
+    """Which stage peaks highest, as the plan's note says it."""
+    s = max(range(len(peaks)), key=peaks.__getitem__)
+    each = ", ".join(f"{p / 2**20:.1f}" for p in peaks)
+    return f"{STAGE_NOTE} {each} MiB: stage {s} of {len(peaks)} is the fullest"
 
 
 def stages_of(recipe: Any, ranks: int) -> int:

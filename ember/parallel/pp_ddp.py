@@ -21,7 +21,8 @@ Its checkpoint: each stage's parameters and optimizer state under the whole mode
 'pp' writes them; a stage's replicas hold the same tensors under the same names, and DCP's save
 planner writes each once (dedup_save_plans). It loads by name into any layout, DCP resharding
 (tested: 2 stages x 2 replicas -> 2 stages of one pipeline). LoRA composes as under 'pp'.
-`ember plan` prices pipelines of PLANNED_PP stages over n >= 2 x PLANNED_PP ranks."""
+`ember plan` prices pipelines of the recipe's pp_size stages over n >= 2 x pp_size ranks, each
+stage's memory from the layers it holds (ember.parallel.pp.stage_memory)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,8 @@ from typing import Any
 from ember.errors import EmberError
 from ember.parallel.collectives import collective_seconds, hops_share
 from ember.parallel.mesh import Mesh
-from ember.parallel.pp import PP, bubble, micro_batches, refusal
+from ember.parallel.pp import bubble, fullest, micro_batches, parts_of, refusal, stage_memory
 from ember.parallel.strategy import Cost, Footprint, Ranks, Step
-
-PLANNED_PP = 2  # the stages `ember plan` prices
 
 
 class PPDDP:
@@ -51,13 +50,15 @@ class PPDDP:
         return Mesh(world, replicate=world // pp_size, pp=pp_size)
 
     def memory(self, fp: Footprint, n: int) -> float:
-        """A stage's share of the state over PLANNED_PP stages and its in-flight activations ('pp')."""
-        return PP().memory(fp, PLANNED_PP)
+        """The fullest stage of one replica's pipeline of pp_size stages over its share of the
+        micro-batches (ember.parallel.pp.stage_memory)."""
+        accum, schedule, stages = parts_of(fp).pipeline
+        return max(stage_memory(parts_of(fp), stages, micro_batches(accum, max(1, n // stages)), schedule))
 
     def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Each replica's pipeline over its share of the micro-batches, stretched by the bubble; the
         sends between stages; one all-reduce of a stage's gradients over the replicas, not hidden."""
-        p, n, link = PLANNED_PP, ranks.n, ranks.net.all_reduce
+        p, n, link = parts_of(fp).pipeline[2], ranks.n, ranks.net.all_reduce
         if n < 2 * p or n % p or p > step.layers:
             return None
         dp = n // p
@@ -71,6 +72,7 @@ class PPDDP:
                  f"stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"{m} micro-batches per pipeline < {p} stages: some stages never overlap")
+        notes.append(fullest(stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])))
         return Cost(ranks.compute(step.seconds) / (1 - share), sends + reduce, 0.0, self.memory(fp, n),
                     2 * m * act + hops_share("all_reduce", dp)[1] * fp.grads / p, tuple(notes))
 

@@ -25,6 +25,32 @@ class Footprint:
     grads: float         # the trained parameters' fp32 gradients (what DDP all-reduces)
     layer: float         # one decoder layer's fp32 weights
     layer_share: float   # share of a token's matmul FLOPs inside the decoder layers (what TP splits)
+    stages: StageParts | None = None  # what a pipeline stage may hold (None: no pipeline priced)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes of one piece of the model a pipeline stage holds: a decoder layer, the embeddings (the
+    first stage's), or the final norm with the head and the loss (the last stage's)."""
+    state: float       # its weights, gradients and optimizer state
+    grads: float       # of which its gradients (absent until the step's first backward)
+    acts: float        # what one micro-batch's forward through it leaves saved for backward
+    copies: float = 0.0      # half-precision weight copies autocast keeps (once a step, not per micro-batch)
+    transient: float = 0.0   # alive beside one micro-batch's activations while its backward starts (the loss's)
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """What a pipeline stage's memory is made of (ember/parallel/pp.py adds it up per stage), and
+    the recipe's pipeline: micro-batches a step, schedule, stages per pipeline under 'pp+ddp'."""
+    layers: int          # the model's decoder layers
+    layer: Part
+    first: Part          # the embeddings
+    last: Part           # the final norm, the head, the loss
+    boundary: float      # one micro-batch's hidden states between two stages
+    per_forward: float   # bytes every stage's forward saves once per micro-batch (the rotary tables)
+    update: float        # the optimizer update's temporaries
+    pipeline: tuple[int, str, int] = (2, "1f1b", 2)  # [train] grad_accum, [distributed] schedule, pp_size
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,12 @@ class Advice:
 
 
 def options_at(n: int, m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float,
-               ic: Interconnect, free: int, overlap: bool, slots: int | None = None) -> list[Option]:
+               ic: Interconnect, free: int, overlap: bool, slots: int | None = None,
+               pipeline: tuple[str, int] = ("1f1b", 2)) -> list[Option]:
     """Every strategy at n devices (see the module docstring).
     `slots`: how many ranks can compute at once (CPU ranks on one machine share its cores); None
-    for accelerators."""
-    fp = footprint(m, b)  # what each strategy's arithmetic reads (ember.plan.layout)
+    for accelerators. `pipeline`: the recipe's [distributed] schedule and pp_size."""
+    fp = footprint(m, b, t, (accum, *pipeline))  # what each strategy's arithmetic reads (ember.plan.layout)
     act_bytes = t.micro_batch * t.seq_len * m.hidden * (2 if t.autocast else 4)
     busy = n / min(n, slots or n)  # >1 when more ranks than can compute at once share the cores
     out = []
@@ -106,11 +107,13 @@ def core_sharing(ranks: int, threads: int, cores: int) -> str | None:
 
 def advise(m: ModelShape, t: TrainShape, b: Breakdown, accum: int, one_step: float, ic: Interconnect,
            free: int, counts: tuple[int, ...] = DEVICE_COUNTS, slots: int | None = None,
-           threads: int = 0, cores: int = 0) -> Advice:
+           threads: int = 0, cores: int = 0, pipeline: tuple[str, int] = ("1f1b", 2)) -> Advice:
     """Every option at each device count, and the one to take (`threads` per CPU rank and the
-    machine's `cores`, where known, name core sharing as the cause when ranks outnumber them)."""
+    machine's `cores`, where known, name core sharing as the cause when ranks outnumber them;
+    `pipeline`: the recipe's [distributed] schedule and pp_size, as its pipelines would run)."""
     overlap = ic.backend == "nccl"
-    options = [o for n in counts for o in options_at(n, m, t, b, accum, one_step, ic, free, overlap, slots)]
+    options = [o for n in counts
+               for o in options_at(n, m, t, b, accum, one_step, ic, free, overlap, slots, pipeline)]
     runnable = [o for o in options if o.fits]
     single = next((o for o in options if o.devices == 1), None)
     wide = [o for o in runnable if o.devices > 1 and o.efficiency >= MIN_EFFICIENCY]

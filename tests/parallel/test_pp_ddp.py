@@ -4,18 +4,20 @@ of a stage's gradients over its replicas (the runs themselves: tests/e2e/test_pi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ember.errors import EmberError
 from ember.parallel.mesh import Mesh
-from ember.parallel.pp import micro_batches, rank_names
+from ember.parallel.pp import micro_batches, rank_names, stage_memory
 from ember.parallel.pp_ddp import PPDDP
 from ember.plan.advisor import advise
 from ember.plan.memory import ModelShape, TrainShape, estimate
 from ember.recipe import load_recipe
 from ember.train.sharding import check_distributed, tp_degree
 from tests.helpers import write_recipe
-from tests.parallel.figures import FP, NET, STEP, ranks
+from tests.parallel.figures import FP, NET, PARTS, STEP, ranks
 
 
 def test_pipelines_of_pp_size_stages_at_least_two_of_them_the_replicas_reading_different_rows():
@@ -40,12 +42,25 @@ def test_the_plan_prices_the_bubble_the_sends_and_the_replicas_all_reduce():
     # 2 replicas of 2 stages, 2 of the 4 micro-batches each: bubble (2-1)/(2+2-1) = 1/3, compute
     # 1 s / 4 / (2/3) = 0.375 s; sends 2 x 1 boundary x 2 micro-batches x 100 B at 100 B/s = 4 s;
     # the stage's half of the 400 gradient bytes all-reduced over 2 replicas: 2(2-1)/2 x 200 B = 2 s;
-    # memory as a 2-stage pipeline's: 600/2 state + 200 activations + 200 other
+    # memory: the fuller stage of a pipeline running 2 micro-batches under 1F1B (figures.py's parts):
+    # the last, 160 of state + 4 input receive buffers + 1 in flight of 41 + the loss's 40
     assert c.compute == pytest.approx(0.375)
-    assert (c.comm, c.hidden, c.memory, c.moved) == (6.0, 0.0, 700.0, 2 * 2 * 100 + 200)
+    assert (c.comm, c.hidden, c.memory, c.moved) == (6.0, 0.0, 245.0, 2 * 2 * 100 + 200)
     assert "bubble 33% with 2 micro-batches per pipeline over 2 stages" in c.notes[1]
     six = PPDDP().cost(FP, STEP, ranks(6))  # 3 replicas: every micro-batch cut in 3, 4 slices each
     assert six.notes[1].startswith("bubble 20% with 4 micro-batches per pipeline")
+
+
+def test_the_plan_prices_pipelines_of_the_recipes_pp_size():
+    # pp_size 4 over 8 ranks: 2 replicas, 4 micro-batches each under 1F1B, 4 layers, one a stage
+    fp = replace(FP, stages=replace(PARTS, layers=4, pipeline=(8, "1f1b", 4)))
+    assert PPDDP().memory(fp, 8) == max(stage_memory(fp.stages, 4, 4, "1f1b"))
+    # stage 0, the layer and the embeddings: 150 - 30 (4 in flight, no gradient yet) + 8 + 4 x 18 = 200;
+    # stage 3, the layer and the head: 160 + 8 + 1 x 41 + 40 = 249 (not 2 stages' halves of the model)
+    assert PPDDP().memory(fp, 8) == 249 and stage_memory(fp.stages, 4, 4, "1f1b")[0] == 200
+    c = PPDDP().cost(fp, replace(STEP, accum=8, layers=4), ranks(8))
+    assert c.notes[0].startswith("pipelines of 4 stages") and c.notes[-1].endswith("stage 3 of 4 is the fullest")
+    assert PPDDP().cost(fp, replace(STEP, accum=8, layers=4), ranks(4)) is None  # one pipeline: 'pp'
 
 
 def test_ember_plan_ranks_it_beside_the_others_from_four_devices_on():

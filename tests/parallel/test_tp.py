@@ -75,7 +75,7 @@ def test_with_lora_the_frozen_base_layers_split_and_the_adapters_add_little():
     layers = m.layers * m.layer_params() * 4
     saved = {}
     for name, t in [("lora", lora), ("full", full)]:
-        fp = footprint(m, estimate(m, t))
+        fp = footprint(m, estimate(m, t), t)
         saved[name] = fp.peak - TP().memory(fp, 2)
     assert saved["lora"] >= 0.45 * layers
     assert 2.5 < saved["full"] / saved["lora"] < 5

@@ -89,3 +89,28 @@ def test_two_ranks_of_two_threads_on_two_cores_name_core_sharing_not_the_link():
     quiet = advise(M, T, b, accum=2, one_step=1.0, ic=slow, free=1 << 40, counts=(1, 2), slots=2,
                    threads=1, cores=2)
     assert "share the cores" not in quiet.reasons[0] and "because " in quiet.reasons[0]
+
+
+def test_a_pipelines_memory_is_its_fullest_stages_and_the_plan_names_it():
+    import io
+
+    from rich.console import Console
+
+    from ember.cli.plan import render_parallel
+    from ember.parallel.pp import stage_memory
+    from ember.plan.layout import footprint
+    b = estimate(M, T)
+    a = advise(M, T, b, accum=8, one_step=1.0, ic=net(100 * MB), free=1 << 40, counts=(1, 4, 8),
+               pipeline=("gpipe", 4))
+    pp = next(o for o in a.options if o.strategy == "pp" and o.devices == 4)
+    # GPipe holds all 8 micro-batches on every stage; the last also keeps their logits and log-softmax
+    stages = stage_memory(footprint(M, b, T, (8, "gpipe", 4)).stages, 4, 8, "gpipe")
+    assert pp.memory_bytes == int(max(stages)) == int(stages[3])
+    # the recipe's pp_size 4 over 8 ranks: 2 replicas of 4 stages, 4 micro-batches each
+    ppddp = next(o for o in a.options if o.strategy == "pp+ddp")
+    assert ppddp.devices == 8 and ppddp.memory_bytes == int(stage_memory(
+        footprint(M, b, T, (8, "gpipe", 4)).stages, 4, 4, "gpipe")[3])
+    out = io.StringIO()
+    render_parallel(a, Console(file=out, width=200))
+    assert "  pp on 4: memory per stage " in out.getvalue()
+    assert "pp+ddp on 8: memory per stage " in out.getvalue() and "stage 3 of 4 is the fullest" in out.getvalue()
