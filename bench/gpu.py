@@ -131,6 +131,17 @@ class Bench:
         why = "time limit" if code == 124 else f"exit {code}"
         return f"failed ({why}): {said[-1][:200]}"
 
+    def json_of(self, slug: str, command: str, overrides: list[str], *args: str, suffix: str = "",
+                limit: float | None = None) -> tuple[dict | None, str]:
+        """`ember COMMAND RECIPE --set ... ARGS --json`, its answer kept as runs/SLUG(SUFFIX).json:
+        (the answer, "") or (None, what went wrong)."""
+        answer = self.out / "runs" / f"{slug}{suffix}.json"
+        answer.parent.mkdir(exist_ok=True)
+        sets = [x for o in (*self.sizes.extra, *overrides) for x in ("--set", o)]
+        code = self.call(self.ember(command, str(self.recipe), *sets, *args, "--json"), slug, stdout=answer,
+                         limit=limit)
+        return (json.loads(answer.read_text()), "") if code == 0 else (None, self.failure(slug, code))
+
     def refusal(self, *settings: str) -> str | None:
         """None when this ember's recipe accepts `--set` of each of `settings`, else why not (its
         error, after the place it names)."""
@@ -261,15 +272,11 @@ def memory_row(b: Bench, name: str, overrides: list[str], run_slug: str) -> Row:
     max_memory_allocated over one real step), with the whole `ember run`'s allocator peaks."""
     s = b.sizes
     row = Row(name, f"{s.precision}, {s.micro_batch} x {s.seq_len}")
-    slug = slug_of(name)
-    plan = b.out / "runs" / f"{slug}.plan.json"
-    plan.parent.mkdir(exist_ok=True)
-    sets = [x for o in (*s.extra, *overrides) for x in ("--set", o)]
-    code = b.call(b.ember("plan", str(b.recipe), *sets, "--calibrate", "--json"), slug, stdout=plan)
-    if code != 0:
-        row.result = b.failure(slug, code)
+    plan, failed = b.json_of(slug_of(name), "plan", overrides, "--calibrate", suffix=".plan")
+    if plan is None:
+        row.result = failed
         return row
-    mem = json.loads(plan.read_text())["memory"]
+    mem = plan["memory"]
     probe = b.probes.get(run_slug)
     row.figures = {"estimate": mem["peak"], "with_margin": mem["with_margin"], "measured_step": mem.get("measured_peak"),
                    "error": mem.get("error"), "phase": mem["phase"], "cuda_run": probe}
@@ -290,22 +297,19 @@ def doctor_row(b: Bench, name: str, overrides: list[str]) -> Row:
     says where the MFU it measured goes."""
     s = b.sizes
     row = Row(name, f"{s.precision}, {s.micro_batch} x {s.seq_len}, --budget {s.doctor_seconds}")
-    slug = slug_of(name)
-    found = b.out / "runs" / f"{slug}.json"
-    found.parent.mkdir(exist_ok=True)
-    sets = [x for o in (*s.extra, *overrides) for x in ("--set", o)]
-    code = b.call(b.ember("doctor", str(b.recipe), *sets, "--budget", str(s.doctor_seconds), "--json"), slug,
-                  stdout=found, limit=s.doctor_seconds + 60)
-    if code != 0:
-        row.result = b.failure(slug, code)
+    report, failed = b.json_of(slug_of(name), "doctor", overrides, "--budget", str(s.doctor_seconds),
+                               limit=s.doctor_seconds + 60)
+    if report is None:
+        row.result = failed
         return row
-    report = json.loads(found.read_text())
     first = (report["findings"] or [None])[0]
     ops = report["figures"].get("top_ops") or []
     row.figures = {"findings": report["findings"], "top_ops": ops, "headline": report["headline"],
                    "skipped": report["skipped"]}
-    row.result = (f"{first['cause']}: its remedy saves {first['saving_share']:.0%}" if first
-                  else "no cause above the noise")
+    row.result = "no cause above the noise" if not first else (  # as `ember doctor` ranks them
+        f"{first['cause']}: {max(0.0, first['saving_share']):.0%} of the step" if first["cause"] == "compute-bound"
+        else f"{first['cause']}: its remedy saves {first['saving_seconds'] * 1e3:.1f} ms "
+             f"({max(0.0, first['saving_share']):.0%}) of a step")
     row.detail = ("top operators: " + ", ".join(f"{o['name']} {o['share']:.0%}" for o in ops[:6]) if ops
                   else "no profile (" + "; ".join(f"{k}: {v}" for k, v in (report["skipped"] or {}).items()) + ")")
     if first:

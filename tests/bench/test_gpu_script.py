@@ -72,7 +72,8 @@ def test_the_gpu_scripts_cpu_smoke_prints_every_row_with_figures_or_the_reason_t
             assert rows[name][2].startswith("2 checkpoints of "), rows[name]
         config, result, detail = rows["doctor, full, eager"]  # ember doctor's own ranking and profile
         assert config == "fp32, 8 x 64, --budget 25"
-        assert re.fullmatch(r"[a-z-]+: its remedy saves \d+%|no cause above the noise", result), result
+        assert re.fullmatch(r"compute-bound: \d+% of the step|[a-z-]+: its remedy saves [\d.]+ ms \(\d+%\) of a step"
+                            r"|no cause above the noise", result), result
         assert detail.startswith("top operators: aten::"), detail
         for name in MEMORY_ROWS:
             assert re.fullmatch(r"plan [\d.]+ MiB, measured [\d.]+ MiB \([+-]\d+\.\d%\)", rows[name][1]), rows[name]
