@@ -39,7 +39,8 @@ sees the same drift of this shared machine.
 A window: arrivals for --window seconds, then up to --drain seconds for the requests in flight;
 one still running then is cut (its client leaves) and counted as not done, its latency as at
 least the time it had (a percentile that lands on one prints as ">= x"). Training tokens/s: the
-steps that ended in the window (for (c), plus the idle gap its last request started).
+steps that ended in the window (for (c), plus the idle gap its last request started); kept: that
+over the phase's (a) windows together, so an (a) row's own ratio shows this machine's drift.
 
 usage: python bench/coserve.py [--window 30] [--drain 30] [--traces light heavy bursty]
            [--arms c d] [--seed 0] [--idle-gap 2.0]
@@ -118,7 +119,7 @@ def ask(url: str, headers: dict, model: str | None, text: str, cut: float) -> Re
     """One streamed completion; left (the connection closed) at time.time() >= cut."""
     body = {"prompt": text, "max_tokens": ANSWER_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
-    r = Result(time.time(), 0.0)
+    r, chunks = Result(time.time(), 0.0), 0
     try:
         with HTTP.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -133,10 +134,11 @@ def ask(url: str, headers: dict, model: str | None, text: str, cut: float) -> Re
                     chunk = json.loads(line[6:])
                     usage = chunk.get("usage") or {}
                     r.prompt_tokens = usage.get("prompt_tokens", r.prompt_tokens)
+                    chunks += any(c.get("text") for c in chunk.get("choices", []))
                     r.tokens = usage.get("completion_tokens", r.tokens)
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {e}"
-    r.end = time.time()
+    r.end, r.tokens = time.time(), r.tokens or chunks  # no usage chunk: one text chunk a token
     return r
 
 
@@ -230,29 +232,48 @@ def service_phase(work: Path, traces: dict, args) -> dict:
             assert r.status_code == 201, r.text
             s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= 20, timeout=300)
             out = Path(s.jobs()["train"]["out"])
+            tokens = llama_prompt_tokens(upstream, traces)
             for i, (name, trace) in enumerate(traces.items()):
                 for arm in rotation(i, ("a", "c", "b")):
                     print(f"[pause-and-gap] {name}: ({arm})", flush=True)
                     if arm == "a":
                         w = quiet(args)
                     elif arm == "c":
-                        w = play(s.url, {}, "base", "llama", trace, args)
+                        w = play(s.url, s.auth, "base", "llama", trace, args)
                         w.hi += args.idle_gap if w.results else 0.0  # the pause its last request began
                     else:
                         assert s.api("POST", "/api/jobs/train/pause", {}).status_code == 200
                         s.wait(lambda j: j["train"]["state"] == "soft-paused")
-                        w = play(s.url, {}, "base", "llama", trace, args)
+                        w = play(s.url, s.auth, "base", "llama", trace, args)
+                    if arm != "a":
+                        settle(upstream)
                     time.sleep(max(0.0, w.hi - time.time()) + 0.5)
                     if arm == "b":
                         assert s.api("POST", "/api/jobs/train/resume", {}).status_code == 200
                     s.wait(lambda j: j["train"]["state"] == "running")
                     got[name, arm] = w
+                    for r in w.results:
+                        r.prompt_tokens = r.prompt_tokens or round(tokens[name])
             rows = steps(out)
             for (_, arm), w in got.items():
                 w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
         finally:
             stop_service(s)
     return got
+
+
+def settle(upstream: str) -> None:
+    """Until llama.cpp's server has nothing left to do: it answers one request at a time, so a
+    one-token request returns once every request still running (one cut by a window) is over."""
+    HTTP.post(upstream + "/v1/completions", json={"prompt": "In", "max_tokens": 1}).raise_for_status()
+
+
+def llama_prompt_tokens(upstream: str, traces: dict) -> dict[str, float]:
+    """Mean prompt tokens of each trace's prompts, by llama.cpp's own tokenizer (its streams
+    through the service carry no usage)."""
+    count = lambda text: len(HTTP.post(upstream + "/extras/tokenize", json={"input": text}).json()["tokens"])
+    return {name: sum(count(prompt(pos, "llama")) for _, pos in trace) / max(1, len(trace))
+            for name, trace in traces.items()}
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -285,9 +306,15 @@ ARM_NAMES = {("d", "a"): "(a) training alone (co-serving run)", ("d", "b"): "(b)
              ("c", "b"): "(b) llama.cpp alone (via service)", ("c", "c"): "**(c) pause-and-gap, llama.cpp**"}
 
 
-def row(trace: str, phase: str, arm: str, got: dict, args) -> str:
+def solo(got: dict) -> float:
+    """Training alone: tokens/s over every (a) window of the phase, time-weighted."""
+    ws = [w for (_, arm), w in got.items() if arm == "a"]
+    return sum(w.training * (w.hi - w.lo) for w in ws) / sum(w.hi - w.lo for w in ws)
+
+
+def row(trace: str, phase: str, arm: str, got: dict) -> str:
     """One table row: requests, latency and its ratio to the engine alone, training kept."""
-    w, alone, solo = got[trace, arm], got.get((trace, "b")), got.get((trace, "a"))
+    w, alone = got[trace, arm], got.get((trace, "b"))
     if w.note:
         return f"| {trace} | {ARM_NAMES[phase, arm]} | {w.note} |" + " |" * 8
     done = sum(r.done for r in w.results)
@@ -306,7 +333,7 @@ def row(trace: str, phase: str, arm: str, got: dict, args) -> str:
     if w.training is None:
         cells += ["paused", "-"]
     else:
-        kept = w.training / solo.training if arm != "a" else 1.0
+        kept = w.training / solo(got)
         cells += [f"{w.training:,.0f}", f"{kept:.3f}"]
     return f"| {trace} | {ARM_NAMES[phase, arm]} | " + " | ".join(cells) + " |"
 
@@ -315,12 +342,12 @@ def report(got: dict, traces: dict, phases: list[str], args, loads: list[float],
     print(f"\n{len(traces)} traces x arms, --window {args.window:g} s, --drain {args.drain:g} s, "
           f"seed {args.seed}, idle gap {args.idle_gap:g} s; {seconds:.0f} s in all")
     print("| trace | arm | requests done | prompt / answer tokens | latency p50 | latency p99 | p50 / alone "
-          "| p99 / alone | busy share | training tokens/s | kept vs alone |")
+          "| p99 / alone | busy share | training tokens/s | kept (vs all (a)) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for trace in traces:
         for phase in phases:
             for arm in ("a", "b", phase):
-                print(row(trace, phase, arm, got[phase], args))
+                print(row(trace, phase, arm, got[phase]))
     print(f"\nload average (1 min) at the start, after each phase and at the end: "
           f"{', '.join(f'{x:.2f}' for x in loads)}; {os.cpu_count()} cores, shared with other work")
 
