@@ -41,6 +41,9 @@ one still running then is cut (its client leaves) and counted as not done, its l
 least the time it had (a percentile that lands on one prints as ">= x"). Training tokens/s: the
 steps that ended in the window (for (c), plus the idle gap its last request started); kept: that
 over the phase's (a) windows together, so an (a) row's own ratio shows this machine's drift.
+For (d) also the run's own account, 1 - the share of the window's step time spent in
+co-serving's gaps (phase `serve` of metrics.jsonl, as bench/coserve_light.py), which that drift
+does not blur.
 
 usage: python bench/coserve.py [--window 30] [--drain 30] [--traces light heavy bursty]
            [--arms c d] [--seed 0] [--idle-gap 2.0]
@@ -113,6 +116,7 @@ class Window:
     hi: float = 0.0
     training: float | None = None  # tokens/s; None: training was paused by design
     note: str = ""
+    own: float | None = None       # (d): 1 - the share of step time in co-serving's gaps
 
 
 def ask(url: str, headers: dict, model: str | None, text: str, cut: float) -> Result:
@@ -215,6 +219,9 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
         rows = steps(out)
         for (_, arm), w in got.items():
             w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
+            inside = [r for r in rows if w.lo <= r["time"] <= w.hi]
+            if arm == "d" and inside:  # the run's own account, which the machine's drift does not blur
+                w.own = 1 - sum(r["phases"].get("serve", 0.0) for r in inside) / sum(r["step_seconds"] for r in inside)
     finally:
         stop_group(proc)
     return got
@@ -334,7 +341,8 @@ def row(trace: str, phase: str, arm: str, got: dict) -> str:
         cells += ["paused", "-"]
     else:
         kept = w.training / solo(got)
-        cells += [f"{w.training:,.0f}", f"{kept:.3f}"]
+        own = f" (own account {w.own:.3f})" if w.own is not None else ""
+        cells += [f"{w.training:,.0f}", f"{kept:.3f}{own}"]
     return f"| {trace} | {ARM_NAMES[phase, arm]} | " + " | ".join(cells) + " |"
 
 
