@@ -38,12 +38,17 @@ sees the same drift of this shared machine.
 
 A window: arrivals for --window seconds, then up to --drain seconds for the requests in flight;
 one still running then is cut (its client leaves) and counted as not done, its latency as at
-least the time it had (a percentile that lands on one prints as ">= x"). Training tokens/s: the
+least the time it had (a percentile that lands on one prints as ">= x"). After a llama.cpp
+window, outside it, a one-token request straight to llama.cpp returns once it has nothing left
+(it answers one request at a time), so no window inherits another's queue. Training tokens/s: the
 steps that ended in the window (for (c), plus the idle gap its last request started); kept: that
 over the phase's (a) windows together, so an (a) row's own ratio shows this machine's drift.
 For (d) also the run's own account, 1 - the share of the window's step time spent in
 co-serving's gaps (phase `serve` of metrics.jsonl, as bench/coserve_light.py), which that drift
 does not blur.
+
+The default run (30 s windows) takes about 10 minutes: 9 windows a phase, the llama.cpp ones
+up to window + drain long (at 2 requests/s its one thread falls behind on this machine).
 
 usage: python bench/coserve.py [--window 30] [--drain 30] [--traces light heavy bursty]
            [--arms c d] [--seed 0] [--idle-gap 2.0]
@@ -190,9 +195,10 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
     """(a), (b) and (d) on one co-serving run and one built-in worker: {(trace, arm): Window}."""
     recipe, out, ctl = write_recipe(work / "coserve", **TRAIN), work / "coserve" / "run", work / "control"
     ctl.mkdir()
-    proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
-                            env={**os.environ, control.ENV: str(ctl)}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(work / "coserve.log", "wb"))
+    with open(work / "coserve.log", "wb") as log:
+        proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
+                                env={**os.environ, control.ENV: str(ctl)}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=log)
     worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
               "--threads", "1"]
     got = {}
