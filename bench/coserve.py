@@ -47,10 +47,10 @@ For (d) also the run's own account, 1 - the share of the window's step time spen
 co-serving's gaps (phase `serve` of metrics.jsonl, as bench/coserve_light.py), which that drift
 does not blur.
 
-The default run (30 s windows) takes about 10 minutes: 9 windows a phase, the llama.cpp ones
+The default run (25 s windows, 15 s drain) takes about 10 minutes: 9 windows a phase, the llama.cpp ones
 up to window + drain long (at 2 requests/s its one thread falls behind on this machine).
 
-usage: python bench/coserve.py [--window 30] [--drain 30] [--traces light heavy bursty]
+usage: python bench/coserve.py [--window 25] [--drain 15] [--traces light heavy bursty]
            [--arms c d] [--seed 0] [--idle-gap 2.0]
 """
 
@@ -373,8 +373,8 @@ def skipped(traces: dict, note: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--window", type=float, default=30.0, help="seconds of arrivals per window")
-    p.add_argument("--drain", type=float, default=30.0, help="seconds after a window for requests in flight")
+    p.add_argument("--window", type=float, default=25.0, help="seconds of arrivals per window")
+    p.add_argument("--drain", type=float, default=15.0, help="seconds after a window for requests in flight")
     p.add_argument("--traces", nargs="+", choices=("light", "heavy", "bursty"), default=["light", "heavy", "bursty"])
     p.add_argument("--arms", nargs="+", choices=("c", "d"), default=["c", "d"],
                    help="c: pause-and-gap with llama.cpp, d: co-serving; each with its own (a) and (b)")
