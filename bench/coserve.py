@@ -47,8 +47,8 @@ For (d) also the run's own account, 1 - the share of the window's step time spen
 co-serving's gaps (phase `serve` of metrics.jsonl, as bench/coserve_light.py), which that drift
 does not blur.
 
-The default run (25 s windows, 15 s drain) takes about 10 minutes: 9 windows a phase, the llama.cpp ones
-up to window + drain long (at 2 requests/s its one thread falls behind on this machine).
+The default run (25 s windows, 15 s drain) takes about 10 minutes: 9 windows a phase, the
+llama.cpp ones up to window + drain long (at 2 requests/s its one thread falls behind here).
 
 usage: python bench/coserve.py [--window 25] [--drain 15] [--traces light heavy bursty]
            [--arms c d] [--seed 0] [--idle-gap 2.0]
