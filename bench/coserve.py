@@ -78,7 +78,7 @@ import httpx  # noqa: E402
 from coserve_light import TRAIN  # noqa: E402
 from engine import process  # noqa: E402
 from ember import control  # noqa: E402
-from serve_colocation import llama_engine, q, start_service, steps, stop_service, throughput, union  # noqa: E402
+from serve_colocation import llama_engine, start_service, steps, stop_service, throughput, union  # noqa: E402
 from tests.helpers import GENESIS, ember_cmd, write_recipe  # noqa: E402
 
 PROMPT_TOKENS, ANSWER_TOKENS = 32, 64
