@@ -130,7 +130,10 @@ def ask(url: str, headers: dict, model: str | None, text: str, cut: float) -> Re
             "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
     r, chunks = Result(time.time(), 0.0), 0
     try:
-        with HTTP.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+        # A read may block past the cut (llama.cpp sends nothing while the request waits its
+        # turn): bounded by the time to the cut, so it ends at the cut or soon after.
+        with HTTP.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                         timeout=httpx.Timeout(30.0, read=max(1.0, cut - r.start))) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
             for line in resp.iter_lines() if r.error is None else ():
@@ -148,6 +151,8 @@ def ask(url: str, headers: dict, model: str | None, text: str, cut: float) -> Re
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {e}"
     r.end, r.tokens = time.time(), r.tokens or chunks  # no usage chunk: one text chunk a token
+    if r.end > cut:  # not answered whole by the cut: at least this long
+        r.done, r.error, r.end = False, "cut", cut
     return r
 
 
@@ -164,7 +169,7 @@ def play(url: str, headers: dict, model: str | None, engine: str, trace: list[tu
             futures.append(pool.submit(ask, url, headers, model, prompt(pos, engine), cut))
         time.sleep(max(0.0, t0 + args.window - time.perf_counter()))
         w.results = [f.result() for f in futures]
-    w.hi = max([time.time()] + [r.end for r in w.results])
+    w.hi = min(cut, max([time.time()] + [r.end for r in w.results]))
     return w
 
 
