@@ -85,6 +85,7 @@ PROMPT_TOKENS, ANSWER_TOKENS = 32, 64
 CHARS_PER_TOKEN = {"builtin": 1, "llama": 4.3}  # byte tokens; SmolLM2's BPE on English prose
 HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
 TEXT = json.loads(GENESIS.read_text().splitlines()[0])["text"]
+LOADS: list[float] = []  # the 1-minute load average at the end of every window: how shared the machine was
 
 
 def arrivals(trace: str, seconds: float, rng: random.Random) -> list[float]:
@@ -227,6 +228,7 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
                         w = play(alone, {}, "base", "builtin", trace, args)
                         wait_ack(ctl, control.request(ctl, None), "running")
                     got[name, arm] = w
+                    LOADS.append(os.getloadavg()[0])
         rows = steps(out)
         for (_, arm), w in got.items():
             w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
@@ -270,6 +272,7 @@ def service_phase(work: Path, traces: dict, args) -> dict:
                         assert s.api("POST", "/api/jobs/train/resume", {}).status_code == 200
                     s.wait(lambda j: j["train"]["state"] == "running")
                     got[name, arm] = w
+                    LOADS.append(os.getloadavg()[0])
                     for r in w.results:
                         r.prompt_tokens = r.prompt_tokens or round(tokens[name])
             rows = steps(out)
@@ -368,7 +371,9 @@ def report(got: dict, traces: dict, phases: list[str], args, loads: list[float],
             for arm in ("a", "b", phase):
                 print(row(trace, phase, arm, got[phase]))
     print(f"\nload average (1 min) at the start, after each phase and at the end: "
-          f"{', '.join(f'{x:.2f}' for x in loads)}; {os.cpu_count()} cores, shared with other work")
+          f"{', '.join(f'{x:.2f}' for x in loads)}; at the {len(LOADS)} windows' ends min {min(LOADS, default=0):.2f}, "
+          f"mean {sum(LOADS) / max(1, len(LOADS)):.2f}, max {max(LOADS, default=0):.2f}; "
+          f"{os.cpu_count()} cores, shared with other work")
 
 
 def skipped(traces: dict, note: str) -> dict:
