@@ -226,7 +226,7 @@ def start_service(work: Path, name: str, inference: str, idle_gap: float) -> Ser
     deadline = time.monotonic() + 900  # a GGUF converts once on first load
     while True:
         try:
-            if httpx.get(s.url + "/health", timeout=10).status_code == 200:
+            if httpx.get(s.url + "/health", timeout=10, headers=s.auth).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
