@@ -64,8 +64,9 @@ class PP:
         notes = [f"bubble {share:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
-        notes.append(fullest(stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])))
-        return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, self.memory(fp, p),
+        peaks = stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])  # m: the recipe's grad_accum, as memory()'s
+        notes.append(fullest(peaks))
+        return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, max(peaks),
                     2 * m * step.act_bytes, tuple(notes))
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:

@@ -72,8 +72,9 @@ class PPDDP:
                  f"stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"{m} micro-batches per pipeline < {p} stages: some stages never overlap")
-        notes.append(fullest(stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])))
-        return Cost(ranks.compute(step.seconds) / (1 - share), sends + reduce, 0.0, self.memory(fp, n),
+        peaks = stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])  # as memory(fp, n) prices them
+        notes.append(fullest(peaks))
+        return Cost(ranks.compute(step.seconds) / (1 - share), sends + reduce, 0.0, max(peaks),
                     2 * m * act + hops_share("all_reduce", dp)[1] * fp.grads / p, tuple(notes))
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
