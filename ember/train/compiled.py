@@ -42,12 +42,10 @@ from ember.train.loss import causal_lm_loss
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def wanted(setting: bool | str, device: torch.device) -> bool:
-    """Whether `[train] compile` compiles the step on `device` ("auto": eager everywhere, as
-    measured: see the module's docstring)."""
-    if setting == "auto":
-        return False
-    return bool(setting)
+def wanted(setting: bool | str) -> bool:
+    """Whether `[train] compile` compiles the step: `true` only ("auto" is eager on every device,
+    as measured: see the module's docstring)."""
+    return setting is True
 
 
 class Eager:
@@ -142,9 +140,9 @@ def use_cache_dir() -> str:
     return os.environ[CACHE_VARIABLE]
 
 
-def build(setting: bool | str, device: torch.device) -> Compiler | Eager:
-    """A Compiler when the recipe and the device want one (`wanted`), else Eager."""
-    return Compiler() if wanted(setting, device) else Eager()
+def build(setting: bool | str) -> Compiler | Eager:
+    """A Compiler when the recipe wants one (`wanted`), else Eager."""
+    return Compiler() if wanted(setting) else Eager()
 
 
 def described(summary: dict[str, Any]) -> str:

@@ -149,7 +149,7 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     job = Job(recipe, run, device, bundle, p.optimizer, p.scheduler, p.scaler, store, p.state, tokens_path,
               events, ledger, started, writer, mtbf_seconds=checkpoint_mtbf(recipe, ledger, events),
               timer=p.timer, world=world, wrapped=p.model, dropout=dropout,
-              compiler=build_compiler(recipe.train.compile, device))
+              compiler=build_compiler(recipe.train.compile))
     t0 = time.time()
     resumed = restore(job, from_scratch)
     start_attempt(job, resumed, t0, launch)
