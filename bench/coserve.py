@@ -188,6 +188,24 @@ def rotation(i: int, arms: tuple[str, ...]) -> tuple[str, ...]:
     return arms[k:] + arms[:k]
 
 
+def windows(phase: str, traces: dict, arms: tuple[str, ...], measure) -> dict:
+    """Every trace's window of every arm, in `rotation` order: {(trace, arm): measure(trace's name,
+    trace, arm)}, the load average noted at each window's end."""
+    got = {}
+    for i, (name, trace) in enumerate(traces.items()):
+        for arm in rotation(i, arms):
+            print(f"[{phase}] {name}: ({arm})", flush=True)
+            got[name, arm] = measure(name, trace, arm)
+            LOADS.append(os.getloadavg()[0])
+    return got
+
+
+def training(got: dict, rows: list) -> None:
+    """Each window's training tokens/s from the run's steps; none for (b), where training is paused."""
+    for (_, arm), w in got.items():
+        w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
+
+
 def wait_ack(folder: Path, seq: int, state: str, timeout: float = 60) -> None:
     """Until the training process acknowledged control request `seq` with `state`."""
     deadline = time.monotonic() + timeout
@@ -207,7 +225,6 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
                                 stdout=subprocess.DEVNULL, stderr=log)
     worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
               "--threads", "1"]
-    got = {}
     try:
         with process(worker, ROOT, work / "worker.log") as alone:
             while not (out / "serve.json").exists() or len(steps(out)) < 20:  # past warm-up
@@ -216,22 +233,20 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
                 time.sleep(0.5)
             info = json.loads((out / "serve.json").read_text())
             live = (info["url"], {"Authorization": f"Bearer {info['token']}"}, None)
-            for i, (name, trace) in enumerate(traces.items()):
-                for arm in rotation(i, ("a", "d", "b")):
-                    print(f"[co-serving] {name}: ({arm})", flush=True)
-                    if arm == "a":
-                        w = quiet(args)
-                    elif arm == "d":
-                        w = play(*live, "builtin", trace, args)
-                    else:  # training soft-paused while the worker alone answers
-                        wait_ack(ctl, control.request(ctl, "user"), "paused")
-                        w = play(alone, {}, "base", "builtin", trace, args)
-                        wait_ack(ctl, control.request(ctl, None), "running")
-                    got[name, arm] = w
-                    LOADS.append(os.getloadavg()[0])
+
+            def measure(name: str, trace: list, arm: str) -> Window:
+                if arm == "a":
+                    return quiet(args)
+                if arm == "d":
+                    return play(*live, "builtin", trace, args)
+                wait_ack(ctl, control.request(ctl, "user"), "paused")  # training soft-paused: the worker alone
+                w = play(alone, {}, "base", "builtin", trace, args)
+                wait_ack(ctl, control.request(ctl, None), "running")
+                return w
+            got = windows("co-serving", traces, ("a", "d", "b"), measure)
         rows = steps(out)
+        training(got, rows)
         for (_, arm), w in got.items():
-            w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
             inside = [r for r in rows if w.lo <= r["time"] <= w.hi]
             if arm == "d" and inside:  # the run's own account, which the machine's drift does not blur
                 w.own = 1 - sum(r["phases"].get("serve", 0.0) for r in inside) / sum(r["step_seconds"] for r in inside)
@@ -242,7 +257,6 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
 
 def service_phase(work: Path, traces: dict, args) -> dict:
     """(a), (b) and (c) on one `ember serve` with llama.cpp upstream and one job: {(trace, arm): Window}."""
-    got = {}
     with llama_engine(work) as upstream:
         s = start_service(work, "service", f'upstream = "{upstream}"', args.idle_gap)
         try:
@@ -253,31 +267,28 @@ def service_phase(work: Path, traces: dict, args) -> dict:
             s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= 20, timeout=300)
             out = Path(s.jobs()["train"]["out"])
             tokens = llama_prompt_tokens(upstream, traces)
-            for i, (name, trace) in enumerate(traces.items()):
-                for arm in rotation(i, ("a", "c", "b")):
-                    print(f"[pause-and-gap] {name}: ({arm})", flush=True)
-                    if arm == "a":
-                        w = quiet(args)
-                    elif arm == "c":
-                        w = play(s.url, s.auth, "base", "llama", trace, args)
-                        w.hi += args.idle_gap if w.results else 0.0  # the pause its last request began
-                    else:
-                        assert s.api("POST", "/api/jobs/train/pause", {}).status_code == 200
-                        s.wait(lambda j: j["train"]["state"] == "soft-paused")
-                        w = play(s.url, s.auth, "base", "llama", trace, args)
-                    if arm != "a":
-                        settle(upstream)
-                    time.sleep(max(0.0, w.hi - time.time()) + 0.5)
-                    if arm == "b":
-                        assert s.api("POST", "/api/jobs/train/resume", {}).status_code == 200
-                    s.wait(lambda j: j["train"]["state"] == "running")
-                    got[name, arm] = w
-                    LOADS.append(os.getloadavg()[0])
-                    for r in w.results:
-                        r.prompt_tokens = r.prompt_tokens or round(tokens[name])
-            rows = steps(out)
-            for (_, arm), w in got.items():
-                w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
+
+            def measure(name: str, trace: list, arm: str) -> Window:
+                if arm == "a":
+                    w = quiet(args)
+                elif arm == "c":
+                    w = play(s.url, s.auth, "base", "llama", trace, args)
+                    w.hi += args.idle_gap if w.results else 0.0  # the pause its last request began
+                else:
+                    assert s.api("POST", "/api/jobs/train/pause", {}).status_code == 200
+                    s.wait(lambda j: j["train"]["state"] == "soft-paused")
+                    w = play(s.url, s.auth, "base", "llama", trace, args)
+                if arm != "a":
+                    settle(upstream)
+                time.sleep(max(0.0, w.hi - time.time()) + 0.5)
+                if arm == "b":
+                    assert s.api("POST", "/api/jobs/train/resume", {}).status_code == 200
+                s.wait(lambda j: j["train"]["state"] == "running")
+                for r in w.results:
+                    r.prompt_tokens = r.prompt_tokens or round(tokens[name])
+                return w
+            got = windows("pause-and-gap", traces, ("a", "c", "b"), measure)
+            training(got, steps(out))
         finally:
             stop_service(s)
     return got
