@@ -139,8 +139,12 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
                 break
             record_persisted(job)  # a background persist that ended: its ledger row and notice now
             record.pause(between.pauses.check())  # the service asked: wait here, keep the process
-            due = policy.due(state.step, time.monotonic(), last, stop=stop.requested, early=early, best=improved)
-            stopping, save = world.any(stop.requested, due is not None)  # the ranks agree: stop and save at one step
+            # The request is read once: a signal landing after this read is this step's news for
+            # neither the policy nor the ranks' vote (a stop without its save), but the next step's.
+            requested = stop.requested
+            due = policy.due(state.step, time.monotonic(), last, stop=requested, early=early, best=improved)
+            faults.point("train.save_decided")  # a signal landing here: crash tests
+            stopping, save = world.any(requested, due is not None)  # the ranks agree: stop and save at one step
             if save:  # what it blocked is the next step's part; what it cost, EveryAuto's next interval
                 blocked = checkpoint(job, record, watchdog, result.loss)
                 last, saved = LastSave(time.monotonic(), blocked), state.step

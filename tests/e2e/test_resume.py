@@ -95,6 +95,23 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bit_exact(sig, baselines, 
     assert_same_result(out, uninterrupted("150", {"train": {"max_steps": 150}}))
 
 
+def test_a_stop_signal_landing_as_the_step_decides_whether_to_save_still_checkpoints_where_it_stops(tmp_path):
+    """A signal that lands after the loop asked the checkpoint policy what is due (nothing, at step
+    7) but before the ranks agreed to stop: the run stopped at step 7 with no checkpoint there
+    ('newest committed checkpoint is step 5 (stopped at step 7)', seen once in CI). The loop now
+    reads the stop request once per step: the signal stops the run at the next step, saved."""
+    recipe = write_recipe(tmp_path, train={"max_steps": 150})
+    out = tmp_path / "run"
+    result = run_ember("run", recipe, "--out", out,
+                       env={"EMBER_FAULT": "train.save_decided@7", "EMBER_FAULT_SIGNAL": "SIGTERM"})
+    assert result.returncode == 75, result.stderr[-2000:]
+    stopped_at = losses(out)[-1][0]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert (out / "checkpoints" / f"step-{stopped_at:09d}").is_dir(), (stopped_at, saved, result.stderr[-2000:])
+    resume_to_end(recipe, out)
+    assert_same_result(out, uninterrupted("150", {"train": {"max_steps": 150}}))
+
+
 def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_path):
     """A scheduler's warning (SIGUSR1) that arrives while the run is still starting (held here
     for 3 s in tokenizing its data) no longer kills it: it exits 75 at its first step boundary,
