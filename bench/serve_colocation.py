@@ -52,6 +52,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from ember.models import resolve_path  # noqa: E402
+from ember.web.security import WORKER_TOKEN_ENV  # noqa: E402
 from tests.helpers import GENESIS, write_recipe  # noqa: E402
 from tests.serve_harness import Serve  # noqa: E402
 
@@ -94,15 +95,16 @@ def make_trace(n: int, rate: float, seed: int) -> list[tuple[float, str]]:
     return out
 
 
-def one(url: str, prompt: str, max_tokens: int) -> Result:
-    """One streamed completion, bounded by REQUEST_TIMEOUT."""
+def one(url: str, prompt: str, max_tokens: int, auth: dict[str, str] | None = None) -> Result:
+    """One streamed completion, bounded by REQUEST_TIMEOUT (`auth`: the service's token; the
+    engine behind it takes requests without one)."""
     start = time.time()
     first, tokens = None, 0
     body = {"model": "base", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     usage = None
     try:
-        with HTTP.stream("POST", url + "/v1/completions", json=body) as r:
+        with HTTP.stream("POST", url + "/v1/completions", json=body, headers=auth) as r:
             if r.status_code != 200:
                 return Result(start, None, time.time(), 0, f"HTTP {r.status_code}: {r.read()[:200]!r}")
             for line in r.iter_lines():
@@ -122,14 +124,15 @@ def one(url: str, prompt: str, max_tokens: int) -> Result:
     return Result(start, first, time.time(), tokens if usage is None else usage)
 
 
-def run_trace(url: str, trace: list[tuple[float, str]], max_tokens: int) -> list[Result]:
+def run_trace(url: str, trace: list[tuple[float, str]], max_tokens: int,
+              auth: dict[str, str] | None = None) -> list[Result]:
     """Open loop: each request leaves at its arrival time whether or not earlier ones finished."""
     with ThreadPoolExecutor(64) as pool:
         t0 = time.perf_counter()
         futures = []
         for at, prompt in trace:
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            futures.append(pool.submit(one, url, prompt, max_tokens))
+            futures.append(pool.submit(one, url, prompt, max_tokens, auth))
         return [f.result() for f in futures]
 
 
@@ -249,13 +252,34 @@ def stop_service(s: Serve) -> None:
         s.engine_proc.kill()
 
 
-def proxy_cost(service: str, engine: str, trace: list[tuple[float, str]], max_tokens: int, k: int = 11) -> dict:
+def engine_auth(s: Serve) -> dict[str, str] | None:
+    """The header the engine behind the service wants: the built-in worker answers only requests
+    carrying the token the service gave it in its environment (read here from the worker, the
+    service's own descendant); llama.cpp's server wants none."""
+    for child in psutil.Process(s.proc.pid).children(recursive=True):
+        try:
+            token = child.environ().get(WORKER_TOKEN_ENV)
+        except psutil.Error:
+            continue
+        if token:
+            return {"Authorization": f"Bearer {token}"}
+    return None
+
+
+def proxy_cost(service: Serve, engine: str, trace: list[tuple[float, str]], max_tokens: int, k: int = 11) -> dict:
     """One request at a time, alternating straight to the engine and through the service; each
     of k prompts (k odd) once each way, never the same prompt twice in a row (llama.cpp reuses
     the cache of the prompt it has just seen)."""
-    direct, via = [], []
+    direct, via, auth = [], [], engine_auth(service)
+    k = min(k, len(trace) - (len(trace) + 1) % 2)  # a short trace: as many prompts as it has, k odd
     for i in range(2 * k):
-        (via if i % 2 else direct).append(one(service if i % 2 else engine, trace[i % k][1], max_tokens))
+        prompt = trace[i % k][1]
+        if i % 2:
+            via.append(one(service.url, prompt, max_tokens, service.auth))
+        else:
+            direct.append(one(engine, prompt, max_tokens, auth))
+    failed = [(name, r.error) for name, rs in (("direct", direct), ("via", via)) for r in rs if r.error]
+    assert not failed, f"requests failed, so their latency would be the error's: {failed[:3]}"
     return {name: (statistics.median(r.latency for r in rs), statistics.median(r.ttft or math.nan for r in rs))
             for name, rs in (("direct", direct), ("via", via))}
 
@@ -289,9 +313,9 @@ def bench_engine(engine: str, inference: str, work: Path, trace, args) -> dict:
     s = start_service(work, engine, inference, args.idle_gap)
     try:
         for _, prompt in trace[:3]:  # warm-up, not counted
-            one(s.url, prompt, args.max_tokens)
+            one(s.url, prompt, args.max_tokens, s.auth)
         print(f"[{engine}] engine ready; through the service and straight to it, one at a time", flush=True)
-        proxy = proxy_cost(s.url, s.api("GET", "/api/stats").json()["engine"], trace, args.max_tokens)
+        proxy = proxy_cost(s, s.api("GET", "/api/stats").json()["engine"], trace, args.max_tokens)
         recipe = write_recipe(work / f"recipe-{engine}", **TRAIN)
         r = s.api("POST", "/api/jobs", {"recipe": str(recipe), "name": "train"})
         assert r.status_code == 201, r.text
@@ -308,12 +332,12 @@ def bench_engine(engine: str, inference: str, work: Path, trace, args) -> dict:
                 if mode == "idle":
                     assert s.api("POST", "/api/jobs/train/pause", {}).status_code == 200
                     s.wait(lambda j: j["train"]["state"] == "soft-paused")
-                    idle.append(run_trace(s.url, block, args.max_tokens))
+                    idle.append(run_trace(s.url, block, args.max_tokens, s.auth))
                     time.sleep(args.idle_gap + 0.5)  # the inference pause would follow the hand's
                     assert s.api("POST", "/api/jobs/train/resume", {}).status_code == 200
                     s.wait(lambda j: j["train"]["state"] == "running")
                 else:
-                    results = run_trace(s.url, block, args.max_tokens)
+                    results = run_trace(s.url, block, args.max_tokens, s.auth)
                     busy.append(results)
                     # The window: from the first request to the end of the pause it caused.
                     windows.append((results[0].start, max(x.end for x in results) + args.idle_gap))
