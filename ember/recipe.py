@@ -323,6 +323,12 @@ class ServeConfig:
                                "time since the previous gap (at least one decode step when requests "
                                "wait): under a steady stream training keeps about 1 / (1 + gap_share) "
                                "of its speed.", min=0)
+    burst_seconds: float = setting(1.0, "Serving time a gap may take beyond its share, saved up (at "
+                                   "gap_share per second of training) while nothing waited: a request "
+                                   "arriving at a quiet moment is answered whole in one gap, up to this "
+                                   "long, instead of a share of a micro-batch at a time. A burst costs "
+                                   "training at most this once; the steady rate stays gap_share. 0: no "
+                                   "saving up.", min=0)
 
 
 @dataclass
@@ -390,7 +396,7 @@ OPERATIONAL_KEYS = frozenset({
     # Where else the figures go: never what is computed.
     "log.tensorboard", "log.mlflow_tracking_uri", "log.mlflow_experiment",
     # Co-serving reads the model between micro-batches; what training computes is the same.
-    "serve.coserve", "serve.host", "serve.port", "serve.gap_share",
+    "serve.coserve", "serve.host", "serve.port", "serve.gap_share", "serve.burst_seconds",
 })
 
 

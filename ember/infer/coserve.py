@@ -17,9 +17,13 @@ Model names a request may ask for:
 The gap: the loop calls `Gaps.gap()` before every micro-batch (ember.train.between). With nothing
 queued it returns at once (one look at the queue). Otherwise it runs turns of ember's decode
 loop (ember.infer.batching: admit a request, prefill a chunk, one decode step of the batch)
-until it has taken `[serve] gap_share` times the training time since the previous gap, and at
-least one turn: under a steady stream of requests training keeps about 1 / (1 + gap_share) of
-its speed (half by default), and a request waits at most one micro-batch for its next turn.
+while it has credit (`Credit`), and at least one turn. Training earns credit, `[serve]
+gap_share` seconds of serving per second of training, saved up to `[serve] burst_seconds` while
+nothing waits: a request that arrives at a quiet moment is answered whole in the next gap (it
+waits only for the micro-batch under way), and under a steady stream of requests training
+keeps about 1 / (1 + gap_share) of its speed (half by default), each request waiting at most
+one micro-batch for its next turn. What serving takes over any stretch of training T is at most
+gap_share x T + burst_seconds (and the one turn a gap takes without credit).
 
 What serving leaves as it was, so training computes exactly what a run that served nothing
 computes (tests/e2e/test_coserve.py): the model runs under torch.no_grad in eval mode, and
@@ -35,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -179,23 +184,46 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+@dataclass
+class Credit:
+    """The serving time a gap may take, in seconds (arithmetic only): `share` seconds earned per
+    second of training, saved up to `burst` (or one gap's earnings, if more); spent by serving.
+    It starts full. A gap that serves past its credit (the one turn it always takes) leaves a
+    debt, which training pays back first."""
+    share: float
+    burst: float
+    balance: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.balance = self.burst
+
+    def trained(self, seconds: float) -> float:
+        """Training ran `seconds` since the previous gap: the balance now, this gap's budget."""
+        earned = self.share * seconds
+        self.balance = min(self.balance + earned, max(self.burst, earned))
+        return self.balance
+
+    def served(self, seconds: float) -> None:
+        self.balance -= seconds
+
+
 class Gaps:
     """The training loop's side (ember.train.between.Serving): `gap()` before each micro-batch,
     `close(drain)` as the loop ends."""
 
-    def __init__(self, engine: CoEngine, share: float):
-        self.engine, self.share = engine, share
+    def __init__(self, engine: CoEngine, share: float, burst: float):
+        self.engine, self.credit = engine, Credit(share, burst)
         self.last = time.perf_counter()  # when the previous gap ended: training has run since
         self.turns, self.seconds = 0, 0.0
 
     def gap(self) -> float:
-        """Answer queued requests for `share` times the training time since the last gap (one
-        turn at least); the seconds it took, 0.0 when nothing waited."""
+        """Answer queued requests while the credit lasts (one turn at least); the seconds it
+        took, 0.0 when nothing waited (the training time since the last gap is credited either way)."""
         batcher, start = self.engine.batcher, time.perf_counter()
+        budget = self.credit.trained(start - self.last)
         if not batcher.pending():
             self.last = start
             return 0.0
-        budget = self.share * (start - self.last)
         with preserved(self.engine.model):
             batcher.turn()
             self.turns += 1
@@ -203,6 +231,7 @@ class Gaps:
                 batcher.turn()
                 self.turns += 1
         self.last = time.perf_counter()
+        self.credit.served(self.last - start)
         self.seconds += self.last - start
         return self.last - start
 

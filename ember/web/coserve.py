@@ -75,4 +75,4 @@ def start(job: Any) -> CoServing:
     file = job.run.announce_serving({"url": url, "token": token, "pid": os.getpid()})
     job.events.info(f"co-serving on {url}/v1 (models {LIVE!r}" + (f", {COMMITTED!r}, 'base'" if engine.lora else "")
                     + f"; the token is in {file})", url=url)
-    return CoServing(Gaps(engine, cfg.gap_share), server, thread, job)
+    return CoServing(Gaps(engine, cfg.gap_share, cfg.burst_seconds), server, thread, job)
