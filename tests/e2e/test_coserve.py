@@ -172,7 +172,9 @@ def test_a_stop_answers_the_request_under_way_with_an_error_and_the_run_exits(tm
     the stream ends with an error chunk instead of hanging, and OUT/serve.json is gone."""
     import signal
     slow = {**FULL, "train": {**FULL["train"], "max_steps": 100_000}}
-    recipe = write_recipe(tmp_path, **slow, serve={**SERVE, "gap_share": 0.05})
+    # A small share and no saved-up burst: the answer streams over many gaps, so it is under way
+    # when the signal lands (with the default 1 s burst, one gap could answer it whole).
+    recipe = write_recipe(tmp_path, **slow, serve={**SERVE, "gap_share": 0.05, "burst_seconds": 0})
     out = tmp_path / "run"
     proc = start_ember("run", recipe, "--out", out, "--no-ledger", warm=True)
     try:
