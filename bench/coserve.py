@@ -51,7 +51,7 @@ The default run (25 s windows, 15 s drain) takes about 10 minutes: 9 windows a p
 llama.cpp ones up to window + drain long (at 2 requests/s its one thread falls behind here).
 
 usage: python bench/coserve.py [--window 25] [--drain 15] [--traces light heavy bursty]
-           [--arms c d] [--seed 0] [--idle-gap 2.0]
+           [--arms c d] [--micro-batch 8] [--seed 0] [--idle-gap 2.0]
 """
 
 from __future__ import annotations
@@ -206,6 +206,13 @@ def training(got: dict, rows: list) -> None:
         w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
 
 
+def training(args) -> dict:
+    """The recipe's sections: coserve_light's, with --micro-batch sequences a micro-batch and the
+    step's 16 sequences kept (grad_accum = 16 / micro-batch)."""
+    return {**TRAIN, "train": {**TRAIN["train"], "micro_batch": args.micro_batch,
+                               "grad_accum": 16 // args.micro_batch}}
+
+
 def wait_ack(folder: Path, seq: int, state: str, timeout: float = 60) -> None:
     """Until the training process acknowledged control request `seq` with `state`."""
     deadline = time.monotonic() + timeout
@@ -217,7 +224,7 @@ def wait_ack(folder: Path, seq: int, state: str, timeout: float = 60) -> None:
 
 def coserve_phase(work: Path, traces: dict, args) -> dict:
     """(a), (b) and (d) on one co-serving run and one built-in worker: {(trace, arm): Window}."""
-    recipe, out, ctl = write_recipe(work / "coserve", **TRAIN), work / "coserve" / "run", work / "control"
+    recipe, out, ctl = write_recipe(work / "coserve", **training(args)), work / "coserve" / "run", work / "control"
     ctl.mkdir()
     with open(work / "coserve.log", "wb") as log:
         proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
@@ -260,7 +267,7 @@ def service_phase(work: Path, traces: dict, args) -> dict:
     with llama_engine(work) as upstream:
         s = start_service(work, "service", f'upstream = "{upstream}"', args.idle_gap)
         try:
-            job_train = {k: v for k, v in TRAIN.items() if k != "serve"}
+            job_train = {k: v for k, v in training(args).items() if k != "serve"}
             r = s.api("POST", "/api/jobs", {"recipe": str(write_recipe(work / "recipe-job", **job_train)),
                                             "name": "train"})
             assert r.status_code == 201, r.text
@@ -373,7 +380,8 @@ def row(trace: str, phase: str, arm: str, got: dict) -> str:
 
 def report(got: dict, traces: dict, phases: list[str], args, loads: list[float], seconds: float) -> None:
     print(f"\n{len(traces)} traces x arms, --window {args.window:g} s, --drain {args.drain:g} s, "
-          f"seed {args.seed}, idle gap {args.idle_gap:g} s; {seconds:.0f} s in all")
+          f"micro batch {args.micro_batch} x grad_accum {16 // args.micro_batch}, seed {args.seed}, "
+          f"idle gap {args.idle_gap:g} s; {seconds:.0f} s in all")
     print("| trace | arm | requests done | prompt / answer tokens | latency p50 | latency p99 | p50 / alone "
           "| p99 / alone | busy share | training tokens/s | kept (vs all (a)) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -399,6 +407,9 @@ def main() -> None:
     p.add_argument("--traces", nargs="+", choices=("light", "heavy", "bursty"), default=["light", "heavy", "bursty"])
     p.add_argument("--arms", nargs="+", choices=("c", "d"), default=["c", "d"],
                    help="c: pause-and-gap with llama.cpp, d: co-serving; each with its own (a) and (b)")
+    p.add_argument("--micro-batch", type=int, choices=(1, 2, 4, 8, 16), default=8,
+                   help="sequences of 256 tokens a micro-batch (default 8); a step stays 16 of them: "
+                        "a co-served request waits for the micro-batch under way")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-gap", type=float, default=2.0, help="the service's [inference] idle_gap_seconds")
     args = p.parse_args()
