@@ -206,7 +206,7 @@ def training(got: dict, rows: list) -> None:
         w.training = None if arm == "b" else throughput(rows, w.lo, w.hi)
 
 
-def training(args) -> dict:
+def recipe_sections(args) -> dict:
     """The recipe's sections: coserve_light's, with --micro-batch sequences a micro-batch and the
     step's 16 sequences kept (grad_accum = 16 / micro-batch)."""
     return {**TRAIN, "train": {**TRAIN["train"], "micro_batch": args.micro_batch,
@@ -224,7 +224,7 @@ def wait_ack(folder: Path, seq: int, state: str, timeout: float = 60) -> None:
 
 def coserve_phase(work: Path, traces: dict, args) -> dict:
     """(a), (b) and (d) on one co-serving run and one built-in worker: {(trace, arm): Window}."""
-    recipe, out, ctl = write_recipe(work / "coserve", **training(args)), work / "coserve" / "run", work / "control"
+    recipe, out, ctl = write_recipe(work / "coserve", **recipe_sections(args)), work / "coserve" / "run", work / "control"
     ctl.mkdir()
     with open(work / "coserve.log", "wb") as log:
         proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
@@ -267,7 +267,7 @@ def service_phase(work: Path, traces: dict, args) -> dict:
     with llama_engine(work) as upstream:
         s = start_service(work, "service", f'upstream = "{upstream}"', args.idle_gap)
         try:
-            job_train = {k: v for k, v in training(args).items() if k != "serve"}
+            job_train = {k: v for k, v in recipe_sections(args).items() if k != "serve"}
             r = s.api("POST", "/api/jobs", {"recipe": str(write_recipe(work / "recipe-job", **job_train)),
                                             "name": "train"})
             assert r.status_code == 201, r.text
