@@ -319,10 +319,10 @@ class ServeConfig:
                         "must still carry the token in OUT/serve.json, or $EMBER_SERVE_TOKEN if set).")
     port: int = setting(0, "Port co-serving listens on (0 = a free one, written to OUT/serve.json).",
                         min=0, max=65535)
-    gap_share: float = setting(1.0, "Inference time allowed in each gap, as a multiple of the training "
-                               "time since the previous gap (at least one decode step when requests "
-                               "wait): under a steady stream training keeps about 1 / (1 + gap_share) "
-                               "of its speed.", min=0)
+    gap_share: float = setting(1.0, "Seconds of serving earned per second of training, spent in the gaps "
+                               "between micro-batches (at least one decode step when requests wait; "
+                               "see burst_seconds): under a steady stream training keeps about "
+                               "1 / (1 + gap_share) of its speed.", min=0)
     burst_seconds: float = setting(1.0, "Serving time a gap may take beyond its share, saved up (at "
                                    "gap_share per second of training) while nothing waited: a request "
                                    "arriving at a quiet moment is answered whole in one gap, up to this "
