@@ -48,9 +48,14 @@ class PP:
         return Mesh(world, pp=world)
 
     def memory(self, fp: Footprint, n: int) -> float:
-        """The fullest of its n stages (`stage_memory`), over the step's grad_accum micro-batches."""
-        accum, schedule, _ = parts_of(fp).pipeline
-        return max(stage_memory(parts_of(fp), n, accum, schedule))
+        """The fullest of its n stages."""
+        return max(self.peaks(fp, n))
+
+    def peaks(self, fp: Footprint, n: int) -> list[float]:
+        """Each of its n stages' peak (`stage_memory`), over the step's grad_accum micro-batches."""
+        parts = parts_of(fp)
+        accum, schedule, _ = parts.pipeline
+        return stage_memory(parts, n, accum, schedule)
 
     def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Compute split n ways and stretched by the bubble; one send of the activations per
@@ -64,7 +69,7 @@ class PP:
         notes = [f"bubble {share:.0%} with {m} micro-batches over {p} stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"grad_accum = {m} < {p} stages: some stages never overlap")
-        peaks = stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])  # m: the recipe's grad_accum, as memory()'s
+        peaks = self.peaks(fp, p)
         notes.append(fullest(peaks))
         return Cost(ranks.compute(step.seconds) / (1 - share), sends, 0.0, max(peaks),
                     2 * m * step.act_bytes, tuple(notes))

@@ -50,10 +50,15 @@ class PPDDP:
         return Mesh(world, replicate=world // pp_size, pp=pp_size)
 
     def memory(self, fp: Footprint, n: int) -> float:
-        """The fullest stage of one replica's pipeline of pp_size stages over its share of the
-        micro-batches (ember.parallel.pp.stage_memory)."""
-        accum, schedule, stages = parts_of(fp).pipeline
-        return max(stage_memory(parts_of(fp), stages, micro_batches(accum, max(1, n // stages)), schedule))
+        """The fullest stage of one replica's pipeline."""
+        return max(self.peaks(fp, n))
+
+    def peaks(self, fp: Footprint, n: int) -> list[float]:
+        """Each stage's peak in one replica's pipeline of pp_size stages over its share of the
+        micro-batches, n ranks in all (ember.parallel.pp.stage_memory)."""
+        parts = parts_of(fp)
+        accum, schedule, stages = parts.pipeline
+        return stage_memory(parts, stages, micro_batches(accum, max(1, n // stages)), schedule)
 
     def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Each replica's pipeline over its share of the micro-batches, stretched by the bubble; the
@@ -72,7 +77,7 @@ class PPDDP:
                  f"stages (raise [train] grad_accum to shrink it)"]
         if m < p:
             notes.append(f"{m} micro-batches per pipeline < {p} stages: some stages never overlap")
-        peaks = stage_memory(parts_of(fp), p, m, parts_of(fp).pipeline[1])  # as memory(fp, n) prices them
+        peaks = self.peaks(fp, n)
         notes.append(fullest(peaks))
         return Cost(ranks.compute(step.seconds) / (1 - share), sends + reduce, 0.0, max(peaks),
                     2 * m * act + hops_share("all_reduce", dp)[1] * fp.grads / p, tuple(notes))
