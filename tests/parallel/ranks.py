@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -71,8 +73,18 @@ def _worker(rank: int, world: int, name: str, tp_size: int, folder: str, lora: b
         Path(folder, f"rank{rank}.json").write_text(json.dumps({
             "wrapper": type(applied).__name__, "loss": loss.item(), "reference": reference.item(),
             "grad_difference": worst, "layout": {k: layout(params[v]) for k, v in (LORA_WATCHED if lora else WATCHED).items()}}))
-    finally:
+        dist.barrier()  # no rank is still inside a collective
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave as ember's own ranks do (ember.launch.fast_exit), without tearing gloo down: freeing
+    # the wrapped model as this function returned destroyed the process group from the main
+    # thread, which holds the GIL while it joins gloo's work thread, and that thread was waiting
+    # for the GIL to free a finished all-reduce: one rank hung until HANG_SECONDS (seen once,
+    # DDP on two ranks; its stack showed exactly that).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def apply_on_ranks(name: str, world: int, folder: Path, tp_size: int = 2, lora: bool = False) -> list[dict]:
