@@ -4,6 +4,7 @@ it is imported only when a trace is not cached."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -18,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ember.device import autocast
 from ember.errors import EmberError
 from ember.models import model_config
+from ember.plan.dequant import dequantize_once
 from ember.plan.memory import moment_bytes
 from ember.plan.planner import Traced
 from ember.recipe import Recipe
@@ -37,7 +39,7 @@ def trace(r: Recipe) -> Traced:
     except (ValueError, KeyError) as e:
         raise EmberError(f"[model] path = {r.model.path!r}: transformers cannot build a causal LM from its "
                          f"config: {e}") from None
-    model = prepare_model(model, r.method, r.train.activation_checkpointing)
+    model = prepare_model(model, r.method, r.train.activation_checkpointing, make_4bit=_meta_4bit)
     model.train()
     cpu = torch.device("cpu")
     accum = min(r.train.grad_accum, 2)  # from the second micro-batch on, every one is the same
@@ -59,14 +61,16 @@ def trace(r: Recipe) -> Traced:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        live = LiveBytes([*model.parameters(), *model.buffers()])
+        live = LiveBytes([*model.parameters(), *model.buffers(), *_quantization_state(model)])
         with live, _rows_read_as_unpacked():
             step(flops)
             live.peak = live.now  # the plan is the second step's: the optimizer state exists
             live.timeline = [live.now]
             step()
             live.timeline.append(live.now)
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    per_micro_batch = 2 * accum  # the two steps' micro-batches, every one the same
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(),
+                                                         *_quantization_state(model)])
     state = live.now - weights
     sizes = [p.numel() for p in params]
     kind = "adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw"
@@ -76,7 +80,9 @@ def trace(r: Recipe) -> Traced:
                   gradients=sum(p.numel() * p.element_size() for p in params),
                   flops_per_token=flops.get_total_flops() / tokens, trainable=sum(sizes),
                   params=sum(p.numel() for p in model.parameters()), family=config.model_type,
-                  timeline=tuple(live.timeline), optimizer_int8=eight_bit)
+                  timeline=tuple(live.timeline), optimizer_int8=eight_bit,
+                  dequant_calls=len(live.dequantized) // per_micro_batch,
+                  dequant_bytes=sum(map(dequantize_once, live.dequantized)) // per_micro_batch)
 
 
 def _fake_parameters(model: Any) -> None:
@@ -88,6 +94,12 @@ def _fake_parameters(model: Any) -> None:
         if id(t) not in made:
             x = torch.empty(t.shape, dtype=t.dtype)
             made[id(t)] = torch.nn.Parameter(x, requires_grad=t.requires_grad) if parameter else x
+            state = getattr(t, "quant_state", None)
+            if state is not None:  # a 4-bit weight (bitsandbytes' Params4bit cannot hold a fake tensor):
+                # a plain parameter with what Linear4bit reads from one
+                made[id(t)].quant_state = _fake_state(state)
+                for name in ("quant_type", "blocksize", "compress_statistics", "quant_storage", "bnb_quantized"):
+                    setattr(made[id(t)], name, getattr(t, name))
         return made[id(t)]
 
     for module in model.modules():
@@ -97,6 +109,48 @@ def _fake_parameters(model: Any) -> None:
         for name, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[name] = fake(b, False)
+
+
+def _meta_4bit(child: Any) -> Any:
+    """The 4-bit layer ember.train.quantize makes of `child` (NF4, double quantization), on the
+    meta device: its packed codes and quantization state of the sizes bitsandbytes gives them,
+    no values (`_fake_parameters` makes them fake, quantization state included)."""
+    from ember.train.quantize import NESTED_BLOCK, NF4_BLOCK, bitsandbytes, linear_4bit
+    bnb = bitsandbytes("[method] quantize = 'nf4'", "set quantize = 'none'")
+    meta, f32 = torch.device("meta"), torch.float32
+    n = child.in_features * child.out_features
+    blocks = -(-n // NF4_BLOCK)
+    nested = bnb.functional.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCK), dtype=f32, device=meta),
+                                       code=torch.empty(256, dtype=f32, device=meta), blocksize=NESTED_BLOCK, dtype=f32)
+    state = bnb.functional.QuantState(
+        absmax=torch.empty(blocks, dtype=torch.uint8, device=meta), shape=torch.Size((child.out_features, child.in_features)),
+        code=torch.empty(16, dtype=f32, device=meta), blocksize=NF4_BLOCK, quant_type="nf4", dtype=f32,
+        offset=torch.empty((), dtype=f32, device=meta), state2=nested)
+    q = linear_4bit(child)
+    q.weight = bnb.nn.Params4bit(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=meta), requires_grad=False,
+                                 quant_state=state, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4",
+                                 quant_storage=torch.uint8, module=q, bnb_quantized=True)
+    if child.bias is not None:
+        q.bias = child.bias
+    return q
+
+
+def _quantization_state(model: Any) -> list[Any]:
+    """The tensors of the 4-bit layers' quantization state (neither parameters nor buffers)."""
+    out = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            out += [state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+    return out
+
+
+def _fake_state(state: Any) -> Any:
+    """A 4-bit weight's quantization state with fake tensors of its tensors' shapes and dtypes."""
+    fake = {k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(state).items() if k != "nested"}
+    fake["state2"] = _fake_state(state.state2) if state.state2 is not None else None
+    return type(state)(**fake)
 
 
 @contextmanager
@@ -130,6 +184,7 @@ class LiveBytes(TorchDispatchMode):
         self.now = self.peak = 0
         self.timeline: list[int] | None = None
         self.rising = False
+        self.dequantized: list[int] = []  # each 4-bit call's weight elements (forward's and backward's)
         for t in existing:
             self._count(t)
 
@@ -154,6 +209,22 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        op = getattr(func, "name", lambda: "")()
+        if op == "bitsandbytes::gemm_4bit":  # a 4-bit forward: (A, B, shape of B, ...)
+            self._within_gemm_4bit(out, *args, **(kwargs or {}))
+            self.dequantized.append(math.prod(args[2]))
+        elif op == "bitsandbytes::dequantize_4bit":  # backward's, for its input's gradient: (A, absmax, blocksize, quant_type, shape, dtype)
+            self.dequantized.append(math.prod(args[4]))
         for t in tree_leaves(out):
             self._count(t)
         return out
+
+    def _within_gemm_4bit(self, out: Any, a: Any, b: Any, shape_b: Any, *args: Any, absmax_8bit: Any = None,
+                          **kwargs: Any) -> None:
+        """A 4-bit forward's own high point, which its fake kernel does not allocate: on the CPU
+        bitsandbytes' gemm_4bit dequantizes the block scales (to fp32) and the whole weight (to
+        the input's dtype), then multiplies, all three alive as the output is made
+        (bitsandbytes.backends.default.ops). Its backward dequantizes in ops of its own, counted."""
+        scales = absmax_8bit.numel() * 4 if absmax_8bit is not None else 0
+        weight = shape_b[0] * shape_b[1] * a.element_size()
+        self.peak = max(self.peak, self.now + scales + weight + out.untyped_storage().nbytes())

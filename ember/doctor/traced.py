@@ -11,6 +11,13 @@ create and frees it when the storage dies; the peak of the second step (the opti
 exists) is the plan. FLOPs of one micro-batch's forward and backward come from torch's
 FlopCounterMode in the same pass.
 
+QLoRA's 4-bit base ([method] quantize = 'nf4') is traced too: each linear becomes bitsandbytes'
+Linear4bit with its packed codes and quantization state as fake tensors of the sizes bitsandbytes
+gives them (ember.doctor.fake_step._meta_4bit); its forward runs bitsandbytes' fake kernel, to
+which the trace adds the block scales and weight the CPU kernel dequantizes inside it, and its
+backward's dequantization runs as ops of its own. The 4-bit calls and the bytes they move are
+counted for the plan's time (ember.plan.planner.priced_dequant).
+
 What it leaves out, said where it matters: bitsandbytes' 8-bit optimizer has no fake kernels, so
 the step runs torch's AdamW and its two fp32 moments are replaced by the 8-bit state's bytes
 (ember.plan.memory.moment_bytes) afterwards; the update's own temporaries are torch's. The rows

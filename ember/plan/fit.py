@@ -19,8 +19,8 @@ fixed cost and its dequantization's bytes over that rate, ember.plan.planner.deq
 the recomputation's fixed cost per op on a CPU, ember.plan.recompute.recomputed_ops x Peak.per_op_s).
 
 A family without formulas (traced_candidates) is searched the same way, each configuration's peak
-and FLOPs from its step traced on fake tensors (ember.doctor.traced, cached), except QLoRA (a 4-bit
-base is not traced yet). A configuration is traced at micro batch 1 and 2 (accumulating) and at the
+and FLOPs from its step traced on fake tensors (ember.doctor.traced, cached), QLoRA's 4-bit calls
+and their bytes counted in the same trace. A configuration is traced at micro batch 1 and 2 (accumulating) and at the
 whole batch (not accumulating); the other micro batches are derived from the first two exactly
 (peak_between), and int8 optimizer state from the same trace (its state's bytes differ, not its step).
 
@@ -48,7 +48,7 @@ from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, 
 from ember.models import check_against_model, config_fields
 from ember.plan.dequant import dequantize_once
 from ember.plan.memory import ModelShape, TrainShape, estimate
-from ember.plan.planner import Traced, estimated_seconds, planned_devices
+from ember.plan.planner import Traced, estimated_seconds, planned_devices, priced_dequant
 from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
 
@@ -220,10 +220,11 @@ class _Traces:
 
 
 def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int, peak: Peak,
-                      allow_seq: bool = False) -> tuple[list[Candidate], int]:
-    """Every configuration of the search space (no QLoRA: a 4-bit base is not traced) with its
-    traced peak and counted FLOPs, for a family without formulas; and how many steps were traced."""
-    s = space(r, allow_seq, False)
+                      allow_seq: bool = False, bandwidth: Bandwidth | None = None) -> tuple[list[Candidate], int]:
+    """Every configuration of the search space with its traced peak and counted FLOPs (QLoRA: and
+    its 4-bit calls counted, priced as the formulas' are), for a family without formulas; and how
+    many steps were traced."""
+    s = space(r, allow_seq, qlora_searched(peak, bandwidth) is None)
     margin, effective, steps, out = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum, 0, []
     for method in s["method"]:
         for rank in (s["rank"] if method != "full" else [None]):
@@ -234,6 +235,7 @@ def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int,
                     for mb, (fp32, t) in traces.peaks(s["micro_batch"]).items():
                         accum, tokens = effective // mb, effective * seq
                         seconds = t.flops_per_token * tokens / (peak.flops * r.plan.assumed_mfu) \
+                            + priced_dequant((t.dequant_calls, t.dequant_bytes), accum, bandwidth) \
                             if peak.flops else math.nan
                         split = {} if (mb, accum) == (r.train.micro_batch, r.train.grad_accum) else \
                             {"train.micro_batch": mb, "train.grad_accum": accum}
@@ -306,11 +308,10 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
     NothingFits, with the smallest peak found and what to try, when none does. `m` None: a family
     without formulas, each configuration's step traced by `trace`."""
     if m is None:
-        found, steps = traced_candidates(r, trace, budget, peak, allow_seq)
-        left_out = "QLoRA not searched: a 4-bit base cannot be traced on fake tensors yet (no formulas for this family)"
+        found, steps = traced_candidates(r, trace, budget, peak, allow_seq, bandwidth)
     else:
         found, steps = candidates(r, m, budget, peak, allow_seq, bandwidth), 0
-        left_out = qlora_searched(peak, bandwidth)
+    left_out = qlora_searched(peak, bandwidth)
     ranked = rank_fitting(found)
     margin = r.plan.memory_margin
     where = f"{size(budget)}" + (f" ({budget_source})" if budget_source else "")
@@ -321,7 +322,7 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
             tries.append("--fit-seq to allow shorter sequences")
         if "int8" not in space(r)["state_dtype"]:
             tries.append("installing bitsandbytes (8-bit optimizer state, QLoRA)")
-        elif left_out is not None and m is not None:
+        elif left_out is not None:
             tries.append("[cost] memory_gbps (the device's memory bandwidth: QLoRA is searched with it)")
         tries.append("sharding over devices (`ember plan RECIPE` lists the FSDP remedy) or a smaller model")
         raise NothingFits(
@@ -393,7 +394,7 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
     if m is not None:  # the recomputed ops' fixed cost
         peak = with_op_cost(peak, d.kind, r.train.threads, bool(r.cost.peak_tflops))
     bandwidth = memory_bandwidth(r.cost.memory_gbps, d.kind, d.name, r.train.threads, dequantize_once) \
-        if bitsandbytes_installed() and m is not None else None  # a CPU measures its rate (cached), for QLoRA's time
+        if bitsandbytes_installed() else None  # a CPU measures its rate (cached), for QLoRA's time
     result = search(r, m, budget, peak, req.allow_seq, source, bandwidth, trace)
     if req.apply is not None:
         req.apply.write_text(r.with_changes(result.best[0].changes, "--fit").to_toml())

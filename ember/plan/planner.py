@@ -55,6 +55,10 @@ class Traced:
     # give every other micro batch's peak (ember.plan.fit.peak_between)
     timeline: tuple[int, ...] = ()
     optimizer_int8: int = 0  # the optimizer state's bytes were it 8-bit: the same step, another state
+    # QLoRA: a micro-batch's calls into 4-bit linears (forward, recomputed forward, backward) and
+    # the bytes they move, each priced as one dequantization of its weight (ember.plan.dequant)
+    dequant_calls: int = 0
+    dequant_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -292,12 +296,14 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
                 peak = with_op_cost(peak, dev.kind, r.train.threads, bool(r.cost.peak_tflops))
             step_s = estimated_seconds(m, t, r.train.grad_accum, peak, achieved, bandwidth)
             extra = recompute_flops(m, t)
-        else:  # the traced count has the recomputation in it: its backward ran it
+        else:  # the traced count has the recomputation in it (its backward ran it), and its 4-bit calls
             step_s, extra = fpt.total * tokens_per_step / (peak.flops * achieved), 0
+            step_s += priced_dequant(_traced_dequant(traced), r.train.grad_accum, bandwidth)
         again = f" + {extra:.3g} recomputed" if extra else ""
         how = (f"({fpt.formula} = {fpt.total:.3g}{again}) FLOPs/token x {tokens_per_step} tokens / "
                f"({peak.flops / 1e12:.3g} TFLOP/s peak, {peak.source}, x assumed MFU {achieved:.0%})"
-               + (_dequant_how(m, t, r.train.grad_accum, bandwidth) if bandwidth is not None else "")
+               + (_dequant_how(dequant_counts(m, t) if m is not None else _traced_dequant(traced),
+                               r.train.grad_accum, bandwidth) if bandwidth is not None else "")
                + (f" + {recomputed_ops(m, t) * r.train.grad_accum:,.0f} recomputed ops x "
                   f"{peak.per_op_s * 1e6:.1f} µs" if m is not None and peak.per_op_s and extra else ""))
     else:
@@ -307,13 +313,17 @@ def _time(r: Recipe, m: ModelShape | None, t: TrainShape, dev: Device, calibrati
                     tokens_per_step * r.train.max_steps, achieved)
 
 
-def _dequant_how(m: ModelShape | None, t: TrainShape, grad_accum: int, bandwidth: Bandwidth) -> str:
-    """The 4-bit dequantization's part of the time, in words."""
-    if m is None or not bandwidth.bytes_per_s:
-        return f"; 4-bit dequantization not priced ({bandwidth.source if m is not None else 'no formula'})"
-    calls = sum(c for _, c in quantized_calls(m, t)) * grad_accum
-    fixed = f"{calls} 4-bit calls x {bandwidth.per_call_s * 1e6:,.1f} µs + " if bandwidth.per_call_s else ""
-    return (f" + {fixed}{dequant_bytes(m, t) * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
+def _traced_dequant(traced: Traced | None) -> tuple[int, int] | None:
+    return (traced.dequant_calls, traced.dequant_bytes) if traced is not None and traced.dequant_calls else None
+
+
+def _dequant_how(counts: tuple[int, int] | None, grad_accum: int, bandwidth: Bandwidth) -> str:
+    """The 4-bit dequantization's part of the time, in words (`counts`: dequant_counts)."""
+    if counts is None or not bandwidth.bytes_per_s:
+        return f"; 4-bit dequantization not priced ({bandwidth.source if counts is not None else 'no 4-bit call counted'})"
+    calls, moved = counts
+    fixed = f"{calls * grad_accum} 4-bit calls x {bandwidth.per_call_s * 1e6:,.1f} µs + " if bandwidth.per_call_s else ""
+    return (f" + {fixed}{moved * grad_accum / 1e6:.4g} MB of 4-bit dequantization / "
             f"({bandwidth.bytes_per_s / 1e9:.4g} GB/s, {bandwidth.source})")
 
 
@@ -334,13 +344,24 @@ def estimated_seconds(m: ModelShape, t: TrainShape, grad_accum: int, peak: Peak,
 
 
 def dequant_seconds(m: ModelShape, t: TrainShape, grad_accum: int, bandwidth: Bandwidth | None) -> float:
-    """Seconds an optimizer step spends in its 4-bit linears beyond plain ones: each call's fixed
-    cost and its bytes over the rate (0 where none, or the rate is unknown: the time then says so,
+    """Seconds an optimizer step spends in its 4-bit linears beyond plain ones (priced_dequant of
+    the formulas' counts)."""
+    return priced_dequant(dequant_counts(m, t), grad_accum, bandwidth)
+
+
+def dequant_counts(m: ModelShape, t: TrainShape) -> tuple[int, int]:
+    """A micro-batch's 4-bit calls and the bytes they move, by the formulas (ember.plan.dequant)."""
+    return sum(c for _, c in quantized_calls(m, t)), dequant_bytes(m, t)
+
+
+def priced_dequant(counts: tuple[int, int] | None, grad_accum: int, bandwidth: Bandwidth | None) -> float:
+    """Seconds of a step's 4-bit calls from a micro-batch's (calls, bytes): each call's fixed cost
+    and the bytes over the rate (0 where there are none or the rate is unknown: the time says so,
     see _time)."""
-    if bandwidth is None or not bandwidth.bytes_per_s:
+    if counts is None or bandwidth is None or not bandwidth.bytes_per_s:
         return 0.0
-    calls = sum(c for _, c in quantized_calls(m, t))
-    return grad_accum * (calls * bandwidth.per_call_s + dequant_bytes(m, t) / bandwidth.bytes_per_s)
+    calls, moved = counts
+    return grad_accum * (calls * bandwidth.per_call_s + moved / bandwidth.bytes_per_s)
 
 
 def _checkpoint_bytes(m: ModelShape, t: TrainShape) -> int:

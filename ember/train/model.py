@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,13 +57,15 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     return ModelBundle(model, tokenizer, max_positions, source)
 
 
-def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointing: bool) -> nn.Module:
-    """A built model made what the recipe trains: no KV cache, activation checkpointing, LoRA."""
+def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointing: bool,
+                  make_4bit: Callable[[nn.Linear], nn.Module] | None = None) -> nn.Module:
+    """A built model made what the recipe trains: no KV cache, activation checkpointing, a 4-bit
+    base (each linear by `make_4bit`, if given: ember.train.quantize.quantize_base), LoRA."""
     model.config.use_cache = False
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method.quantize == "nf4":
-        quantize_base(model)  # before LoRA wraps the linears: peft adapts the 4-bit ones
+        quantize_base(model, make_4bit)  # before LoRA wraps the linears: peft adapts the 4-bit ones
     if method.kind == "lora":
         model = apply_lora(model, method)
     if activation_checkpointing:

@@ -20,6 +20,7 @@ torchao's NF4 tensor, the other candidate, is not installed in ember's environme
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,32 +54,42 @@ def _bnb() -> Any:
     return bitsandbytes("[method] quantize = 'nf4'", "set quantize = 'none'")
 
 
-def quantize_base(model: nn.Module) -> int:
+def quantize_base(model: nn.Module, make: Callable[[nn.Linear], nn.Module] | None = None) -> int:
     """Replace every nn.Linear but the output head by an NF4 Linear4bit (double quantization),
-    quantized on the CPU; return how many were replaced."""
-    bnb = _bnb()
+    quantized on the CPU; return how many were replaced. `make` builds each 4-bit layer from its
+    linear instead (the plan's trace: ember.doctor.fake_step, whose weights are fake)."""
+    make = make or _nf4
     head = model.get_output_embeddings()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child is head:
                 continue
-            # Built on the meta device: nn.Linear's random init would draw on torch's RNG.
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4",
-                                  device="meta")
-            # On CPUs with AVX512-BF16, an eval-mode forward without grad would repack the weight in
-            # place into a bf16 inference layout that training forwards then use too, with no
-            # gradient for their input: evaluation would change the next steps' training.
-            q.support_avx512bf16_for_cpu = False
-            weight = child.weight.detach().to("cpu", torch.float32)
-            q.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
-                                         quant_type="nf4", blocksize=NF4_BLOCK).to("cpu")  # .to quantizes
-            if child.bias is not None:
-                q.bias = nn.Parameter(child.bias.detach().clone(), requires_grad=child.bias.requires_grad)
-            setattr(parent, name, q.to(child.weight.device))
+            setattr(parent, name, make(child))
             count += 1
     return count
+
+
+def linear_4bit(child: nn.Linear) -> nn.Module:
+    """An empty NF4 Linear4bit of `child`'s shape on the meta device (nn.Linear's random init
+    would draw on torch's RNG)."""
+    q = _bnb().nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                             compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4", device="meta")
+    # On CPUs with AVX512-BF16, an eval-mode forward without grad would repack the weight in
+    # place into a bf16 inference layout that training forwards then use too, with no
+    # gradient for their input: evaluation would change the next steps' training.
+    q.support_avx512bf16_for_cpu = False
+    return q
+
+
+def _nf4(child: nn.Linear) -> nn.Module:
+    q = linear_4bit(child)
+    weight = child.weight.detach().to("cpu", torch.float32)
+    q.weight = _bnb().nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                    blocksize=NF4_BLOCK).to("cpu")  # .to quantizes
+    if child.bias is not None:
+        q.bias = nn.Parameter(child.bias.detach().clone(), requires_grad=child.bias.requires_grad)
+    return q.to(child.weight.device)
 
 
 def is_4bit(module: nn.Module) -> bool:

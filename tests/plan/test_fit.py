@@ -182,7 +182,39 @@ def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_
     assert not fit.as_written.fits and 0 < fit.fitting < fit.searched
     assert pick.fits and pick.with_margin <= budget and (pick.method, pick.rank) == ("lora", 4)
     assert pick.activation_checkpointing and all(c.step_seconds >= pick.step_seconds for c in fit.best)
-    assert any("steps traced" in n for n in fit.notes) and any("QLoRA not searched" in n for n in fit.notes)
+    assert any("steps traced" in n for n in fit.notes) and not any("QLoRA not searched" in n for n in fit.notes)
+    # QLoRA searched too (its 4-bit calls counted in the trace, priced): slower than LoRA of its rank
+    qlora, lora = ({c.rank: c for c in fit.best if c.method == m} for m in ("qlora", "lora"))
+    assert qlora and all(qlora[k].step_seconds > lora[k].step_seconds for k in set(qlora) & set(lora))
+    threads = torch.get_num_threads()
+    gc.collect()
+    held = live_tensor_bytes(torch.device("cpu"))
+    try:
+        measured = calibrate(load_recipe(path, pick.overrides()), steps=1).peak_bytes - held
+    finally:
+        torch.set_num_threads(threads)
+    assert measured <= budget and abs(pick.peak / measured - 1) <= 0.005, (pick.peak, measured)
+
+
+def test_a_family_without_formulas_gets_qlora_where_only_a_4_bit_base_fits(tmp_path, neox):
+    """--fit on GPT-NeoX at a budget LoRA does not fit: the pick is QLoRA, its step traced with the
+    4-bit base on fake tensors (before, a 4-bit base could not be traced and QLoRA was not
+    searched: nothing fitted), and run for real it peaks within the budget and 0.5% of the plan."""
+    import gc
+
+    import torch
+
+    from ember.doctor.measure import calibrate, live_tensor_bytes
+    from ember.doctor.traced import traced_step
+    from ember.plan.fit import FitRequest, fit_recipe
+    path = write_recipe(tmp_path, model={"path": str(neox)}, data={"seq_len": 32},
+                        train={"micro_batch": 1, "grad_accum": 1}, cost={"peak_tflops": 1.0})
+    budget = 2_200_000  # LoRA rank 4 with activation checkpointing: 2.37 MB with the margin; QLoRA rank 4: 2.03 MB
+    fit = fit_recipe(FitRequest(path, [], "2.2MB"), None, traced_step)
+    pick = fit.best[0]
+    assert {c.method for c in fit.best} == {"qlora"}
+    assert pick.fits and pick.with_margin <= budget and pick.rank == 4
+    assert pick.changes["method.quantize"] == "nf4" and pick.changes["method.kind"] == "lora"
     threads = torch.get_num_threads()
     gc.collect()
     held = live_tensor_bytes(torch.device("cpu"))

@@ -51,6 +51,13 @@ VARIANTS = {  # on one family: each setting that changes the step's memory
                                                 "train.activation_checkpointing=true", "precision.mode=bf16",
                                                 "train.grad_accum=3"],
 }
+QLORA = {  # LoRA over a 4-bit NF4 base (bitsandbytes), on a family without formulas
+    "qlora": ["method.kind=lora", "method.quantize=nf4", "method.target_modules=['all-linear']"],
+    "qlora, checkpointing, bf16, accumulation": ["method.kind=lora", "method.quantize=nf4",
+                                                 "method.target_modules=['all-linear']",
+                                                 "train.activation_checkpointing=true", "precision.mode=bf16",
+                                                 "train.grad_accum=3"],
+}
 # The issue's goal is 2%. The families' traces match to 0.02%; each is held to 0.5%, below the
 # smallest share of the explicit causal mask a fake-tensor trace used to count (GPT-J's +1.84%;
 # GPT-NeoX, OLMo, StableLM, Gemma 3 and Phi-3 also took that path: ember.doctor.fake_step).
@@ -106,6 +113,72 @@ def test_each_setting_that_shapes_the_step_is_traced(tmp_path, models, variant):
     assert -UNDER <= traced / measured - 1 <= UNDER, f"{variant}: traced {traced:,} B, measured {measured:,} B"
     if plain is not None:
         assert traced < plain  # LoRA's frozen base has no gradients nor optimizer state
+
+
+@pytest.mark.parametrize("family, variant", [("gpt_neox", "qlora"), ("phi3", "qlora"),
+                                             ("opt", "qlora, checkpointing, bf16, accumulation")])
+def test_a_qlora_step_is_traced_with_its_4_bit_base(tmp_path, models, family, variant):
+    """The 4-bit base on fake tensors: codes and quantization state of bitsandbytes' sizes, its
+    forward through bitsandbytes' own fake kernel, its backward's dequantization counted (before:
+    "Cannot copy out of meta tensor", quantizing read the weights)."""
+    recipe = write_recipe(tmp_path, model={"path": str(model_folder(models, family))},
+                          data={"seq_len": 128}, train={"micro_batch": 4})
+    traced, measured = traced_and_measured(recipe, *QLORA[variant])
+    # as plain LoRA's: a family's step to 0.5%, the settings together to the issue's 2% (accumulation
+    # over-counts by ~0.6-1% with or without the 4-bit base)
+    within = FAMILY if variant == "qlora" else UNDER
+    assert -within <= traced / measured - 1 <= within, f"{family}, {variant}: traced {traced:,} B, measured {measured:,} B"
+
+
+@pytest.mark.parametrize("settings", [[], ["train.activation_checkpointing=true", "train.grad_accum=2"]])
+def test_the_trace_counts_the_4_bit_calls_the_formulas_count(tmp_path, settings):
+    """On the Llama family, which has both: the traced step's 4-bit calls and the bytes they move
+    per micro-batch are the formulas' (forward, recomputed forward, backward but the first layer's
+    projections whose input needs no gradient), so QLoRA is priced alike with or without formulas."""
+    from ember.models import model_config
+    from ember.plan.memory import ModelShape
+    from ember.plan.planner import dequant_counts
+    from ember.plan.remedies import train_shape
+    r = load_recipe(write_recipe(tmp_path), ["method.kind=lora", "method.quantize=nf4", *settings])
+    t = trace(r)
+    assert t.dequant_calls > 0
+    assert (t.dequant_calls, t.dequant_bytes) == dequant_counts(ModelShape.from_config(model_config(r.model.path)),
+                                                                train_shape(r))
+
+
+def test_a_4_bit_forward_peaks_with_its_weight_dequantized(tmp_path):
+    """bitsandbytes' CPU forward of a 4-bit linear dequantizes its block scales and its whole
+    weight before the matmul, inside one op whose fake kernel allocates none of it: the trace
+    adds them at that op. The same forward measured for real peaks where the trace says."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ember.doctor.fake_step import LiveBytes, _fake_parameters, _meta_4bit, _quantization_state
+    from ember.doctor.measure import step_peak
+    from ember.train.quantize import quantize_base
+    torch.manual_seed(0)
+    real = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(8, 8))
+    real.get_output_embeddings = lambda: real[1]
+    quantize_base(real)
+    x = torch.randn(2, 512)
+    with torch.no_grad():
+        real[0](x)  # warm-up: the measurement is of a forward after the first
+        gc.collect()
+        before = live_tensor_bytes(torch.device("cpu"))
+        measured = step_peak(lambda: real[0](x), torch.device("cpu")) - before
+    with torch.device("meta"):
+        plain = torch.nn.Linear(512, 1024)
+    layer = _meta_4bit(plain)
+    with FakeTensorMode(), torch.no_grad():
+        _fake_parameters(layer)
+        y = torch.empty(2, 512)
+        live = LiveBytes([*layer.parameters(), *_quantization_state(layer), y])
+        start = live.now
+        with live:
+            layer(y)
+    traced = live.peak - start
+    weight = 512 * 1024 * 4
+    assert traced > weight and measured > weight  # the dequantized weight is in both
+    assert traced == pytest.approx(measured, rel=0.02), (traced, measured)
 
 
 def test_plan_of_a_family_without_formulas_is_traced_then_torch_free(tmp_path, models):
