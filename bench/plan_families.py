@@ -13,7 +13,10 @@ its traced peaks beside this tree's against the same measurement, and its 7B pla
 
 --settings FAMILY ... runs every setting on those families instead of GPT-2 alone.
 
-usage: python bench/plan_families.py [--no-7b | --only-7b] [--before COMMIT] [--settings FAMILY ...]
+--qlora adds LoRA over a 4-bit NF4 base (tests/plan/test_traced.py's QLORA settings) on every
+family whose layers are nn.Linear (GPT-2's are Conv1D: bitsandbytes quantizes none of them).
+
+usage: python bench/plan_families.py [--no-7b | --only-7b] [--before COMMIT] [--settings FAMILY ...] [--qlora]
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ FALCON_7B = {"hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads"
              "multi_query": True, "new_decoder_architecture": False, "parallel_attn": True, "bias": False}
 
 
-def accuracy(root: Path, before: Path | None, settings: list[str]) -> None:
+def accuracy(root: Path, before: Path | None, settings: list[str], qlora: bool = False) -> None:
     from tests.helpers import write_recipe
-    from tests.plan.test_traced import FAMILIES, VARIANTS, model_folder, traced_and_measured
+    from tests.plan.test_traced import FAMILIES, QLORA, VARIANTS, model_folder, traced_and_measured
     cases = [(f, f"{f}, full, fp32", []) for f in sorted(FAMILIES)]
     cases += [(f, f"{f}, {v}", o) for f in settings for v, o in VARIANTS.items()]
+    cases += [(f, f"{f}, {v}", o) for f in sorted(FAMILIES) if qlora and f != "gpt2" for v, o in QLORA.items()]
     recipes = [(str(write_recipe(root / f"r{i}", model={"path": str(model_folder(root, family))},
                                  data={"seq_len": 128}, train={"micro_batch": 4})), overrides)
                for i, (family, _, overrides) in enumerate(cases)]
@@ -99,11 +103,12 @@ def main() -> None:
     ap.add_argument("--only-7b", action="store_true", help="time the 7B plan only (quick, for a quiet moment)")
     ap.add_argument("--before", metavar="COMMIT", help="also trace with ember's tree at this commit")
     ap.add_argument("--settings", nargs="+", default=["gpt2"], metavar="FAMILY", help="families to run each setting on")
+    ap.add_argument("--qlora", action="store_true", help="also QLoRA's settings on every family with nn.Linear layers")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = source_at(args.before, Path(tmp) / "before-src") if args.before else None
         if not args.only_7b:
-            accuracy(Path(tmp), before, args.settings)
+            accuracy(Path(tmp), before, args.settings, args.qlora)
         if not args.no_7b:
             seven_b(Path(tmp), {"now": ROOT, **({"before": before} if before else {})})
 
