@@ -28,6 +28,11 @@ class BadInput(EmberError):
     """The request or an argument is malformed or out of range."""
 
 
+class NothingToQuantize(BadInput):
+    """[method] quantize = 'nf4' on a model with no layer bitsandbytes stores in 4 bits
+    (ember.train.quantize; the plan's search skips QLoRA for it: ember.plan.fit)."""
+
+
 class NotFound(EmberError):
     """What the request names does not exist."""
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ember.errors import BadInput, EmberError
+from ember.errors import BadInput, EmberError, NothingToQuantize
 from ember.hardware import Device, parse_size
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, with_op_cost
 from ember.models import check_against_model, config_fields
@@ -220,33 +220,50 @@ class _Traces:
 
 
 def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int, peak: Peak,
-                      allow_seq: bool = False, bandwidth: Bandwidth | None = None) -> tuple[list[Candidate], int]:
+                      allow_seq: bool = False, bandwidth: Bandwidth | None = None
+                      ) -> tuple[list[Candidate], int, str | None]:
     """Every configuration of the search space with its traced peak and counted FLOPs (QLoRA: and
-    its 4-bit calls counted, priced as the formulas' are), for a family without formulas; and how
-    many steps were traced."""
+    its 4-bit calls counted, priced as the formulas' are), for a family without formulas; how
+    many steps were traced; and why QLoRA was not searched, where the model has nothing to quantize."""
     s = space(r, allow_seq, qlora_searched(peak, bandwidth) is None)
     margin, effective, steps, out = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum, 0, []
-    for method in s["method"]:
-        for rank in (s["rank"] if method != "full" else [None]):
-            for ac in s["activation_checkpointing"]:
-                for seq in s["seq_len"]:
-                    changes = _changes(r, method, rank, "fp32", ac, seq)
-                    traces = _Traces(r.with_changes(changes, "--fit"), trace)
-                    for mb, (fp32, t) in traces.peaks(s["micro_batch"]).items():
-                        accum, tokens = effective // mb, effective * seq
-                        seconds = t.flops_per_token * tokens / (peak.flops * r.plan.assumed_mfu) \
-                            + priced_dequant((t.dequant_calls, t.dequant_bytes), accum, bandwidth) \
-                            if peak.flops else math.nan
-                        split = {} if (mb, accum) == (r.train.micro_batch, r.train.grad_accum) else \
-                            {"train.micro_batch": mb, "train.grad_accum": accum}
-                        for state in s["state_dtype"]:
-                            bytes_ = fp32 + (t.optimizer_int8 - t.optimizer if state == "int8" else 0)
-                            more = {"optimizer.state_dtype": state} if state != r.optimizer.state_dtype else {}
-                            out.append(Candidate({**_drop(changes, "optimizer.state_dtype"), **more, **split},
-                                                 method, rank, state, ac, mb, accum, seq, bytes_,
-                                                 int(bytes_ * (1 + margin)), fits(bytes_, budget, margin),
-                                                 seconds, t.flops_per_token))
-                    steps += traces.steps
+    skipped = None
+    for method in s["method"]:  # a model with nothing to quantize refuses QLoRA at its first trace
+        try:
+            found, traced = _traced_method(r, trace, budget, peak, bandwidth, s, method, margin, effective)
+        except NothingToQuantize as e:
+            skipped = f"QLoRA not searched: {e}"
+            continue
+        out += found
+        steps += traced
+    return out, steps, skipped
+
+
+def _traced_method(r: Recipe, trace: Callable[[Recipe], Traced], budget: int, peak: Peak,
+                   bandwidth: Bandwidth | None, s: dict[str, list[Any]], method: str, margin: float,
+                   effective: int) -> tuple[list[Candidate], int]:
+    """traced_candidates for one method."""
+    steps, out = 0, []
+    for rank in (s["rank"] if method != "full" else [None]):
+        for ac in s["activation_checkpointing"]:
+            for seq in s["seq_len"]:
+                changes = _changes(r, method, rank, "fp32", ac, seq)
+                traces = _Traces(r.with_changes(changes, "--fit"), trace)
+                for mb, (fp32, t) in traces.peaks(s["micro_batch"]).items():
+                    accum, tokens = effective // mb, effective * seq
+                    seconds = t.flops_per_token * tokens / (peak.flops * r.plan.assumed_mfu) \
+                        + priced_dequant((t.dequant_calls, t.dequant_bytes), accum, bandwidth) \
+                        if peak.flops else math.nan
+                    split = {} if (mb, accum) == (r.train.micro_batch, r.train.grad_accum) else \
+                        {"train.micro_batch": mb, "train.grad_accum": accum}
+                    for state in s["state_dtype"]:
+                        bytes_ = fp32 + (t.optimizer_int8 - t.optimizer if state == "int8" else 0)
+                        more = {"optimizer.state_dtype": state} if state != r.optimizer.state_dtype else {}
+                        out.append(Candidate({**_drop(changes, "optimizer.state_dtype"), **more, **split},
+                                             method, rank, state, ac, mb, accum, seq, bytes_,
+                                             int(bytes_ * (1 + margin)), fits(bytes_, budget, margin),
+                                             seconds, t.flops_per_token))
+                steps += traces.steps
     return out, steps
 
 
@@ -307,11 +324,12 @@ def search(r: Recipe, m: ModelShape | None, budget: int, peak: Peak, allow_seq: 
     """The fastest configurations of recipe `r` that fit `budget` bytes (module docstring);
     NothingFits, with the smallest peak found and what to try, when none does. `m` None: a family
     without formulas, each configuration's step traced by `trace`."""
+    left_out = qlora_searched(peak, bandwidth)
     if m is None:
-        found, steps = traced_candidates(r, trace, budget, peak, allow_seq, bandwidth)
+        found, steps, skipped = traced_candidates(r, trace, budget, peak, allow_seq, bandwidth)
+        left_out = left_out or skipped
     else:
         found, steps = candidates(r, m, budget, peak, allow_seq, bandwidth), 0
-    left_out = qlora_searched(peak, bandwidth)
     ranked = rank_fitting(found)
     margin = r.plan.memory_margin
     where = f"{size(budget)}" + (f" ({budget_source})" if budget_source else "")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.errors import EmberError
+from ember.errors import EmberError, NothingToQuantize
 
 NF4_BLOCK = 64        # weights per absmax (bitsandbytes' default block size for 4-bit)
 NESTED_BLOCK = 256    # absmaxes per fp32 scale under double quantization
@@ -67,6 +67,12 @@ def quantize_base(model: nn.Module, make: Callable[[nn.Linear], nn.Module] | Non
                 continue
             setattr(parent, name, make(child))
             count += 1
+    if not count:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise NothingToQuantize(
+            f"[method] quantize = 'nf4': model_type {kind!r} has no nn.Linear layer but its output head, and "
+            f"bitsandbytes stores only nn.Linear in 4 bits (GPT-2's layers are Conv1D): nothing would be "
+            f"quantized; set quantize = 'none' (LoRA over the base as it is)")
     return count
 
 

@@ -143,6 +143,33 @@ def test_qlora_is_refused_for_several_ranks(tmp_path):
         check_distributed(r, 2, "here")
 
 
+def test_a_model_with_nothing_to_quantize_is_refused_at_the_start_and_left_out_of_fit(tmp_path):
+    """GPT-2's layers are Conv1D, which bitsandbytes does not store in 4 bits: before, its QLoRA
+    run quantized nothing and trained as plain LoRA, saying it was QLoRA. Now `ember run` says so
+    before its first step, and `plan --fit` searches it without QLoRA, saying why."""
+    import transformers as tf
+
+    from ember.data.tokenizer import ByteTokenizer
+    from ember.doctor.traced import traced_step
+    from ember.plan.fit import FitRequest, fit_recipe
+    from tests.helpers import run_ember
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    ByteTokenizer().save(folder)
+    recipe = write_recipe(tmp_path, model={"path": str(folder)}, data={"seq_len": 32},
+                          method={"kind": "lora", "quantize": "nf4", "target_modules": ["c_attn"]},
+                          cost={"peak_tflops": 1.0})
+    result = run_ember("run", recipe, "--out", tmp_path / "run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "model_type 'gpt2' has no nn.Linear layer but its output head" in result.stderr, result.stderr
+    assert "set quantize = 'none'" in result.stderr
+    fit = fit_recipe(FitRequest(recipe, [], "1GB"), None, traced_step)
+    assert {c.method for c in fit.best} <= {"full", "lora"} and fit.best
+    assert any(n.startswith("QLoRA not searched: [method] quantize = 'nf4': model_type 'gpt2'") for n in fit.notes), fit.notes
+
+
 def test_without_bitsandbytes_the_error_says_what_to_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets when absent
