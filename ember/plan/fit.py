@@ -171,7 +171,8 @@ def candidates(r: Recipe, m: ModelShape, budget: int, peak: Peak, allow_seq: boo
                         t = train_shape(r.with_changes(changes, "--fit"))  # the planner's own reading
                         per_token = step_flops(m, replace(t, micro_batch=1), 1) / t.seq_len
                         for mb in s["micro_batch"]:
-                            shape, accum = replace(t, micro_batch=mb), effective // mb
+                            accum = effective // mb
+                            shape = replace(t, micro_batch=mb, accumulating=accum > 1)
                             seconds = estimated_seconds(m, shape, accum, peak, r.plan.assumed_mfu, bandwidth) \
                                 if peak.flops else math.nan
                             out.append(_candidate(r, m, shape, changes, rank, accum, budget, margin, seconds,

@@ -17,6 +17,11 @@ The peak of a step is not "weights + gradients + optimizer + activations" at onc
                     down_proj backward (measured -0.6%..+0.4% on 11 tiny shapes, one thread:
                     tests/plan/test_memory.py)
 
+Accumulating (grad_accum > 1), the second and later micro-batches run beside every gradient of
+the ones before (each added to in place): the loss's backward and a layer's carry all of them,
+not none or those made so far (a recipe of full fine-tuning peaks 5-6% higher than one
+micro-batch's step on the tiny shapes of tests/plan/test_memory.py).
+
 Saved activations are counted tensor by tensor for the Llama family (Llama, Mistral, Qwen2/3,
 SmolLM), as PyTorch autograd keeps them on the SDPA path: every figure below was checked
 against the tensors autograd actually saves (see tests/plan/test_memory.py for two cases by
@@ -96,6 +101,7 @@ class TrainShape:
     loss_chunk: int = 0  # tokens per chunk of the memory-efficient loss (0 = the plain loss)
     optimizer: str = "adamw"  # or "adamw8bit": [optimizer] state_dtype = 'int8' (bitsandbytes)
     quantize: str = "none"  # or "nf4": [method] quantize, the decoder layers' linears in 4 bits (QLoRA)
+    accumulating: bool = False  # grad_accum > 1: from the second micro-batch on, every gradient exists
 
     @property
     def tokens(self) -> int:
@@ -353,9 +359,15 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
         loss_peak = 3 * c * V * F32 + (V * m.hidden * F32 if not t.lora else 0) + T * m.hidden * F32
     else:
         saved_loss, loss_peak = T * V * F32, 2 * T * V * F32  # log-softmax kept; two gradients
-    layer = max((layer_backward(m, t, i) for i in {0, m.layers - 1}), key=sum)
+    # Accumulating, a later micro-batch runs forward and backward beside every gradient of the
+    # ones before (added to in place); the first runs beside those its backward has made so far.
+    before = grads if t.accumulating else 0
+    backward = [layer_backward(m, t, i) for i in {0, m.layers - 1}]
+    if t.accumulating:
+        backward = [(grads, a, tmp) for _, a, tmp in backward]
+    layer = max(backward, key=sum)
     parts = {  # phase: gradients, activations, loss buffers, temporaries
-        "loss backward": (0, acts, saved_loss + loss_peak, 0),
+        "loss backward": (before, acts, saved_loss + loss_peak, 0),
         "layer backward": (layer[0], layer[1], 0, layer[2]),
         "backward end": (grads, 0, 0, 2 * T * m.hidden * F32),
         "optimizer step": (grads, 0, 0, update_tmp),
@@ -368,7 +380,7 @@ def estimate(m: ModelShape, t: TrainShape) -> Breakdown:
         adapted = "down_proj" in t.lora_targets
         back = dq + T * (m.hidden * F32 + m.intermediate * F32 * (2 if adapted else 1))
         fwd = forward_dequantize(m, t, acts) if not t.activation_checkpointing else acts
-        parts["4-bit dequantize"] = max((0, fwd, 0, dq), (layer[0], layer[1], 0, back), key=sum)
+        parts["4-bit dequantize"] = max((before, fwd, 0, dq), (layer[0], layer[1], 0, back), key=sum)
     phases = {name: weights + optim + sum(p) for name, p in parts.items()}
     phase = max(phases, key=phases.__getitem__)
     g, a, loss, tmp = parts[phase]

@@ -25,7 +25,7 @@ def train_shape(r: Recipe) -> TrainShape:
                       lora_dropout=r.method.dropout, activation_checkpointing=r.train.activation_checkpointing,
                       autocast=r.precision.mode != "fp32", loss_chunk=r.train.loss_chunk,
                       optimizer="adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw",
-                      quantize=r.method.quantize)
+                      quantize=r.method.quantize, accumulating=r.train.grad_accum > 1)
 
 
 def architecture(m: ModelShape, t: TrainShape) -> Architecture:
@@ -138,7 +138,7 @@ def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: 
     """The largest smaller micro batch that fits (else 1), accumulated to the same tokens per step."""
     mb = r.train.micro_batch
     for smaller in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
-        b = estimate(m, replace(t, micro_batch=smaller))
+        b = estimate(m, replace(t, micro_batch=smaller, accumulating=True))
         if fits(b.peak, budget, margin) or smaller == 1:
             return [Remedy("gradient accumulation", {"train.micro_batch": smaller,
                                                      "train.grad_accum": r.train.grad_accum * mb // smaller},

@@ -124,7 +124,26 @@ def test_qlora_dequantize_peak_within_two_percent(case):
     assert abs(est / measured - 1) <= 0.02, (est, measured, f"{est / measured - 1:+.2%}")
 
 
-def estimated_and_measured(case: tuple) -> tuple[int, int]:
+# Accumulating (grad_accum > 1): from the second micro-batch on, every gradient of the step so far
+# is alive through the forward and the backward. The estimate left that out: 5.4% under for full
+# fine-tuning (the peak in the loss's backward), 6.2% with activation checkpointing, 1.0% LoRA.
+ACCUMULATING = [
+    (64, 176, 2, 4, 2, 257, 4, 64, "full", False, "fp32", 0),
+    (64, 176, 2, 4, 2, 257, 8, 64, "full", True, "fp32", 0),
+    (128, 352, 2, 4, 2, 2000, 2, 128, "lora", False, "fp32", 0),
+    (128, 352, 2, 4, 2, 2000, 2, 128, "qlora", False, "fp32", 0),
+]
+
+
+@pytest.mark.parametrize("case", ACCUMULATING, ids=[f"{c[8]}-ac{int(c[9])}" for c in ACCUMULATING])
+def test_an_accumulating_step_is_planned_with_the_gradients_it_carries(case):
+    alone, _ = estimated_and_measured(case)
+    est, measured = estimated_and_measured(case, grad_accum=2)
+    assert est > alone
+    assert abs(est / measured - 1) <= 0.0025, (est, measured, f"{est / measured - 1:+.3%}")
+
+
+def estimated_and_measured(case: tuple, grad_accum: int = 1) -> tuple[int, int]:
     """The estimate's peak and the peak measured on a real step, for a CASES row."""
     h, f, layers, heads, kv, vocab, b, s, method, ac, precision, chunk = case
     cpu = torch.device("cpu")
@@ -145,12 +164,12 @@ def estimated_and_measured(case: tuple) -> tuple[int, int]:
         model = apply_lora(model, MethodConfig(kind="lora"))
     model.train()
     ids = torch.randint(0, vocab, (b, s))
-    step = measured_step(model, ids, cpu, precision, chunk)
+    step = measured_step(model, ids, cpu, precision, chunk, grad_accum=grad_accum)
     step()
     measured = step_peak(step, cpu) - foreign
     shape = TrainShape(b, s, lora=method != "full", lora_targets=frozenset(LINEARS),
                        activation_checkpointing=ac, autocast=precision != "fp32", loss_chunk=chunk,
-                       quantize="nf4" if method == "qlora" else "none")
+                       quantize="nf4" if method == "qlora" else "none", accumulating=grad_accum > 1)
     return estimate(ModelShape.from_config(config), shape).peak, measured
 
 
