@@ -63,7 +63,9 @@ def quantize_base(model: nn.Module, make: Callable[[nn.Linear], nn.Module] | Non
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child is head:
+            # nn.Linear and its subclasses (Falcon's FalconLinear), as transformers' bitsandbytes
+            # integration takes them; not one already 4-bit (Linear4bit is an nn.Linear too)
+            if not isinstance(child, nn.Linear) or is_4bit(child) or child is head:
                 continue
             setattr(parent, name, make(child))
             count += 1

@@ -170,6 +170,20 @@ def test_a_model_with_nothing_to_quantize_is_refused_at_the_start_and_left_out_o
     assert any(n.startswith("QLoRA not searched: [method] quantize = 'nf4': model_type 'gpt2'") for n in fit.notes), fit.notes
 
 
+def test_linear_subclasses_are_quantized_too():
+    """Falcon's layers are FalconLinear, an nn.Linear subclass, which transformers' bitsandbytes
+    integration quantizes: ember's took nn.Linear itself only, so a Falcon QLoRA run quantized
+    nothing and trained as plain LoRA."""
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.FalconForCausalLM(tf.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                 vocab_size=300, new_decoder_architecture=True, num_kv_heads=2))
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    assert linears and all(type(model.get_submodule(n)).__name__ == "FalconLinear" for n in linears)
+    assert quantize_base(model) == len(linears)
+    assert all(is_4bit(model.get_submodule(n)) for n in linears) and not is_4bit(model.lm_head)
+
+
 def test_without_bitsandbytes_the_error_says_what_to_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets when absent
