@@ -164,14 +164,25 @@ def test_a_peak_derived_from_micro_batches_1_and_2_is_the_traced_one(tmp_path, n
     assert peak_between(*chunked, 3) is None
 
 
-def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_path, neox):
-    """--fit on GPT-NeoX (no formulas: before, it refused): every configuration traced or derived,
-    the pick the fastest predicted that fits, and its step run for real peaks within the budget."""
+def measured_peak(r) -> int:
+    """The recipe's step peak measured for real, less the tensors this test process held before."""
     import gc
 
     import torch
 
     from ember.doctor.measure import calibrate, live_tensor_bytes
+    threads = torch.get_num_threads()
+    gc.collect()
+    held = live_tensor_bytes(torch.device("cpu"))
+    try:
+        return calibrate(r, steps=1).peak_bytes - held
+    finally:
+        torch.set_num_threads(threads)  # the measurement sets the recipe's threads
+
+
+def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_path, neox):
+    """--fit on GPT-NeoX (no formulas: before, it refused): every configuration traced or derived,
+    the pick the fastest predicted that fits, and its step run for real peaks within the budget."""
     from ember.doctor.traced import traced_step
     from ember.plan.fit import FitRequest, fit_recipe
     path = write_recipe(tmp_path, model={"path": str(neox)}, data={"seq_len": 32},
@@ -186,13 +197,7 @@ def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_
     # QLoRA searched too (its 4-bit calls counted in the trace, priced): slower than LoRA of its rank
     qlora, lora = ({c.rank: c for c in fit.best if c.method == m} for m in ("qlora", "lora"))
     assert qlora and all(qlora[k].step_seconds > lora[k].step_seconds for k in set(qlora) & set(lora))
-    threads = torch.get_num_threads()
-    gc.collect()
-    held = live_tensor_bytes(torch.device("cpu"))
-    try:
-        measured = calibrate(load_recipe(path, pick.overrides()), steps=1).peak_bytes - held
-    finally:
-        torch.set_num_threads(threads)
+    measured = measured_peak(load_recipe(path, pick.overrides()))
     assert measured <= budget and abs(pick.peak / measured - 1) <= 0.005, (pick.peak, measured)
 
 
@@ -200,11 +205,6 @@ def test_a_family_without_formulas_gets_qlora_where_only_a_4_bit_base_fits(tmp_p
     """--fit on GPT-NeoX at a budget LoRA does not fit: the pick is QLoRA, its step traced with the
     4-bit base on fake tensors (before, a 4-bit base could not be traced and QLoRA was not
     searched: nothing fitted), and run for real it peaks within the budget and 0.5% of the plan."""
-    import gc
-
-    import torch
-
-    from ember.doctor.measure import calibrate, live_tensor_bytes
     from ember.doctor.traced import traced_step
     from ember.plan.fit import FitRequest, fit_recipe
     path = write_recipe(tmp_path, model={"path": str(neox)}, data={"seq_len": 32},
@@ -215,11 +215,5 @@ def test_a_family_without_formulas_gets_qlora_where_only_a_4_bit_base_fits(tmp_p
     assert {c.method for c in fit.best} == {"qlora"}
     assert pick.fits and pick.with_margin <= budget and pick.rank == 4
     assert pick.changes["method.quantize"] == "nf4" and pick.changes["method.kind"] == "lora"
-    threads = torch.get_num_threads()
-    gc.collect()
-    held = live_tensor_bytes(torch.device("cpu"))
-    try:
-        measured = calibrate(load_recipe(path, pick.overrides()), steps=1).peak_bytes - held
-    finally:
-        torch.set_num_threads(threads)
+    measured = measured_peak(load_recipe(path, pick.overrides()))
     assert measured <= budget and abs(pick.peak / measured - 1) <= 0.005, (pick.peak, measured)
