@@ -61,7 +61,8 @@ def trace(r: Recipe) -> Traced:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        live = LiveBytes([*model.parameters(), *model.buffers(), *_quantization_state(model)])
+        held = [*model.parameters(), *model.buffers(), *_quantization_state(model)]  # the weights, faked
+        live = LiveBytes(held)
         with live, _rows_read_as_unpacked():
             step(flops)
             live.peak = live.now  # the plan is the second step's: the optimizer state exists
@@ -69,8 +70,7 @@ def trace(r: Recipe) -> Traced:
             step()
             live.timeline.append(live.now)
     per_micro_batch = 2 * accum  # the two steps' micro-batches, every one the same
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(),
-                                                         *_quantization_state(model)])
+    weights = sum(t.numel() * t.element_size() for t in held)
     state = live.now - weights
     sizes = [p.numel() for p in params]
     kind = "adamw8bit" if r.optimizer.state_dtype == "int8" else "adamw"
@@ -115,8 +115,8 @@ def _meta_4bit(child: Any) -> Any:
     """The 4-bit layer ember.train.quantize makes of `child` (NF4, double quantization), on the
     meta device: its packed codes and quantization state of the sizes bitsandbytes gives them,
     no values (`_fake_parameters` makes them fake, quantization state included)."""
-    from ember.train.quantize import NESTED_BLOCK, NF4_BLOCK, bitsandbytes, linear_4bit
-    bnb = bitsandbytes("[method] quantize = 'nf4'", "set quantize = 'none'")
+    from ember.train.quantize import NESTED_BLOCK, NF4_BLOCK, bnb_for_nf4, linear_4bit
+    bnb = bnb_for_nf4()
     meta, f32 = torch.device("meta"), torch.float32
     n = child.in_features * child.out_features
     blocks = -(-n // NF4_BLOCK)

@@ -227,11 +227,10 @@ def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int,
     its 4-bit calls counted, priced as the formulas' are), for a family without formulas; how
     many steps were traced; and why QLoRA was not searched, where the model has nothing to quantize."""
     s = space(r, allow_seq, qlora_searched(peak, bandwidth) is None)
-    margin, effective, steps, out = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum, 0, []
-    skipped = None
+    steps, out, skipped = 0, [], None
     for method in s["method"]:  # a model with nothing to quantize refuses QLoRA at its first trace
         try:
-            found, traced = _traced_method(r, trace, budget, peak, bandwidth, s, method, margin, effective)
+            found, traced = _traced_method(r, trace, budget, peak, bandwidth, s, method)
         except NothingToQuantize as e:
             skipped = f"QLoRA not searched: {e}"
             continue
@@ -241,10 +240,9 @@ def traced_candidates(r: Recipe, trace: Callable[[Recipe], Traced], budget: int,
 
 
 def _traced_method(r: Recipe, trace: Callable[[Recipe], Traced], budget: int, peak: Peak,
-                   bandwidth: Bandwidth | None, s: dict[str, list[Any]], method: str, margin: float,
-                   effective: int) -> tuple[list[Candidate], int]:
-    """traced_candidates for one method."""
-    steps, out = 0, []
+                   bandwidth: Bandwidth | None, s: dict[str, list[Any]], method: str) -> tuple[list[Candidate], int]:
+    """traced_candidates for one method of the search space `s`."""
+    margin, effective, steps, out = r.plan.memory_margin, r.train.micro_batch * r.train.grad_accum, 0, []
     for rank in (s["rank"] if method != "full" else [None]):
         for ac in s["activation_checkpointing"]:
             for seq in s["seq_len"]:

@@ -50,7 +50,8 @@ def bitsandbytes(setting: str, instead: str) -> Any:
     return bnb
 
 
-def _bnb() -> Any:
+def bnb_for_nf4() -> Any:
+    """bitsandbytes, for [method] quantize = 'nf4' (the error names that setting)."""
     return bitsandbytes("[method] quantize = 'nf4'", "set quantize = 'none'")
 
 
@@ -81,7 +82,7 @@ def quantize_base(model: nn.Module, make: Callable[[nn.Linear], nn.Module] | Non
 def linear_4bit(child: nn.Linear) -> nn.Module:
     """An empty NF4 Linear4bit of `child`'s shape on the meta device (nn.Linear's random init
     would draw on torch's RNG)."""
-    q = _bnb().nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+    q = bnb_for_nf4().nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                              compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4", device="meta")
     # On CPUs with AVX512-BF16, an eval-mode forward without grad would repack the weight in
     # place into a bf16 inference layout that training forwards then use too, with no
@@ -93,7 +94,7 @@ def linear_4bit(child: nn.Linear) -> nn.Module:
 def _nf4(child: nn.Linear) -> nn.Module:
     q = linear_4bit(child)
     weight = child.weight.detach().to("cpu", torch.float32)
-    q.weight = _bnb().nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
+    q.weight = bnb_for_nf4().nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
                                     blocksize=NF4_BLOCK).to("cpu")  # .to quantizes
     if child.bias is not None:
         q.bias = nn.Parameter(child.bias.detach().clone(), requires_grad=child.bias.requires_grad)
@@ -108,7 +109,7 @@ def is_4bit(module: nn.Module) -> bool:
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """A Linear4bit's weight as fp32, exactly as its forward computes with it."""
     w = module.weight
-    return _bnb().functional.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
+    return bnb_for_nf4().functional.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
 
 
 def storage_bytes(module: nn.Module) -> int:
