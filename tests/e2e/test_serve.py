@@ -185,7 +185,6 @@ def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
     service during one (idle_gap_seconds holds it for minutes) and the job trains on by itself
     once [inference] pause_lease_seconds (3 s here) pass; a service that starts again settles the
     lease and adopts the job, which ends bit-identical."""
-    import httpx
     root, recipe = reference
     owner = OWNER.format(root=root).replace("enabled = false", "seed = 7\nidle_gap_seconds = 600\n"
                                                                  "pause_lease_seconds = 3")
@@ -194,8 +193,8 @@ def test_a_pause_for_inference_lapses_when_its_service_dies(reference):
         assert s.cli("submit", str(recipe), "--name", "t").returncode == 0
         s.wait(lambda j: j["t"]["state"] == "running" and j["t"]["step"] >= 2)
         deadline = time.monotonic() + 120
-        while (r := httpx.post(s.url + "/v1/completions", headers=s.auth, timeout=60,
-                               json={"prompt": "In the beginning", "max_tokens": 2})).status_code == 503:
+        while (r := s.http.post("/v1/completions", headers=s.auth, timeout=60,
+                                json={"prompt": "In the beginning", "max_tokens": 2})).status_code == 503:
             assert time.monotonic() < deadline, f"the engine did not load in 120 s: {r.text}"
             time.sleep(0.2)
         assert r.status_code == 200, r.text
@@ -402,30 +401,29 @@ def _alive(pid: int) -> bool:
 def test_inference_during_training_pauses_it_and_is_accounted(reference):
     """Completions through the service while a job trains on the same device: the job soft-pauses
     at a step boundary, resumes after the idle gap, and its report shows paused_for_inference."""
-    import httpx
     root, recipe = reference
     owner = OWNER.format(root=root).replace("enabled = false", "seed = 7\nidle_gap_seconds = 1.0")
     s = Serve(root / "infer", owner, None, DELAY).start()
     try:
         s.wait(lambda j: True)
         deadline = time.monotonic() + 120
-        while httpx.get(s.url + "/health", timeout=10, headers=s.auth).status_code != 200:
+        while s.http.get("/health", timeout=10, headers=s.auth).status_code != 200:
             assert time.monotonic() < deadline, s.output()[-2000:]
             time.sleep(0.2)
-        models = httpx.get(s.url + "/v1/models", timeout=10, headers=s.auth).json()
+        models = s.http.get("/v1/models", timeout=10, headers=s.auth).json()
         assert models["data"][0]["id"] == "base"
         assert s.cli("submit", str(recipe), "--name", "t").returncode == 0
         s.wait(lambda j: j["t"]["state"] == "running" and j["t"]["step"] >= 3)
         states = []
         for _ in range(4):
-            r = httpx.post(s.url + "/v1/completions", json={"model": "base", "prompt": "In the beginning",
-                                                            "max_tokens": 16, "temperature": 0}, timeout=60,
-                           headers=s.auth)
+            r = s.http.post("/v1/completions", json={"model": "base", "prompt": "In the beginning",
+                                                     "max_tokens": 16, "temperature": 0}, timeout=60,
+                            headers=s.auth)
             assert r.status_code == 200, r.text
             states.append(s.jobs()["t"]["state"])
-        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, headers=s.auth,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-                                "stream": True}) as r:
+        with s.http.stream("POST", "/v1/chat/completions", timeout=60, headers=s.auth,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                 "stream": True}) as r:
             lines = [x for x in r.iter_lines() if x]
         assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
         assert "soft-paused" in states, states
@@ -464,23 +462,23 @@ def test_upstream_llama_cpp_server_behind_the_service(reference, tmp_path):
         owner = OWNER.format(root=root).replace("enabled = false", f'upstream = "{upstream}"')
         s = Serve(root / "upstream", owner, None, {}).start()
         try:
-            assert httpx.get(s.url + "/health", timeout=30, headers=s.auth).status_code == 200
+            assert s.http.get("/health", timeout=30, headers=s.auth).status_code == 200
             direct = httpx.post(upstream + "/v1/completions", timeout=60,
                                 json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
-            proxied = httpx.post(s.url + "/v1/completions", timeout=60, headers=s.auth,
-                                 json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
+            proxied = s.http.post("/v1/completions", timeout=60, headers=s.auth,
+                                  json={"prompt": "In the beginning", "max_tokens": 8, "temperature": 0})
             assert proxied.status_code == 200
             assert proxied.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
-            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, headers=s.auth,
-                              json={"messages": [{"role": "user", "content": "Say hello."}],
-                                    "max_tokens": 8, "stream": True}) as r:
+            with s.http.stream("POST", "/v1/chat/completions", timeout=60, headers=s.auth,
+                               json={"messages": [{"role": "user", "content": "Say hello."}],
+                                     "max_tokens": 8, "stream": True}) as r:
                 assert r.headers["content-type"].startswith("text/event-stream")
                 lines = [x for x in r.iter_lines() if x]
             assert lines[-1] == "data: [DONE]" and len(lines) >= 3
-            bad = httpx.post(s.url + "/v1/completions", content=b"{oops", timeout=30,
-                             headers={"content-type": "application/json", **s.auth})
+            bad = s.http.post("/v1/completions", content=b"{oops", timeout=30,
+                              headers={"content-type": "application/json", **s.auth})
             assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]  # never forwarded
-            anonymous = httpx.post(s.url + "/v1/completions", timeout=30, json={"prompt": "In", "max_tokens": 1})
+            anonymous = s.http.post("/v1/completions", timeout=30, json={"prompt": "In", "max_tokens": 1})
             assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]["message"]  # never forwarded
             assert s.api("GET", "/api/stats").json()["inference"]["requests"] == 2
             # said at start-up, and like every line of the service's log, after the local time
