@@ -74,6 +74,8 @@ def soak(request: pytest.FixtureRequest) -> bool:
 def ember_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("ember_home")
     os.environ["EMBER_HOME"] = str(home)
+    from tests.helpers import SESSION_HOME
+    SESSION_HOME[:] = [home]
     return home
 
 

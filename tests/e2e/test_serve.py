@@ -420,7 +420,13 @@ def test_inference_during_training_pauses_it_and_is_accounted(reference):
                                                      "max_tokens": 16, "temperature": 0}, timeout=60,
                             headers=s.auth)
             assert r.status_code == 200, r.text
-            states.append(s.jobs()["t"]["state"])
+            # The pause takes effect at the job's next step boundary (~0.1 s), after an answer as
+            # short as this one (~30 ms): the state right after the answer may still be "running".
+            # Watched for until it shows, at most 5 s (the idle gap holds a pause for 1 s).
+            until = time.monotonic() + 5.0
+            while (state := s.jobs()["t"]["state"]) != "soft-paused" and time.monotonic() < until:
+                time.sleep(0.02)
+            states.append(state)
         with s.http.stream("POST", "/v1/chat/completions", timeout=60, headers=s.auth,
                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                                  "stream": True}) as r:

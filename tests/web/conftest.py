@@ -11,7 +11,7 @@ from ember.ledger import database as store
 from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
-from tests.helpers import run_ember, write_recipe
+from tests.helpers import run_ember, with_cpu_peak, write_recipe
 from tests.web.runs import make_run
 
 TOKEN = "s3cret-token"
@@ -39,7 +39,7 @@ def ledger_dir(tmp_path_factory):
 @pytest.fixture
 def service(ledger_dir, tmp_path, monkeypatch):
     base, ledger, _ = ledger_dir
-    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EMBER_HOME", str(with_cpu_peak(tmp_path / "home")))
     rules = OwnerRules()
     rules.service.allowed = [str(base)]
     return Service(rules, "sim:2x1GiB", Events(), ledger)
