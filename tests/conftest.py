@@ -18,26 +18,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "run at the smaller counts of `make test`")
 
 
-# How `make test` spreads the tests over its three workers (on two cores: with ember's start-up
-# forked from a warm process, tests/warm.py, about a third of the suite's time is waiting on Slurm's
-# minute, shaped links and paced inputs, which the third worker fills): a test file is one unit of
+# How `make test` spreads the tests over its four workers (on two cores: two workers' waits on
+# Slurm's minute, shaped links and paced inputs are filled by the others): a test file is one unit of
 # work, kept on one worker (its module fixtures are built once), unless it is listed in SPLIT; each
 # test of those is a unit of its own (their expensive inputs are shared across workers:
 # tests/artifacts.py). The units are handed out in the order below, the longest first
-# (`--no-loadscope-reorder`), so that no long one is left for the end while the others idle
-# (durations: tests/README.md).
+# (`--no-loadscope-reorder`), so that no long one is left for the end while the others idle: every
+# file of 10 s or more (the sum of its tests' durations, four workers; tests/README.md), the rest
+# after them in their collection order.
 SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tests/e2e/test_defects.py",
          "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_cli.py",
          "tests/e2e/test_distributed_lora.py", "tests/e2e/test_distributed_tp_lora.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py",
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
 LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py", "tests/e2e/test_compile.py",
-                 "tests/e2e/test_distributed_faults.py", "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_lora.py",
-                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_pipeline_ddp.py", "tests/e2e/test_serve.py",
-                 "tests/e2e/test_resume.py", "tests/e2e/test_rerun.py", "tests/e2e/test_two_nodes.py",
-                 "tests/e2e/test_defects.py", "tests/web/test_browser.py", "tests/e2e/test_orphans.py",
-                 "tests/e2e/test_accounting.py",
-                 "tests/e2e/test_plan.py", "tests/e2e/test_cli.py", "tests/e2e/test_chat_data.py"]
+                 "tests/e2e/test_serve.py", "tests/infer/test_export.py", "tests/plan/test_traced.py",
+                 "tests/web/test_browser.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_two_nodes.py",
+                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_resume.py",
+                 "tests/e2e/test_group_signals.py", "tests/plan/test_memory.py", "tests/e2e/test_rerun.py",
+                 "tests/e2e/test_distributed.py", "tests/e2e/test_defects.py", "tests/e2e/test_pipeline_ddp.py",
+                 "tests/e2e/test_pipeline.py", "tests/e2e/test_orphans.py", "tests/bench/test_gpu_script.py",
+                 "tests/e2e/test_plan.py", "tests/e2e/test_coserve.py", "tests/data/test_tokenize.py",
+                 "tests/infer/test_engine.py", "tests/parallel/test_tp.py", "tests/web/test_dashboard_api.py",
+                 "tests/e2e/test_accounting.py", "tests/test_startup.py", "tests/plan/test_fit.py",
+                 "tests/e2e/test_distributed_lora.py", "tests/train/test_qlora.py", "tests/parallel/test_fsdp_tp.py",
+                 "tests/remote/test_second_backend.py", "tests/test_warm.py",
+                 "tests/infer/test_export_checkpoint.py", "tests/test_restart_path.py",
+                 "tests/e2e/test_chat_data.py", "tests/parallel/test_fsdp.py", "tests/test_launchspec.py",
+                 "tests/train/test_compiled.py", "tests/web/test_unit.py", "tests/data/test_formats.py",
+                 "tests/e2e/test_cli.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
