@@ -26,18 +26,14 @@ def with_cpu_peak(home: Path) -> Path:
     and its first run spends 0.7 CPU-s more, in every test that starts a service. The record is
     copied as measured, its date and load with it (a loaded one is still measured again once the
     machine is quieter). What the measurement and its cache do: tests/metrics/test_peaks.py."""
+    import pytest
+
     from ember.metrics.peaks import measured_cpu_peak
     source = SESSION_HOME[0] / "cache" / "cpu_peak.json"
     if not source.exists():
-        before = os.environ.get("EMBER_HOME")
-        os.environ["EMBER_HOME"] = str(SESSION_HOME[0])
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EMBER_HOME", str(SESSION_HOME[0]))
             measured_cpu_peak(1)  # the tests' recipes train on one thread
-        finally:
-            if before is None:
-                os.environ.pop("EMBER_HOME")
-            else:
-                os.environ["EMBER_HOME"] = before
     target = home / "cache" / "cpu_peak.json"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
