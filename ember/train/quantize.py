@@ -83,7 +83,8 @@ def linear_4bit(child: nn.Linear) -> nn.Module:
     """An empty NF4 Linear4bit of `child`'s shape on the meta device (nn.Linear's random init
     would draw on torch's RNG)."""
     q = bnb_for_nf4().nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                             compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4", device="meta")
+                                    compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4",
+                                    device="meta")
     # On CPUs with AVX512-BF16, an eval-mode forward without grad would repack the weight in
     # place into a bf16 inference layout that training forwards then use too, with no
     # gradient for their input: evaluation would change the next steps' training.
@@ -95,7 +96,7 @@ def _nf4(child: nn.Linear) -> nn.Module:
     q = linear_4bit(child)
     weight = child.weight.detach().to("cpu", torch.float32)
     q.weight = bnb_for_nf4().nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                    blocksize=NF4_BLOCK).to("cpu")  # .to quantizes
+                                           blocksize=NF4_BLOCK).to("cpu")  # .to quantizes
     if child.bias is not None:
         q.bias = nn.Parameter(child.bias.detach().clone(), requires_grad=child.bias.requires_grad)
     return q.to(child.weight.device)
