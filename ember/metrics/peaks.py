@@ -61,13 +61,15 @@ def lookup_peak(name: str, dtype: str) -> Peak:
 
 def select_peak(override_tflops: float, device_type: str, name: str, dtype: str, threads: int,
                 again: bool = False) -> Peak:
-    """The one rule for the peak MFU divides by: the recipe's [cost] peak_tflops if set, else a
-    measured fp32 matmul peak on a CPU (`again`: measured anew), else the table's figure for the
-    device and dtype."""
+    """The one rule for the peak MFU divides by: the recipe's [cost] peak_tflops if set, else on
+    a CPU the measured matmul peak in the dtype the run multiplies in (`again`: measured anew),
+    else the table's figure for the device and dtype. A CPU's bf16 matmuls can be several times
+    its fp32 ones (AMX: 3.7x on this project's 2-core Xeon), so a bf16 run's MFU against the fp32
+    peak would overstate it as much."""
     if override_tflops:
         return Peak(override_tflops * TERA, "recipe [cost] peak_tflops")
     if device_type == "cpu":
-        return measured_cpu_peak(threads or os.cpu_count() or 1, again)
+        return measured_cpu_peak(threads or os.cpu_count() or 1, again, dtype=dtype)
     return lookup_peak(name, dtype)
 
 
@@ -202,23 +204,31 @@ def _timing(threads: int) -> Iterator[Callable[[], float | None]]:
         torch.set_num_threads(previous)
 
 
-def time_matmul(threads: int, size: int = 1024, rounds: int = 5) -> CpuPeak:
-    """fp32 matmul FLOP/s on this CPU with `threads` threads, the best of `rounds` windows of
-    0.1 s, with other processes' share of the cores while it ran."""
+MATMUL_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def time_matmul(threads: int, size: int = 1024, rounds: int = 5, dtype: str = "fp32") -> CpuPeak:
+    """Matmul FLOP/s in `dtype` (MATMUL_DTYPES) on this CPU with `threads` threads, the best of
+    `rounds` windows of 0.1 s, with other processes' share of the cores while it ran."""
     import torch
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     with _timing(threads) as others:
         gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        a, b = (torch.randn(size, size, generator=gen).to(kind) for _ in range(2))
         best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
         return CpuPeak(best, time.time(), others())
 
 
-def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5) -> Peak:
-    """fp32 matmul FLOP/s measured on this CPU with `threads` threads (see time_matmul), cached
-    per machine with its date and load and measured again when stale (see choose_cpu_peak).
-    `again`: measure anew, keeping the higher of the two."""
-    peak, how = cached_cpu_rate(cpu_peak_key(threads), lambda: time_matmul(threads, size, rounds), again)
-    return Peak(peak.flops, f"{how}: fp32 {size}x{size} matmul, {threads} threads")
+def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5,
+                      dtype: str = "fp32") -> Peak:
+    """Matmul FLOP/s in `dtype` measured on this CPU with `threads` threads (see time_matmul),
+    cached per machine and dtype with its date and load and measured again when stale (see
+    choose_cpu_peak). `again`: measure anew, keeping the higher of the two."""
+    if dtype not in MATMUL_DTYPES:
+        raise ValueError(f"no CPU matmul peak for dtype {dtype!r}: one of {', '.join(MATMUL_DTYPES)}")
+    key = cpu_peak_key(threads) + ("" if dtype == "fp32" else f":{dtype}")  # fp32's key as before
+    peak, how = cached_cpu_rate(key, lambda: time_matmul(threads, size, rounds, dtype), again)
+    return Peak(peak.flops, f"{how}: {dtype} {size}x{size} matmul, {threads} threads")
 
 
 def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = False) -> tuple[CpuPeak, str]:

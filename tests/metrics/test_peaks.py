@@ -98,3 +98,30 @@ def test_a_timing_puts_torchs_thread_count_back_also_when_it_fails(monkeypatch, 
     with pytest.raises(RuntimeError, match="the timing failed"):
         getattr(peaks, timed)(other)
     assert torch.get_num_threads() == before
+
+
+def test_a_bf16_run_on_a_cpu_divides_by_the_bf16_matmul_peak(tmp_path, monkeypatch):
+    """The peak is measured in the dtype the run multiplies in, cached apart from the fp32 one
+    (whose record and key are left as they were). Before, a bf16 run's MFU divided by the fp32
+    peak: 58% for the demo's bf16 steps on a CPU whose bf16 matmuls are 3.7x its fp32 ones."""
+    from ember.metrics import peaks
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "cache").mkdir(parents=True)
+    fp32 = {"flops": 3.8e10, "at": time.time() - 3600, "others": 0.0}
+    cache = tmp_path / "home" / "cache" / "cpu_peak.json"
+    cache.write_text(json.dumps({cpu_peak_key(1): fp32}))
+    timed = []
+    real = peaks.time_matmul
+
+    def time_matmul(threads, size=1024, rounds=5, dtype="fp32"):
+        timed.append(dtype)
+        return real(threads, 64, 1, dtype)  # a small one: the dtype is the point here
+    monkeypatch.setattr(peaks, "time_matmul", time_matmul)
+    assert peaks.select_peak(0.0, "cpu", "cpu", "fp32", 1).flops == 3.8e10 and timed == []
+    bf16 = peaks.select_peak(0.0, "cpu", "cpu", "bf16", 1)
+    assert timed == ["bf16"] and bf16.source.endswith(": bf16 1024x1024 matmul, 1 threads"), bf16.source
+    known = json.loads(cache.read_text())
+    assert known[cpu_peak_key(1)] == fp32 and known[cpu_peak_key(1) + ":bf16"]["flops"] == bf16.flops
+    assert peaks.select_peak(0.0, "cpu", "cpu", "bf16", 1) == bf16 and timed == ["bf16"]  # cached
+    with pytest.raises(ValueError, match="no CPU matmul peak for dtype 'int8'"):
+        peaks.measured_cpu_peak(1, dtype="int8")
