@@ -33,8 +33,12 @@ cover it (the compile seconds show in `setup`-to-last-step, not in the period). 
 are cached in $EMBER_HOME/cache/inductor, HF's in torch's default folder: from the second round
 on, both load them rather than compiling again.
 
+`--precision bf16` runs every arm in bf16 mixed precision instead (ember: `precision.mode =
+"bf16"`, HF: `TrainingArguments(bf16=True)`; both autocast to bf16 on the CPU): the same job in
+the other precision a user may pick, both sides alike, where a CPU multiplies bf16 faster (AMX).
+
 usage: python bench/hf_trainer.py [--rounds 3] [--steps 20] [--warmup 3] [--cycles 12] [--no-ckpt]
-                                  [--arms hf,ember,hf-compile,ember-compile]
+                                  [--arms hf,ember,hf-compile,ember-compile] [--precision fp32|bf16]
        python bench/hf_trainer.py --rounds 0 --cycles 30   # the determinism cycles alone
 """
 
@@ -62,10 +66,10 @@ ARMS = ["hf", "ember", "ember-nondet", "ember-nofill", "hf-compile", "ember-comp
 MODES = ["det", "nondet", "nofill"]  # --interleave
 
 
-def recipe(steps: int, deterministic: bool = True, every: int = 0, compile: bool = False):
+def recipe(steps: int, deterministic: bool = True, every: int = 0, compile: bool = False, precision: str = "fp32"):
     from ember.recipe import load_recipe
     return load_recipe(RECIPE, [f"train.max_steps={steps}", "method.dropout=0.0", f"train.threads={THREADS}",
-                                f"train.deterministic={str(deterministic).lower()}",
+                                f"train.deterministic={str(deterministic).lower()}", f"precision.mode={precision}",
                                 f"checkpoint.every_steps={every}", f"train.compile={str(compile).lower()}"])
 
 
@@ -108,12 +112,12 @@ def ember_arm(args: argparse.Namespace, started: float) -> dict:
     from ember.train.loop import train
     ckpt = args.arm == "ember-ckpt"
     r = recipe(args.steps, deterministic=args.arm != "ember-nondet", every=5 if ckpt else 0,
-               compile=args.arm == "ember-compile")
+               compile=args.arm == "ember-compile", precision=args.precision)
     out = Path(args.out) / "run"
     job = prepare(r, out, False, Events(), ledger_path=Path(args.out) / "ledger.db" if ckpt else False)
     if args.arm == "ember-nofill":  # after configure_determinism (inside prepare)
         torch.utils.deterministic.fill_uninitialized_memory = False
-    flags = {"deterministic": torch.are_deterministic_algorithms_enabled(),
+    flags = {"deterministic": torch.are_deterministic_algorithms_enabled(), "precision": r.precision.mode,
              "fill": torch.utils.deterministic.fill_uninitialized_memory, "threads": torch.get_num_threads()}
     train(job)
     done = time.time()
@@ -169,7 +173,7 @@ def hf_arm(args: argparse.Namespace, started: float) -> dict:
         learning_rate=5e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
-        use_cpu=True, seed=0, torch_compile=args.arm == "hf-compile")
+        use_cpu=True, seed=0, torch_compile=args.arm == "hf-compile", bf16=args.precision == "bf16")
     clock = Clock()
     trainer = SameSchedule(model=model, args=targs, train_dataset=Rows(), callbacks=[clock])
     trainer.train()
@@ -180,7 +184,7 @@ def hf_arm(args: argparse.Namespace, started: float) -> dict:
             "loss": [x["loss"] for x in logs], "lr": [x["learning_rate"] for x in logs],
             "flags": {"deterministic": torch.are_deterministic_algorithms_enabled(),
                       "threads": torch.get_num_threads(), "optim": str(targs.optim),
-                      "compile": targs.torch_compile}}
+                      "compile": targs.torch_compile, "bf16": targs.bf16}}
 
 
 def set_mode(mode: str) -> None:
@@ -197,7 +201,7 @@ def interleave(args: argparse.Namespace, started: float) -> dict:
     from ember.train.loop import Data, train_step
     warm = 3
     steps = warm + args.cycles * len(MODES) + len(MODES)
-    job = prepare(recipe(steps), Path(args.out) / "run", False, Events(), ledger_path=False)
+    job = prepare(recipe(steps, precision=args.precision), Path(args.out) / "run", False, Events(), ledger_path=False)
     job.model.train()
     data = Data(job)
     times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -230,9 +234,10 @@ def child(args: argparse.Namespace) -> None:
     (Path(args.out) / "result.json").write_text(json.dumps(result))
 
 
-def run_child(arm: str, steps: int, out: Path, extra: list[str] = ()) -> dict:
+def run_child(arm: str, steps: int, out: Path, extra: list[str] = (), precision: str = "fp32") -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--arm", arm, "--steps", str(steps), "--out", str(out), *extra]
+    cmd = [sys.executable, __file__, "--arm", arm, "--steps", str(steps), "--out", str(out), "--precision", precision,
+           *extra]
     with open(out / "log.txt", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
     if rc != 0:
@@ -256,6 +261,7 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=12, help="--interleave cycles of the three modes (0: skip)")
     p.add_argument("--no-ckpt", action="store_true", help="skip the checkpointing arm")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms of the rounds (hf and ember always)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="every arm's compute precision")
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -265,7 +271,7 @@ def main() -> None:
     if not KJV.exists():
         subprocess.run([sys.executable, str(ROOT / "examples/prepare_kjv.py"), str(KJV)], check=True)
     base = Path(tempfile.mkdtemp(prefix="ember-hf-bench-"))
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average "
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; precision {args.precision}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; work folder {base}", flush=True)
     arms = [a for a in ARMS if a in {"hf", "ember", *args.arms.split(",")}]
     if args.rounds:  # 0: only the interleaved determinism cycles
@@ -274,7 +280,7 @@ def main() -> None:
         raw: dict[str, list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated: no arm always first
-                res = run_child(arm, args.steps, base / f"r{r}-{arm}")
+                res = run_child(arm, args.steps, base / f"r{r}-{arm}", precision=args.precision)
                 raw[arm].append(res)
                 per[arm].append(summarize(res, args.warmup))
                 s = per[arm][-1]
@@ -314,7 +320,7 @@ def main() -> None:
               f"HF {raw['hf'][0]['loss'][:3]}...", flush=True)
 
     if args.rounds and not args.no_ckpt:
-        res = run_child("ember-ckpt", args.steps, base / "ckpt")
+        res = run_child("ember-ckpt", args.steps, base / "ckpt", precision=args.precision)
         s = summarize(res, args.warmup)
         print(f"\nember-ckpt (ledger on, async checkpoints every 5 steps) period {s['period'] * 1e3:.1f} ms "
               f"(x{s['period'] / e['period']:.3f} of ember's median), mean of periods after warm-up "
@@ -323,7 +329,7 @@ def main() -> None:
         (base / "ckpt.json").write_text(json.dumps(res))
 
     if args.cycles:
-        res = run_child("interleave", args.steps, base / "interleave", ["--cycles", str(args.cycles)])
+        res = run_child("interleave", args.steps, base / "interleave", ["--cycles", str(args.cycles)], args.precision)
         t = res["times"]
         m = {k: statistics.median(v) for k, v in t.items()}
         ratio = lambda a, b: [x / y for x, y in zip(t[a], t[b])]
