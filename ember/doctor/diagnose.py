@@ -143,6 +143,14 @@ class Figures:
     contention: ContentionFigures | None = None
     ddp: DdpFigures | None = None
     top_ops: list[TopOp] = field(default_factory=list)
+    # An fp32 recipe on a CPU: this CPU's measured matmul peak per dtype ("fp32", "bf16"), FLOP/s
+    cpu_peaks: dict[str, float] = field(default_factory=dict)
+
+
+# A CPU whose bf16 matmuls measure at least this many times its fp32 ones (AMX, AVX512-BF16) is
+# named in the compute-bound finding with the figures: below it, bf16's casts and its slower
+# kernels elsewhere in the step (bench/README, "Compiled, in fp32 and in bf16") eat the gain.
+BF16_FASTER = 2.0
 
 
 @dataclass
@@ -240,9 +248,16 @@ def diagnose(f: Figures) -> list[Finding]:
         ev.append(f"MFU {f.baseline.mfu:.1%} of {f.baseline.peak_source}")
     if f.top_ops:
         ev.append("top operators: " + ", ".join(f"{o.name} {o.share:.0%}" for o in f.top_ops[:5]))
-    out.append(Finding("compute-bound", 0.0, min(1.0, max(0.0, compute / step)), ev,
-                       "the step is spent computing: bf16 on hardware with fast bf16 matmuls, a larger "
-                       "micro batch where memory allows, or a smaller model / LoRA", step))
+    remedy = ("the step is spent computing: bf16 on hardware with fast bf16 matmuls, a larger micro batch "
+              "where memory allows, or a smaller model / LoRA")
+    fp32, bf16 = f.cpu_peaks.get("fp32"), f.cpu_peaks.get("bf16")
+    if fp32 and bf16 and bf16 >= BF16_FASTER * fp32:
+        ev.append(f"this CPU's bf16 matmuls measured {bf16 / fp32:.1f}x its fp32 ones ({bf16 / 1e12:.3g} against "
+                  f"{fp32 / 1e12:.3g} TFLOP/s, 1024x1024)")
+        remedy = ("the step is spent computing, and this CPU multiplies bf16 much faster than fp32: [precision] "
+                  "mode = \"bf16\" (bf16 autocast: compare its losses over a short run), a larger micro batch "
+                  "where memory allows, or a smaller model / LoRA")
+    out.append(Finding("compute-bound", 0.0, min(1.0, max(0.0, compute / step)), ev, remedy, step))
     causes = [x for x in out if x.cause != "compute-bound"]
     significant = sorted((x for x in causes if x.saving_share >= THRESHOLD), key=lambda x: -x.saving_seconds)
     minor = sorted((x for x in causes if x.saving_share < THRESHOLD), key=lambda x: -x.saving_seconds)

@@ -251,3 +251,19 @@ def test_a_prediction_counts_every_measured_effect_of_the_change():
     comm = by_cause(diagnose(f))["communication-bound"]
     assert comm.saving_seconds == 0
     assert comm.predicted_step_seconds == pytest.approx((38.5 - 8 * 3 / 4) * MS)
+
+
+@pytest.mark.parametrize("bf16, named", [(1.24e12, True), (0.5e12, False)])
+def test_a_cpu_that_multiplies_bf16_much_faster_is_named_in_the_compute_bound_finding(bf16, named):
+    """An fp32 recipe on a CPU with AMX (bf16 matmuls measured 3.7x fp32's on this project's
+    Xeon): the compute-bound finding says so, with both figures, and names [precision] bf16;
+    a CPU whose bf16 is not at least BF16_FASTER times as fast is not told to switch."""
+    from ember.doctor.diagnose import BF16_FASTER
+    f = Figures(shape(), baseline(data=0.5, forward=12, backward=18, optimizer=6, other=0.5),
+                cpu_peaks={"fp32": 0.334e12, "bf16": bf16})
+    compute = by_cause(diagnose(f))["compute-bound"]
+    said = [e for e in compute.evidence if "bf16 matmuls" in e]
+    assert bool(said) == named == (bf16 >= BF16_FASTER * 0.334e12)
+    assert ('mode = "bf16"' in compute.remedy) == named and compute.changes == {}
+    if named:
+        assert said == ["this CPU's bf16 matmuls measured 3.7x its fp32 ones (1.24 against 0.334 TFLOP/s, 1024x1024)"]

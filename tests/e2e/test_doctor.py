@@ -28,7 +28,7 @@ from rich.console import Console
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ember.cli.doctor import render
-from ember.doctor.diagnose import THRESHOLD, Figures, InputFigures, Skipped, diagnose
+from ember.doctor.diagnose import BF16_FASTER, THRESHOLD, Figures, InputFigures, Skipped, diagnose
 from ember.doctor.examine import DoctorReport, Headline, examine
 from ember.doctor.experiments.real_loop import measure_baselines
 from ember.events import Events
@@ -189,6 +189,12 @@ def test_healthy_configuration_is_compute_bound(tmp_path, in_process):
     h = report["headline"]
     assert h["tokens_per_second_per_device"] > 0 and 0 < h["mfu"] and h["step_p99"] >= h["step_p50"]
     assert (plots / "doctor.png").stat().st_size > 10_000
+    # an fp32 recipe on a CPU: this CPU's bf16 matmuls measured beside its fp32 ones, and named
+    # in the finding where they are much faster (AMX)
+    peaks = report["figures"]["cpu_peaks"]
+    assert set(peaks) == {"fp32", "bf16"} and min(peaks.values()) > 0, peaks
+    named = any("bf16 matmuls measured" in e for e in first["evidence"])
+    assert named == (peaks["bf16"] >= BF16_FASTER * peaks["fp32"]), (peaks, first["evidence"])
 
 
 def test_slow_gradient_synchronisation_is_communication_bound(tmp_path, startup):

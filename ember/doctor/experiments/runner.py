@@ -51,7 +51,8 @@ def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) ->
         budget.done("baseline")
         budget.done("checkpoint")
         walls, ck = base.figures["iterations"], base.figures.get("checkpoint")
-        f = Figures(_shape(r), baseline_figures(loop.job, r, walls, ck), checkpoint=ck)
+        f = Figures(_shape(r), baseline_figures(loop.job, r, walls, ck), checkpoint=ck,
+                    cpu_peaks=_cpu_peaks(r, loop.job.device, torch.get_num_threads()))
         lab = Lab(loop.job, r, f.shape, statistics.median(walls[2]), loop.job.batches().batch(0), cpu, events,
                   PRECISION * f.baseline.step_seconds)
         if ddp > 1:  # asked for by name: first, with the time its processes need to start
@@ -84,6 +85,15 @@ def _warm_up(loop: RealLoop, r: Recipe, budget: Budget, work: Path, events: Even
                          f"preparing took {cold_start:.1f} s and a step {est:.2f} s, which leaves no time for "
                          f"the baseline; give --budget {math.ceil(cold_start + 15 * est + 5)} or more")
     return est, cold_start
+
+
+def _cpu_peaks(r: Recipe, device: torch.device, threads: int) -> dict[str, float]:
+    """An fp32 recipe on a CPU: this CPU's matmul peak in fp32 and in bf16 at the run's threads
+    (measured once per machine and cached, as MFU's; well under a second), else nothing."""
+    if device.type != "cpu" or r.precision.mode != "fp32":
+        return {}
+    from ember.metrics.peaks import measured_cpu_peak
+    return {dtype: measured_cpu_peak(threads, dtype=dtype).flops for dtype in ("fp32", "bf16")}
 
 
 def _shape(r: Recipe) -> Shape:
