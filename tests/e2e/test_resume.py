@@ -27,6 +27,7 @@ CONFIGS = {
     "grad_accum": {"train": {"grad_accum": 3, "max_steps": 16}},
     "workers": {"data": {"workers": 2}},
     "fp16": {"precision": {"mode": "fp16"}, "train": {"max_steps": 16}},  # GradScaler state resumes too
+    "bf16": {"precision": {"mode": "bf16"}},  # what the doctor names on a CPU with fast bf16 (AMX)
     "int8": {"optimizer": {"state_dtype": "int8"}},  # bitsandbytes' 8-bit AdamW state, checkpointed as is
     # QLoRA: the 4-bit base is quantized again at each start; the checkpoint holds the adapters
     "qlora": {"method": {"kind": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1, "quantize": "nf4"}},
