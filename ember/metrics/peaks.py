@@ -64,8 +64,8 @@ def select_peak(override_tflops: float, device_type: str, name: str, dtype: str,
     """The one rule for the peak MFU divides by: the recipe's [cost] peak_tflops if set, else on
     a CPU the measured matmul peak in the dtype the run multiplies in (`again`: measured anew),
     else the table's figure for the device and dtype. A CPU's bf16 matmuls can be several times
-    its fp32 ones (AMX: 3.7x on this project's 2-core Xeon), so a bf16 run's MFU against the fp32
-    peak would overstate it as much."""
+    its fp32 ones (AMX: bench/README, "Compiled, in fp32 and in bf16"), so a bf16 run's MFU
+    against the fp32 peak would overstate it as much."""
     if override_tflops:
         return Peak(override_tflops * TERA, "recipe [cost] peak_tflops")
     if device_type == "cpu":
@@ -211,10 +211,11 @@ def time_matmul(threads: int, size: int = 1024, rounds: int = 5, dtype: str = "f
     """Matmul FLOP/s in `dtype` (MATMUL_DTYPES) on this CPU with `threads` threads, the best of
     `rounds` windows of 0.1 s, with other processes' share of the cores while it ran."""
     import torch
-    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    from ember.device import DTYPES
     with _timing(threads) as others:
         gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-        a, b = (torch.randn(size, size, generator=gen).to(kind) for _ in range(2))
+        a, b = (torch.randn(size, size, generator=gen).to(DTYPES[dtype]) for _ in range(2))
         best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
         return CpuPeak(best, time.time(), others())
 

@@ -120,3 +120,27 @@ def test_every_experiment_after_the_baseline_follows_the_protocol(tmp_path):
         assert isinstance(e, Experiment) and isinstance(e.changes, str) and e.changes
     assert Result("x").skip("why").skipped[0].experiment == "x"
 
+
+
+def test_the_bf16_peak_is_measured_for_an_fp32_cpu_recipe_within_the_budget(tmp_path, monkeypatch):
+    """Both matmul peaks for an fp32 recipe on a CPU; nothing for a bf16 recipe or another device;
+    and, with less of the budget left than their first measurement may take, a skip saying so
+    instead of a measurement that could run past --budget."""
+    from ember.doctor.experiments.runner import PEAKS_SECONDS, _cpu_peaks
+    from ember.metrics import peaks
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    timed = []
+    real = peaks.time_matmul
+    monkeypatch.setattr(peaks, "time_matmul", lambda threads, size, rounds, dtype: timed.append(dtype) or
+                        real(threads, 64, 1, dtype))
+    fp32, cpu = load_recipe(write_recipe(tmp_path)), torch.device("cpu")
+    plenty = Budget(60.0, time.monotonic(), 0.0, 0.0)
+    skipped = []
+    got = _cpu_peaks(fp32, cpu, 1, plenty, skipped)
+    assert set(got) == {"fp32", "bf16"} and min(got.values()) > 0 and timed == ["fp32", "bf16"] and not skipped
+    bf16 = load_recipe(write_recipe(tmp_path / "b", precision={"mode": "bf16"}))
+    assert _cpu_peaks(bf16, cpu, 1, plenty, skipped) == {}
+    assert _cpu_peaks(fp32, torch.device("meta"), 1, plenty, skipped) == {}
+    short = Budget(PEAKS_SECONDS / 2, time.monotonic(), 0.0, 0.0)
+    assert _cpu_peaks(fp32, cpu, 1, short, skipped) == {} and timed == ["fp32", "bf16"]
+    assert [s.experiment for s in skipped] == ["precision"] and "s left" in skipped[0].reason

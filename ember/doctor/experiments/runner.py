@@ -26,12 +26,14 @@ from ember.doctor.experiments.real_loop import RealLoop, baseline_figures, endle
 from ember.doctor.experiments.sweep import Sweep
 from ember.errors import EmberError
 from ember.events import Events
+from ember.metrics.peaks import measured_cpu_peak
 from ember.paths import scratch_dir
 from ember.recipe import Recipe
 from ember.train.job import prepare
 
 # The experiments after the baseline, each made from the lab and the figures found so far.
 AFTER_BASELINE: list[Callable[[Lab, Figures], Experiment]] = [Contention, InputPipeline, Sweep, Loader, Profile]
+PEAKS_SECONDS = 3.0  # the most the two matmul peaks take to measure, uncached, on a CPU slow at bf16
 
 
 def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) -> tuple[Figures, list[Skipped]]:
@@ -51,8 +53,8 @@ def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) ->
         budget.done("baseline")
         budget.done("checkpoint")
         walls, ck = base.figures["iterations"], base.figures.get("checkpoint")
-        f = Figures(_shape(r), baseline_figures(loop.job, r, walls, ck), checkpoint=ck,
-                    cpu_peaks=_cpu_peaks(r, loop.job.device, torch.get_num_threads()))
+        f = Figures(_shape(r), baseline_figures(loop.job, r, walls, ck), checkpoint=ck)
+        f.cpu_peaks = _cpu_peaks(r, loop.job.device, torch.get_num_threads(), budget, skipped)  # as baseline_figures
         lab = Lab(loop.job, r, f.shape, statistics.median(walls[2]), loop.job.batches().batch(0), cpu, events,
                   PRECISION * f.baseline.step_seconds)
         if ddp > 1:  # asked for by name: first, with the time its processes need to start
@@ -87,12 +89,17 @@ def _warm_up(loop: RealLoop, r: Recipe, budget: Budget, work: Path, events: Even
     return est, cold_start
 
 
-def _cpu_peaks(r: Recipe, device: torch.device, threads: int) -> dict[str, float]:
+def _cpu_peaks(r: Recipe, device: torch.device, threads: int, budget: Budget,
+               skipped: list[Skipped]) -> dict[str, float]:
     """An fp32 recipe on a CPU: this CPU's matmul peak in fp32 and in bf16 at the run's threads
-    (measured once per machine and cached, as MFU's; well under a second), else nothing."""
+    (measured once per machine and cached, as MFU's: ~0.5 s the first time here), for the
+    compute-bound finding; else nothing. Not started with under PEAKS_SECONDS of the budget left."""
     if device.type != "cpu" or r.precision.mode != "fp32":
         return {}
-    from ember.metrics.peaks import measured_cpu_peak
+    if budget.left() < PEAKS_SECONDS:
+        skipped.append(Skipped("precision", f"the bf16 matmul peak: needs up to ~{PEAKS_SECONDS:.0f} s the "
+                                            f"first time, {max(0.0, budget.left()):.1f} s left"))
+        return {}
     return {dtype: measured_cpu_peak(threads, dtype=dtype).flops for dtype in ("fp32", "bf16")}
 
 
