@@ -190,8 +190,12 @@ def test_healthy_configuration_is_compute_bound(tmp_path, in_process):
     assert h["tokens_per_second_per_device"] > 0 and 0 < h["mfu"] and h["step_p99"] >= h["step_p50"]
     assert (plots / "doctor.png").stat().st_size > 10_000
     # an fp32 recipe on a CPU: this CPU's bf16 matmuls measured beside its fp32 ones, and named
-    # in the finding where they are much faster (AMX)
+    # in the finding where they are much faster (AMX); or, where a loaded machine left too little
+    # of the budget for them, skipped, saying so
     peaks = report["figures"]["cpu_peaks"]
+    if not peaks:
+        assert [s for s in report["skipped"] if s["experiment"] == "precision"], report["skipped"]
+        return
     assert set(peaks) == {"fp32", "bf16"} and min(peaks.values()) > 0, peaks
     named = any("bf16 matmuls measured" in e for e in first["evidence"])
     assert named == (peaks["bf16"] >= BF16_FASTER * peaks["fp32"]), (peaks, first["evidence"])
