@@ -248,15 +248,14 @@ def diagnose(f: Figures) -> list[Finding]:
         ev.append(f"MFU {f.baseline.mfu:.1%} of {f.baseline.peak_source}")
     if f.top_ops:
         ev.append("top operators: " + ", ".join(f"{o.name} {o.share:.0%}" for o in f.top_ops[:5]))
-    remedy = ("the step is spent computing: bf16 on hardware with fast bf16 matmuls, a larger micro batch "
-              "where memory allows, or a smaller model / LoRA")
+    precision = "the step is spent computing: bf16 on hardware with fast bf16 matmuls"
     fp32, bf16 = f.cpu_peaks.get("fp32"), f.cpu_peaks.get("bf16")
     if fp32 and bf16 and bf16 >= BF16_FASTER * fp32:
         ev.append(f"this CPU's bf16 matmuls measured {bf16 / fp32:.1f}x its fp32 ones ({bf16 / 1e12:.3g} against "
                   f"{fp32 / 1e12:.3g} TFLOP/s, 1024x1024)")
-        remedy = ("the step is spent computing, and this CPU multiplies bf16 much faster than fp32: [precision] "
-                  "mode = \"bf16\" (bf16 autocast: compare its losses over a short run), a larger micro batch "
-                  "where memory allows, or a smaller model / LoRA")
+        precision = ("the step is spent computing, and this CPU multiplies bf16 much faster than fp32: [precision] "
+                     "mode = \"bf16\" (bf16 autocast: compare its losses over a short run)")
+    remedy = precision + ", a larger micro batch where memory allows, or a smaller model / LoRA"
     out.append(Finding("compute-bound", 0.0, min(1.0, max(0.0, compute / step)), ev, remedy, step))
     causes = [x for x in out if x.cause != "compute-bound"]
     significant = sorted((x for x in causes if x.saving_share >= THRESHOLD), key=lambda x: -x.saving_seconds)
