@@ -49,6 +49,18 @@ LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm
                  "tests/e2e/test_cli.py"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the process that starts the workers, or runs the tests
+        from tests import warm
+        warm.start_shared()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        from tests import warm
+        warm.stop_shared()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A case marked soak_only runs in `make soak` alone; `make test` deselects it (not a skip: a
     # skip in CI fails the run, see below), and -rs has nothing to explain.

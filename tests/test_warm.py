@@ -98,3 +98,17 @@ def test_a_command_started_by_a_warm_one_ends_as_a_fresh_one_would(tmp_path):
         proc.send_signal(sig)
         assert proc.wait(timeout=300) == code, proc.stderr.read()[-2000:]
         wait_until(f"the command (PID {pid}) gone after {sig.name} to its stand-in", lambda: not _alive(pid), 60, 0.05)
+
+
+def test_one_warm_process_serves_the_whole_pytest_run():
+    """Started once by the pytest process that starts the workers (conftest.py), not once per
+    worker: its imports cost ~4.5 CPU-s, paid once per run on two cores."""
+    folder = os.environ.get(warm.SHARED)
+    assert folder, f"${warm.SHARED} unset: each pytest worker would start a warm process of its own"
+    assert warm.stand_in_path().startswith(folder + os.sep)
+    import psutil
+    with open(os.path.join(folder, "pid")) as f:
+        process = psutil.Process(int(f.read()))
+    starter = psutil.Process(os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid())
+    assert process.ppid() == starter.pid, (process.cmdline(), starter.cmdline())
+    assert os.path.exists(os.path.join(folder, warm.READY))

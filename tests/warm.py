@@ -1,12 +1,16 @@
-"""A warm start for `ember` in the tests: one process per pytest worker imports what a run
-imports (torch, transformers, peft, ember) once, then forks a child for each `run_ember`.
+"""A warm start for `ember` in the tests: one process per pytest run imports what a run imports
+(torch, transformers, peft, ember) once, then forks a child for each `run_ember` of any worker.
+conftest.py starts it in the pytest process that starts the workers, before they start, so it
+imports while they collect (`start_shared`); each worker joins it by the folder in $EMBER_TEST_WARM
+and waits at its first command until it listens.
 
 Each command still runs in a process of its own, with its own arguments, environment, working
 folder, standard streams and exit status, and leaves nothing behind in the process that forked it;
 what it skips is the interpreter's start and ~2.7 s of imports (the suite launches `ember` some
 hundreds of times). The child sets its environment before any of ember runs, and ember reads no
 variable at import time (tests/test_warm.py checks that guard); third-party libraries read theirs
-when the warm process starts, with the worker's environment (conftest.py: no model hub).
+when the warm process starts, with the environment of the pytest process that starts it
+(conftest.py: no model hub).
 
 The processes a warm command starts as `python -m ember ...` (the ranks torchrun's agent starts
 for `--nproc N`, the child a supervisor starts for `--restarts N`, preflight's trial run) are
@@ -63,7 +67,7 @@ def serve(path: str) -> None:
     import importlib
     sys.path[0] = str(ROOT)  # this checkout's ember, as `python -m ember` run from ROOT imports it
     from ember.proc import die_with_parent
-    die_with_parent(signal.SIGKILL)  # gone with the worker
+    die_with_parent(signal.SIGKILL)  # gone with the pytest process that started it
     for name in WARM_MODULES:
         importlib.import_module(name)
     _read_once()
@@ -74,7 +78,10 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # helpers are reaped by the kernel
-    print("ready", flush=True)
+    ready = os.path.join(os.path.dirname(path), READY)
+    with open(ready + ".new", "w"):
+        pass
+    os.replace(ready + ".new", ready)  # listening: clients may connect
     while True:
         conn, _ = listener.accept()
         if os.fork() == 0:
@@ -262,19 +269,61 @@ def _exit_code(code) -> int:
 
 # --- the client, in the pytest worker ---------------------------------------------------------
 
+SHARED = "EMBER_TEST_WARM"  # the folder of the warm process a whole pytest run shares
+READY = "ready"             # the file the warm process writes beside its socket once it listens
+READY_SECONDS = 600         # ~3-5 s here quiet; imports take 10x that on a loaded machine
+
+
 class _Warm:
-    def __init__(self) -> None:
-        self.folder = tempfile.mkdtemp(prefix="ember-warm-")
-        self.path = os.path.join(self.folder, "socket")
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=ROOT,
-                                     stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            self.proc.kill()
-            raise RuntimeError(f"the warm ember process did not start (said {line!r}, "
-                               f"exit {self.proc.wait()})")
+    """A warm process and its folder (socket, stand-in, `pid`, `ready`, `of-*`), as one pytest
+    process sees it: the one that started it (`start`, which owns and stops it), or a worker that
+    joined it by its folder."""
+
+    def __init__(self, folder: str, proc: subprocess.Popen | None = None) -> None:
+        self.folder, self.proc = folder, proc
+        self.path = os.path.join(folder, "socket")
+        with open(os.path.join(folder, "pid")) as f:
+            self.pid = int(f.read())
+        self.ready = False
+
+    @classmethod
+    def start(cls) -> _Warm:
+        folder = tempfile.mkdtemp(prefix="ember-warm-")
+        proc = subprocess.Popen([sys.executable, __file__, os.path.join(folder, "socket")], cwd=ROOT,
+                                stdout=subprocess.DEVNULL)
+        with open(os.path.join(folder, "pid.new"), "w") as f:
+            f.write(str(proc.pid))
+        os.replace(os.path.join(folder, "pid.new"), os.path.join(folder, "pid"))
+        return cls(folder, proc)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        import psutil
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def wait_ready(self) -> None:
+        """Until it listens; a clear error if it exits first or takes longer than READY_SECONDS."""
+        deadline = time.monotonic() + READY_SECONDS
+        while not self.ready:
+            if os.path.exists(os.path.join(self.folder, READY)):
+                self.ready = True
+            elif not self.alive():
+                raise RuntimeError(f"the warm ember process (PID {self.pid}, {self.folder}) exited before it "
+                                   f"was ready: its error is in the output of the pytest process that started it")
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"waited {READY_SECONDS} s for the warm ember process (PID {self.pid}) to "
+                                   f"write {self.folder}/{READY}; the folder holds {sorted(os.listdir(self.folder))}")
+            else:
+                time.sleep(0.02)
 
     def close(self) -> None:
+        """Stop it and remove its folder (the process that started it only)."""
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -284,24 +333,52 @@ class _Warm:
 
 
 _warm: _Warm | None = None
+_shared: _Warm | None = None
+
+
+def start_shared() -> None:
+    """In the pytest process that starts the workers (or runs the tests itself), before they
+    start: one warm process for all of them (its imports once, not once per worker), importing
+    while they collect. Not with EMBER_TEST_COLD, nor when one is already shared."""
+    global _shared
+    if os.environ.get("EMBER_TEST_COLD") or os.environ.get(SHARED):
+        return
+    _shared = _Warm.start()
+    os.environ[SHARED] = _shared.folder  # the workers start with it
+
+
+def stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        os.environ.pop(SHARED, None)
+        _shared.close()
+        _shared = None
 
 
 def _instance() -> _Warm:
+    """The warm process of this pytest run (start_shared's), or one of this process's own."""
     global _warm
-    if _warm is None or _warm.proc.poll() is not None:
-        import atexit
-        _warm = _Warm()
-        atexit.register(_warm.close)
+    if _warm is None or not _warm.alive():
+        folder = os.environ.get(SHARED)
+        if folder:
+            if _warm is not None:
+                raise RuntimeError(f"the shared warm ember process (PID {_warm.pid}, {folder}) has exited")
+            _warm = _Warm(folder)
+        else:
+            import atexit
+            _warm = _Warm.start()
+            atexit.register(_warm.close)
+    _warm.wait_ready()
     return _warm
 
 
 def stand_in_path() -> str:
-    """The stand-in for `python -m ember` of this worker's warm process (`stand_in`)."""
+    """The stand-in for `python -m ember` of this pytest run's warm process (`stand_in`)."""
     return os.path.join(_instance().folder, STAND_IN)
 
 
 def command_of(pid: int) -> int | None:
-    """The PID of the command forked for the stand-in `pid` of this worker's warm process, while
+    """The PID of the command forked for the stand-in `pid` of this pytest run's warm process, while
     it runs (None: `pid` is no such stand-in, or its command has ended)."""
     if _warm is None:
         return None
