@@ -217,7 +217,24 @@ class LiveBytes(TorchDispatchMode):
             self.dequantized.append(math.prod(args[4]))
         for t in tree_leaves(out):
             self._count(t)
+        if torch.Tag.pointwise in getattr(func, "tags", ()):
+            self._within_pointwise(out, args, kwargs or {})
         return out
+
+    def _within_pointwise(self, out: Any, args: Any, kwargs: Any) -> None:
+        """A pointwise op's own high point on the CPU, which its fake kernel does not allocate:
+        an input of another dtype than the result's (autocast's bf16 beside an fp32 residual, a
+        LoRA output added to a 4-bit layer's) is first copied to the result's dtype, whole, and
+        that copy lives while the op writes its output (TensorIterator promotes CPU inputs by
+        temporaries; a 0-dim input, a scalar, is not copied)."""
+        result = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        if result is None or not result.dtype.is_floating_point or result.device.type != "cpu":
+            return
+        copies = sum(t.numel() * result.element_size() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.dtype.is_floating_point
+                     and t.dtype != result.dtype)
+        if copies:
+            self.peak = max(self.peak, self.now + copies)
 
     def _within_gemm_4bit(self, out: Any, a: Any, b: Any, shape_b: Any, *args: Any, absmax_8bit: Any = None,
                           **kwargs: Any) -> None:
