@@ -17,28 +17,32 @@ from ember.recipe import to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 GENESIS = ROOT / "examples" / "data" / "genesis.jsonl"
-SESSION_HOME: list[Path] = []  # this test process's own $EMBER_HOME (conftest.py's ember_home)
 
 
 def with_cpu_peak(home: Path) -> Path:
-    """`home` (a fresh $EMBER_HOME) given the CPU peak this test process measured once in its own
-    home: a fresh home's first `ember plan` imports torch to measure it (2.0 of its 2.1 CPU-s here)
-    and its first run spends 0.7 CPU-s more, in every test that starts a service. The record is
-    copied as measured, its date and load with it (a loaded one is still measured again once the
-    machine is quieter). What the measurement and its cache do: tests/metrics/test_peaks.py."""
-    import pytest
-
-    from ember.metrics.peaks import measured_cpu_peak
-    source = SESSION_HOME[0] / "cache" / "cpu_peak.json"
-    if not source.exists():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("EMBER_HOME", str(SESSION_HOME[0]))
-            measured_cpu_peak(1)  # the tests' recipes train on one thread
+    """`home` (a fresh $EMBER_HOME) given the CPU peaks this pytest run measured once while the
+    machine was quiet (conftest.py's measure_peaks): without them a fresh home's first `ember plan`
+    imports torch to measure (2.0 of its 2.1 CPU-s here), its first run spends 0.7 CPU-s more,
+    and a record measured among the other tests' load is measured again whenever the machine is
+    quieter. Copied as measured, date and load with it; a home that has a record keeps it. What
+    the measurement and its cache do: tests/metrics/test_peaks.py."""
+    source = os.environ.get("EMBER_TEST_PEAKS")
     target = home / "cache" / "cpu_peak.json"
-    if not target.exists():
+    if source and not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(source.read_bytes())
+        target.write_bytes(Path(source).read_bytes())
     return home
+
+
+def _with_peaks_in(env: dict | None) -> None:
+    """The home a command is given (its EMBER_HOME) with the run's CPU peaks (with_cpu_peak), where
+    it is a folder or is still to be made."""
+    home = (env or {}).get("EMBER_HOME")
+    if home and not Path(home).is_file():
+        try:
+            with_cpu_peak(Path(home))
+        except OSError:
+            pass  # a home the test made unwritable: ember says so itself
 
 
 def write_recipe(folder: Path, text: str = "", **sections: dict) -> Path:
@@ -66,6 +70,7 @@ def ember_cmd(*args: str) -> list[str]:
 def run_ember(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the CLI to completion in a child process: forked from a process that has already
     imported what a run needs (tests/warm.py), or a fresh interpreter with EMBER_TEST_COLD=1."""
+    _with_peaks_in(env)
     if not os.environ.get("EMBER_TEST_COLD"):
         from tests import warm
         return warm.run(list(map(str, args)), {**os.environ, **(env or {})}, ROOT, timeout)
@@ -89,6 +94,7 @@ def warm_cmd(*args: str) -> list[str]:
 def start_ember(*args: str, env: dict | None = None, warm: bool = False) -> subprocess.Popen:
     """`ember ...` started, its streams piped; `warm`: through the warm stand-in (warm_cmd), for
     a test that signals or kills the process by the PID it started and nothing under it."""
+    _with_peaks_in(env)
     return subprocess.Popen(warm_cmd(*args) if warm else ember_cmd(*args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
 
