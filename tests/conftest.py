@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +58,7 @@ LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm
 PEAKS = "EMBER_TEST_PEAKS"  # the cpu_peak.json the pytest run's homes start with (measure_peaks)
 
 
-def measure_peaks() -> Path:
+def measure_peaks(folder: Path) -> Path:
     """This CPU's matmul peaks, one thread and all its cores (the counts the tests' recipes train
     with), measured by ember in a home of their own while the machine is still quiet: before the
     warm process and the workers start. tests.helpers.with_cpu_peak gives the record to every home
@@ -65,36 +66,59 @@ def measure_peaks() -> Path:
     load is measured again once the machine is quieter, so one measured among the tests' load was
     measured again tens of times a run, most of them in processes that then imported torch for it.
     Kept in the test cache for the next pytest run (`make test`'s serial part) while it is less
-    than a day old and was measured quiet."""
+    than a day old, measured quiet and of this machine's keys; each run reads a copy of its own in
+    `folder` (another run may replace the cached one meanwhile)."""
+    from ember.metrics.peaks import LOADED, cpu_peak_key
     from tests.artifacts import cache_root
-    home = cache_root() / "cpu-peaks"
-    record = home / "cache" / "cpu_peak.json"
+    cached = cache_root() / "cpu-peaks" / "cpu_peak.json"
+    keys = {cpu_peak_key(n) for n in {1, os.cpu_count() or 1}}
     try:
-        known = json.loads(record.read_text()).values()
-        if known and all(time.time() - r["at"] < 86400 and r["others"] is not None and r["others"] < 0.25
-                         for r in known):
-            return record
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    shutil.rmtree(home, ignore_errors=True)
-    code = ("import os; from ember.metrics.peaks import measured_cpu_peak; "
-            "[measured_cpu_peak(n) for n in sorted({1, os.cpu_count() or 1})]")
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "EMBER_HOME": str(home)}, cwd=ROOT,
-                   check=True, timeout=600)
-    return record
+        known = json.loads(cached.read_text())
+        fresh = keys <= set(known) and all(time.time() - known[k]["at"] < 86400 and known[k]["others"] is not None
+                                           and known[k]["others"] < LOADED for k in keys)
+    except (OSError, ValueError, KeyError, TypeError):
+        fresh = False
+    if not fresh:
+        home = folder / "home"
+        code = ("import os; from ember.metrics.peaks import measured_cpu_peak; "
+                "[measured_cpu_peak(n) for n in sorted({1, os.cpu_count() or 1})]")
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "EMBER_HOME": str(home)}, cwd=ROOT,
+                       check=True, timeout=600)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(home / "cache" / "cpu_peak.json", folder / "cached.new")
+        os.replace(folder / "cached.new", cached)  # whole, for a run that reads it meanwhile
+    mine = folder / "cpu_peak.json"
+    shutil.copyfile(cached, mine)
+    return mine
+
+
+_peaks_key = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the process that starts the workers, or runs the tests
-        os.environ.setdefault(PEAKS, str(measure_peaks()))  # the workers start with it
+        if not os.environ.get(PEAKS):
+            folder = Path(tempfile.mkdtemp(prefix="ember-test-peaks-"))
+            config.stash[_peaks_key] = folder
+            os.environ[PEAKS] = str(measure_peaks(folder))  # the workers start with it
         from tests import warm
         warm.start_shared()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # a run without workers: its tests run here
+        from tests import warm
+        warm.wait_shared()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         from tests import warm
         warm.stop_shared()
+        folder = config.stash.get(_peaks_key, None)
+        if folder is not None:
+            os.environ.pop(PEAKS, None)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

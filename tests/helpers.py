@@ -35,9 +35,9 @@ def with_cpu_peak(home: Path) -> Path:
 
 
 def _with_peaks_in(env: dict | None) -> None:
-    """The home a command is given (its EMBER_HOME) with the run's CPU peaks (with_cpu_peak), where
-    it is a folder or is still to be made."""
-    home = (env or {}).get("EMBER_HOME")
+    """The home a command runs with (its EMBER_HOME: given, or this process's) with the run's CPU
+    peaks (with_cpu_peak), where it is a folder or is still to be made."""
+    home = {**os.environ, **(env or {})}.get("EMBER_HOME")
     if home and not Path(home).is_file():
         try:
             with_cpu_peak(Path(home))

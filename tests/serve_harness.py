@@ -19,6 +19,7 @@ from tests.helpers import ROOT, ember_cmd, run_ember, with_cpu_peak
 class Serve:
     def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None):
         self.home, self.devices = home, devices
+        home.mkdir(parents=True, exist_ok=True)
         with_cpu_peak(home)
         (home / "owner.toml").write_text(owner)
         self.env = {**os.environ, "EMBER_HOME": str(home), **(env or {})}

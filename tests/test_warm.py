@@ -103,6 +103,8 @@ def test_a_command_started_by_a_warm_one_ends_as_a_fresh_one_would(tmp_path):
 def test_one_warm_process_serves_the_whole_pytest_run():
     """Started once by the pytest process that starts the workers (conftest.py), not once per
     worker: its imports cost ~4.5 CPU-s, paid once per run on two cores."""
+    if os.environ.get("EMBER_TEST_COLD"):
+        pytest.skip("EMBER_TEST_COLD=1: every command is a fresh interpreter, there is no warm process")
     folder = os.environ.get(warm.SHARED)
     assert folder, f"${warm.SHARED} unset: each pytest worker would start a warm process of its own"
     assert warm.stand_in_path().startswith(folder + os.sep)

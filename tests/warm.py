@@ -42,6 +42,7 @@ import fcntl
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -327,9 +328,7 @@ class _Warm:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for name in os.listdir(self.folder):
-            os.unlink(os.path.join(self.folder, name))
-        os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)  # a helper may still write its of-* file
 
 
 _warm: _Warm | None = None
@@ -355,16 +354,25 @@ def stop_shared() -> None:
         _shared = None
 
 
+def wait_shared() -> None:
+    """Until the shared warm process listens (the process that started it runs tests itself: its
+    imports then end before the first test, which may time something)."""
+    if _shared is not None:
+        _shared.wait_ready()
+
+
 def _instance() -> _Warm:
-    """The warm process of this pytest run (start_shared's), or one of this process's own."""
+    """The warm process of this pytest run (start_shared's), or one of this process's own: from
+    the start without $EMBER_TEST_WARM, and in place of the shared one if that one has died."""
     global _warm
     if _warm is None or not _warm.alive():
         folder = os.environ.get(SHARED)
-        if folder:
-            if _warm is not None:
-                raise RuntimeError(f"the shared warm ember process (PID {_warm.pid}, {folder}) has exited")
+        if folder and _warm is None:
             _warm = _Warm(folder)
         else:
+            if _warm is not None:
+                print(f"warm ember process {_warm.pid} exited: starting another for this process",
+                      file=sys.stderr)
             import atexit
             _warm = _Warm.start()
             atexit.register(_warm.close)

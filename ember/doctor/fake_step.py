@@ -226,15 +226,17 @@ class LiveBytes(TorchDispatchMode):
         an input of another dtype than the result's (autocast's bf16 beside an fp32 residual, a
         LoRA output added to a 4-bit layer's) is first copied to the result's dtype, whole, and
         that copy lives while the op writes its output (TensorIterator promotes CPU inputs by
-        temporaries; a 0-dim input, a scalar, is not copied)."""
+        temporaries; a 0-dim input, a scalar, is not copied). The trace runs on fake CPU tensors
+        for every device: on CUDA, which casts inside its kernels, this counts copies it will not
+        make (on the safe side)."""
         result = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
-        if result is None or not result.dtype.is_floating_point or result.device.type != "cpu":
+        if result is None or not result.dtype.is_floating_point:
             return
         copies = sum(t.numel() * result.element_size() for t in tree_leaves((args, kwargs))
                      if isinstance(t, torch.Tensor) and t.dim() > 0 and t.dtype.is_floating_point
                      and t.dtype != result.dtype)
         if copies:
-            self.peak = max(self.peak, self.now + copies)
+            self._high_point(self.now + copies)
 
     def _within_gemm_4bit(self, out: Any, a: Any, b: Any, shape_b: Any, *args: Any, absmax_8bit: Any = None,
                           **kwargs: Any) -> None:
@@ -244,4 +246,11 @@ class LiveBytes(TorchDispatchMode):
         (bitsandbytes.backends.default.ops). Its backward dequantizes in ops of its own, counted."""
         scales = absmax_8bit.numel() * 4 if absmax_8bit is not None else 0
         weight = shape_b[0] * shape_b[1] * a.element_size()
-        self.peak = max(self.peak, self.now + scales + weight + out.untyped_storage().nbytes())
+        self._high_point(self.now + scales + weight + out.untyped_storage().nbytes())
+
+    def _high_point(self, alive: int) -> None:
+        """A high point inside an op: the peak, and a point of the timeline (plan --fit derives
+        a micro batch's peak from the timeline's points: ember.plan.fit.peak_between)."""
+        self.peak = max(self.peak, alive)
+        if self.timeline is not None:
+            self.timeline.append(alive)
