@@ -181,7 +181,7 @@ def test_a_pointwise_op_of_two_dtypes_peaks_with_its_input_copied_to_the_results
         live = LiveBytes([fa, fb])
         start = live.now
         with live:
-            out = fa + fb
+            fa + fb  # its output and the copy of fb, alive together at the op
     traced = live.peak - start
     output = 512 * 1024 * 4
     assert measured >= 2 * output  # the output and the copy of the bf16 operand
