@@ -69,6 +69,7 @@ def measure_peaks(folder: Path) -> Path:
     than a day old, measured quiet and of this machine's keys; each run reads a copy of its own in
     `folder` (another run may replace the cached one meanwhile)."""
     from ember.metrics.peaks import LOADED, cpu_peak_key
+    from ember.proc import dies_with_us
     from tests.artifacts import cache_root
     cached = cache_root() / "cpu-peaks" / "cpu_peak.json"
     keys = {cpu_peak_key(n) for n in {1, os.cpu_count() or 1}}
@@ -83,7 +84,7 @@ def measure_peaks(folder: Path) -> Path:
         code = ("import os; from ember.metrics.peaks import measured_cpu_peak; "
                 "[measured_cpu_peak(n) for n in sorted({1, os.cpu_count() or 1})]")
         subprocess.run([sys.executable, "-c", code], env={**os.environ, "EMBER_HOME": str(home)}, cwd=ROOT,
-                       check=True, timeout=600)
+                       check=True, timeout=600, preexec_fn=dies_with_us())  # gone with pytest
         cached.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(home / "cache" / "cpu_peak.json", folder / "cached.new")
         os.replace(folder / "cached.new", cached)  # whole, for a run that reads it meanwhile

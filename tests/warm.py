@@ -368,7 +368,7 @@ def _instance() -> _Warm:
     if _warm is None or not _warm.alive():
         folder = os.environ.get(SHARED)
         if folder and _warm is None:
-            _warm = _Warm(folder)
+            _warm = _shared or _Warm(folder)  # started here (a run without workers), or joined
         else:
             if _warm is not None:
                 print(f"warm ember process {_warm.pid} exited: starting another for this process",
