@@ -142,6 +142,15 @@ def convert_gguf(gguf: Path, sha256: str, events: Events, spec: str = "") -> Pat
 
 def _convert(gguf: Path, tmp: Path) -> None:
     import torch
+    # Building the model draws on torch's RNG (its init), which a run has seeded just before:
+    # unforked, the first run of a file (converting it) would start otherwise than every later
+    # run of the same recipe (reading the converted folder), LoRA's initial adapters first.
+    with torch.random.fork_rng(devices=[]):
+        _convert_model(gguf, tmp)
+
+
+def _convert_model(gguf: Path, tmp: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -40,13 +40,16 @@ class MethodConfig:
                                         "['all-linear'] adapts every linear layer but the output head.",
                                         factory=True)
     export_merged: bool = setting(False, "LoRA: also write merged full weights to OUT/final/merged.")
-    quantize: Literal["none", "nf4"] = setting(
-        "none", "LoRA: the frozen base's linear layers (all but the output head) in 4-bit NF4 with double "
-        "quantization (QLoRA; bitsandbytes' Linear4bit): about 0.13x their fp32 bytes; the adapters, "
-        "embeddings, norms and compute stay in fp32 (bf16 under [precision] bf16). The base is quantized "
-        "again from the model files at every start (checkpoints hold only the adapters); `ember export` "
-        "merges the adapters into the dequantized base. One process only; needs the `bitsandbytes` package. "
-        "See `ember plan`.")
+    quantize: Literal["none", "nf4", "gguf"] = setting(
+        "none", "LoRA over a quantized frozen base (QLoRA). 'nf4': the base's linear layers (all but the "
+        "output head) in 4-bit NF4 with double quantization (bitsandbytes' Linear4bit): about 0.13x their "
+        "fp32 bytes, quantized again from the model files at every start; needs the `bitsandbytes` package. "
+        "'gguf' (a .gguf model): the linears the file stores in Q4_0, Q4_1 or Q8_0 kept in the file's own "
+        "blocks (0.56x, 0.63x, 1.06x a byte per weight), dequantized for each matmul to exactly the weights "
+        "LoRA trains over: no second rounding, where 'nf4' re-quantizes an already quantized file. The "
+        "adapters, embeddings, norms and compute stay in fp32 (bf16 under [precision] bf16); checkpoints "
+        "hold only the adapters; `ember export` merges the adapters into the dequantized base. One process "
+        "only. See `ember plan`.")
 
 
 class DataFormat(StrEnum):

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ember.device import autocast
 from ember.errors import EmberError
-from ember.models import model_config
+from ember.models import model_config, resolve_path
 from ember.plan.dequant import dequantize_once
 from ember.plan.memory import moment_bytes
 from ember.plan.planner import Traced
@@ -39,7 +39,9 @@ def trace(r: Recipe) -> Traced:
     except (ValueError, KeyError) as e:
         raise EmberError(f"[model] path = {r.model.path!r}: transformers cannot build a causal LM from its "
                          f"config: {e}") from None
-    model = prepare_model(model, r.method, r.train.activation_checkpointing, make_4bit=_meta_4bit)
+    gguf = resolve_path(r.model.path) if r.method.quantize == "gguf" else None  # its blocks' sizes
+    model = prepare_model(model, r.method, r.train.activation_checkpointing, make_4bit=_meta_4bit, gguf=gguf,
+                          spec=r.model.path)
     model.train()
     cpu = torch.device("cpu")
     accum = min(r.train.grad_accum, 2)  # from the second micro-batch on, every one is the same

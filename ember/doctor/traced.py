@@ -16,7 +16,9 @@ Linear4bit with its packed codes and quantization state as fake tensors of the s
 gives them (ember.doctor.fake_step._meta_4bit); its forward runs bitsandbytes' fake kernel, to
 which the trace adds the block scales and weight the CPU kernel dequantizes inside it, and its
 backward's dequantization runs as ops of its own. The 4-bit calls and the bytes they move are
-counted for the plan's time (ember.plan.planner.priced_dequant).
+counted for the plan's time (ember.plan.planner.priced_dequant). A GGUF file's own blocks
+([method] quantize = 'gguf') are traced with their real sizes, read from the file's header
+(ember.train.gguf_blocks); their dequantization is torch's own ops, traced as they run.
 
 What it leaves out, said where it matters: bitsandbytes' 8-bit optimizer has no fake kernels, so
 the step runs torch's AdamW and its two fp32 moments are replaced by the 8-bit state's bytes
@@ -69,5 +71,11 @@ def _key(r: Recipe) -> str:
                        r.train.activation_checkpointing, r.optimizer.state_dtype]
     versions = [metadata.version(d) for d in ("torch", "transformers", "peft")]
     source = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("traced.py", "fake_step.py"))
+    if r.method.quantize == "gguf":  # the file's own blocks: its types are in its bytes, not its config
+        from ember.models import resolve_path
+        from ember.paths import cached_sha256
+        from ember.train import gguf_blocks
+        fields["gguf_sha256"] = cached_sha256(resolve_path(r.model.path))
+        source += Path(gguf_blocks.__file__).read_bytes()
     blob = json.dumps([fields, shaping, versions], sort_keys=True, default=str).encode() + source
     return hashlib.sha256(blob).hexdigest()[:32]

@@ -33,6 +33,10 @@ DURABLE_BYTES_PER_S = 0.5e9
 STARTUP_SECONDS = 5.0
 
 
+GGUF_NOT_MODELLED = ("[method] quantize = 'gguf': the formulas know an NF4 base, not a GGUF file's blocks "
+                     "(their dequantization is not priced in the step's time)")
+
+
 class UnknownArchitecture(EmberError):
     """The estimator has no formula for this model: trace its step (ember.doctor.traced) or
     measure it (calibration)."""
@@ -179,8 +183,10 @@ def planned_devices(r: Recipe, device_memory_gib: float | None = None) -> list[D
 
 
 def has_formulas(r: Recipe) -> bool:
-    """Whether the memory estimate has formulas for the recipe's model family (else its step is
-    traced: ember.doctor.traced)."""
+    """Whether the memory estimate has formulas for the recipe's model family and method (else
+    its step is traced: ember.doctor.traced)."""
+    if r.method.quantize == "gguf":
+        return False
     try:
         ModelShape.from_config(config_fields(r.model.path))
     except ValueError:
@@ -199,6 +205,8 @@ def plan_memory(r: Recipe, calibration: Calibration | None = None,
     devices = devices or for_run(r.train.device)
     try:
         m = ModelShape.from_config(cfg)
+        if r.method.quantize == "gguf":
+            raise ValueError(GGUF_NOT_MODELLED)
     except ValueError as e:
         if calibration is None and traced is None:
             raise UnknownArchitecture(str(e)) from None

@@ -16,6 +16,7 @@ from ember.models import model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ember.train.gguf_blocks import keep_gguf_blocks
 from ember.train.quantize import merge_adapters, quantize_base
 
 if TYPE_CHECKING:
@@ -52,20 +53,25 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         except (OSError, ValueError) as e:
             raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
         tokenizer = load_tokenizer(path)
-    model = prepare_model(model, method, activation_checkpointing)
+    gguf = Path(source["path"]) if source.get("kind") == "gguf" else None
+    model = prepare_model(model, method, activation_checkpointing, gguf=gguf, spec=cfg.path)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     return ModelBundle(model, tokenizer, max_positions, source)
 
 
 def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointing: bool,
-                  make_4bit: Callable[[nn.Linear], nn.Module] | None = None) -> nn.Module:
+                  make_4bit: Callable[[nn.Linear], nn.Module] | None = None, gguf: Path | None = None,
+                  spec: str = "") -> nn.Module:
     """A built model made what the recipe trains: no KV cache, activation checkpointing, a 4-bit
-    base (each linear by `make_4bit`, if given: ember.train.quantize.quantize_base), LoRA."""
+    base (each linear by `make_4bit`, if given: ember.train.quantize.quantize_base; or the blocks
+    of `gguf`, the .gguf file [model] path `spec` names: ember.train.gguf_blocks), LoRA."""
     model.config.use_cache = False
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method.quantize == "nf4":
         quantize_base(model, make_4bit)  # before LoRA wraps the linears: peft adapts the 4-bit ones
+    elif method.quantize == "gguf":
+        keep_gguf_blocks(model, gguf, spec)
     if method.kind == "lora":
         model = apply_lora(model, method)
     if activation_checkpointing:

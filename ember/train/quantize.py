@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ember.errors import EmberError, NothingToQuantize
+from ember.train.gguf_blocks import is_block_linear
 
 NF4_BLOCK = 64        # weights per absmax (bitsandbytes' default block size for 4-bit)
 NESTED_BLOCK = 256    # absmaxes per fp32 scale under double quantization
@@ -108,7 +109,9 @@ def is_4bit(module: nn.Module) -> bool:
 
 
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
-    """A Linear4bit's weight as fp32, exactly as its forward computes with it."""
+    """A quantized linear's weight as fp32, exactly as its forward computes with it."""
+    if is_block_linear(module):
+        return module.dequantized()
     w = module.weight
     return bnb_for_nf4().functional.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
 
@@ -131,17 +134,24 @@ def _plain(module: nn.Module, weight: torch.Tensor) -> nn.Linear:
     return out
 
 
+def is_quantized(module: nn.Module) -> bool:
+    """Whether `module` is a quantized base linear: bitsandbytes' 4-bit one ('nf4') or a GGUF
+    file's blocks ('gguf')."""
+    return is_4bit(module) or is_block_linear(module)
+
+
 def merge_adapters(model: nn.Module) -> nn.Module:
     """The plain fp32 model of a peft LoRA model: each adapter merged into its base weight, a
-    4-bit base weight dequantized first (peft's merge_and_unload would quantize the sum again)."""
+    quantized base weight dequantized first (peft's merge_and_unload would quantize the sum again,
+    or add it to a GGUF layer's bytes)."""
     from peft.tuners.lora import LoraLayer
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if not any(is_4bit(m.get_base_layer()) for m in layers) and not any(is_4bit(m) for m in model.modules()):
+    if not any(is_quantized(m.get_base_layer()) for m in layers) and not any(map(is_quantized, model.modules())):
         return model.merge_and_unload()
     with torch.no_grad():
         for layer in layers:
             base = layer.get_base_layer()
-            if not is_4bit(base):
+            if not is_quantized(base):
                 layer.merge()
                 continue
             weight = dequantized_weight(base)
@@ -151,6 +161,6 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         plain = model.unload()  # each LoRA layer replaced by its (merged) base
         for parent in list(plain.modules()):
             for name, child in list(parent.named_children()):
-                if is_4bit(child):  # a linear LoRA did not adapt
+                if is_quantized(child):  # a linear LoRA did not adapt
                     setattr(parent, name, _plain(child, dequantized_weight(child)))
     return plain

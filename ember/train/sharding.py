@@ -43,9 +43,9 @@ def check_distributed(recipe: Recipe, ranks: int, where: str) -> None:
         raise EmberError(f"{where}: [optimizer] state_dtype = 'int8' trains in one process only for now (a "
                          f"distributed checkpoint goes through DCP, which does not know bitsandbytes' 8-bit "
                          f"state); use state_dtype = 'fp32' with several ranks")
-    if recipe.method.quantize == "nf4":
-        raise EmberError(f"{where}: [method] quantize = 'nf4' (QLoRA) trains in one process only for now "
-                         f"(DDP, FSDP and tensor parallelism do not handle bitsandbytes' 4-bit weights here); "
+    if recipe.method.quantize != "none":
+        raise EmberError(f"{where}: [method] quantize = '{recipe.method.quantize}' (QLoRA) trains in one process "
+                         f"only for now (DDP, FSDP and tensor parallelism do not handle 4-bit weights here); "
                          f"use quantize = 'none' with several ranks, or train on one device")
     if recipe.guard.spike_action == "rollback":
         raise EmberError(f"{where}: [guard] spike_action = 'rollback' is not available in a distributed run "

@@ -1,0 +1,187 @@
+"""`[method] quantize = 'gguf'`: QLoRA over a GGUF file's own quantized blocks.
+
+A GGUF model is already quantized (the demo's SmolLM2 is Q4_1). ember trains over the weights
+transformers dequantizes from it; 'nf4' would quantize those a second time, onto another grid,
+and that second rounding is what QLoRA's loss pays on a small model (bench/README: "QLoRA
+against LoRA on the demo job"). 'gguf' keeps each decoder linear as the file stores it: the
+blocks' bytes, read from the file, dequantized for each matmul and freed after. The weights a
+matmul sees are bit-for-bit those LoRA trains over (checked for every layer at load), at the
+file's size: Q4_0 and Q4_1 hold 32 weights in 18 and 20 bytes, Q8_0 in 34.
+
+Formats (ggml's block layouts, 32 weights a block, along a row):
+  Q4_0  fp16 scale d, 16 bytes of 4-bit codes q        w = (q - 8) * d
+  Q4_1  fp16 scale d, fp16 minimum m, 16 bytes of codes  w = q * d + m
+  Q8_0  fp16 scale d, 32 signed bytes q                  w = q * d
+Codes of a block's first 16 weights are the low nibbles, the next 16 the high nibbles. A layer
+stored in another type (the k-quants, f16) stays as transformers loaded it, in fp32; a file with
+none of these types is refused. The arithmetic is gguf-py's (what transformers dequantizes
+with), in the same order, so the load-time check holds exactly.
+
+A layer's backward dequantizes again for its input's gradient rather than keep the weight from
+forward, as an nn.Linear would (saved-tensor hooks around nn.Linear's own op: the same graph, so
+the same gradients, bit for bit); under autocast the layer casts its operands itself, and what
+it would keep is that half-precision copy, dequantized and cast again in backward instead.
+What it resumes from is a pure function of the file; a checkpoint never holds the base.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.errors import EmberError, NothingToQuantize
+
+BLOCK = 32  # weights per block, in every type held here
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # the types held, and each block's bytes
+
+
+def dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The fp32 weight of `packed` (uint8, [rows, blocks x block bytes]) in GGUF type `qtype`."""
+    rows = packed.shape[0]
+    blocks = packed.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [rows, n, 1]
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+        return (q * d).reshape(rows, -1)
+    codes = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1)  # low nibbles: weights 0-15; high: 16-31
+    if qtype == "Q4_0":
+        return (d * (q.to(torch.int8) - 8).to(torch.float32)).reshape(rows, -1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+    return (d * q.to(torch.float32) + m).reshape(rows, -1)
+
+
+class _Redequantize:
+    """Saved-tensor hooks for one call: autograd keeps, in place of the dequantized weight (or a
+    view of it) that the linear saves for its input's gradient, the packed blocks and the view's
+    geometry, and dequantizes again when backward needs it. The graph is nn.Linear's own, so the
+    gradients are the same bits as over the fp32 weight."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor, qtype: str):
+        self.weight, self.packed, self.qtype = weight, packed, qtype
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t is not self.weight and t._base is not self.weight:
+            return t  # an input, kept as autograd keeps it
+        return (self.packed, self.qtype, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        packed, qtype, dtype, size, stride, offset = saved
+        return dequantize(packed, qtype).to(dtype).as_strided(size, stride, offset)
+
+
+class BlockLinear(nn.Linear):
+    """A frozen linear whose weight is a GGUF file's quantized blocks (uint8, [out, row bytes]),
+    dequantized for each call. An nn.Linear, as peft's LoRA wraps it; `qtype` names the format."""
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, qtype: str):
+        nn.Module.__init__(self)  # not nn.Linear's: its random init would draw on torch's RNG
+        self.in_features, self.out_features, self.qtype = linear.in_features, linear.out_features, qtype
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = dequantize(self.weight, self.qtype), self.bias
+        if torch.is_autocast_enabled(x.device.type):  # cast as autocast casts an nn.Linear's operands,
+            dtype = torch.get_autocast_dtype(x.device.type)  # but here, so that the cast weight is what is saved
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        hooks = _Redequantize(weight, self.weight, self.qtype)
+        with torch.autocast(x.device.type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            return nn.functional.linear(x, weight, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight every call computes with."""
+        return dequantize(self.weight.detach(), self.qtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+def is_block_linear(module: nn.Module) -> bool:
+    return isinstance(module, BlockLinear)
+
+
+def keep_gguf_blocks(model: nn.Module, gguf: Path | None, spec: str) -> int:
+    """Replace each linear of `model` (but the output head) that the GGUF file `gguf` stores in a
+    type of BLOCK_BYTES by a BlockLinear of the file's blocks; return how many. Each
+    layer's blocks must dequantize to exactly the weight `model` holds (but on the meta device,
+    where the plan builds the model without values). `spec` is [model] path, for the errors."""
+    where = f"[method] quantize = 'gguf' with [model] path = {spec!r}"
+    if gguf is None or gguf.suffix != ".gguf":
+        raise EmberError(f"{where}: 'gguf' keeps a GGUF file's own quantized blocks, and this model is not "
+                         f"a .gguf file; use quantize = 'nf4' (4-bit NF4 by bitsandbytes) or 'none'")
+    stored = gguf_linears(model, gguf)
+    head = model.get_output_embeddings()
+    count, other = 0, set()
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if not isinstance(child, nn.Linear) or child is head or is_block_linear(child) or full not in stored:
+                continue
+            data, qtype = stored[full]
+            if qtype not in BLOCK_BYTES:
+                other.add(qtype)
+                continue
+            packed = _packed(data, child.weight)
+            if not packed.is_meta and not torch.equal(dequantize(packed, qtype), child.weight.detach().to(packed.device)):
+                raise EmberError(f"{where}: the file's {qtype} blocks of {full} do not dequantize to the weight "
+                                 f"transformers loaded from it (this family's conversion changes the layer); "
+                                 f"use quantize = 'nf4' or 'none'")
+            setattr(parent, name, BlockLinear(child, packed, qtype))
+            count += 1
+    if not count:
+        raise NothingToQuantize(
+            f"{where}: no linear layer of the file is stored in {', '.join(BLOCK_BYTES)}"
+            + (f" (its layers are {', '.join(sorted(other))})" if other else "")
+            + "; use quantize = 'nf4' (bitsandbytes re-quantizes the dequantized weights) or 'none'")
+    return count
+
+
+def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
+    """{module name: (its weight's bytes as the file stores them, a read-only numpy view with the
+    rows in transformers' order; the GGUF type's name)} for every linear of `model` the file
+    holds. Names map through gguf-py's tensor-name map of the file's architecture, as
+    transformers' GGUF loader maps them, and its per-architecture processing is applied (Llama's
+    Q and K rows reordered per head: whole rows move, blocks and all)."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    reader = GGUFReader(gguf)
+    arch_name = reader.fields["general.architecture"].contents()
+    arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise EmberError(f"[method] quantize = 'gguf': {gguf} is a {arch_name!r} model, which this gguf "
+                         f"package does not name; use quantize = 'nf4' or 'none'")
+    names = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    to_hf = {}
+    for module, child in model.named_modules():
+        if isinstance(child, nn.Linear):
+            parts = module.split(".")  # the map knows some names without their model's prefix
+            found = next(filter(None, (names.get_name(".".join(parts[i:])) for i in range(len(parts)))), None)
+            if found is not None:
+                to_hf[f"{found}.weight"] = f"{module}.weight"
+    config = model.config.to_dict()
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=config)
+    out = {}
+    for tensor in reader.tensors:
+        if tensor.name not in to_hf or len(tensor.shape) != 2:
+            continue
+        result = processor.process(weights=tensor.data, name=tensor.name, tensor_key_mapping=to_hf,
+                                   parsed_parameters={"config": config, "tensors": {}})
+        if result.weights is not None and result.name in to_hf:
+            out[to_hf[result.name].removesuffix(".weight")] = (result.weights, tensor.tensor_type.name)
+    return out
+
+
+def _packed(data: Any, like: torch.Tensor) -> torch.Tensor:
+    """A layer's blocks as a uint8 tensor on `like`'s device (only their shape on the meta device)."""
+    import numpy as np
+    if like.is_meta:
+        return torch.empty(data.shape, dtype=torch.uint8, device="meta")
+    return torch.from_numpy(np.array(data, dtype=np.uint8)).to(like.device)

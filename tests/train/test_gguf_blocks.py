@@ -1,0 +1,183 @@
+"""[method] quantize = 'gguf': QLoRA over a GGUF file's own blocks. Its dequantization against
+gguf-py's (what transformers loads a GGUF with), the base it keeps against the one LoRA trains
+over (bit-identical weights, losses and gradients), the bytes it holds, the merge `ember export`
+uses, the plan's trace against a measured step, and the refusals. The demo job's 60-step curves
+(the goal: QLoRA's loss within LoRA's spread across seeds) are bench/qlora_quality.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ember.ckpt.contents import trainable_state
+from ember.errors import EmberError, NothingToQuantize
+from ember.models import resolve_path
+from ember.recipe import MethodConfig, ModelConfig
+from ember.train.gguf_blocks import BLOCK_BYTES, BlockLinear, dequantize
+from ember.train.loss import causal_lm_loss
+from ember.train.model import load_model
+from ember.train.quantize import merge_adapters
+from tests.engines import SMOLLM2_GGUF
+
+# A two-layer Llama with SmolLM2's vocabulary (its tokenizer is copied from the shipped GGUF),
+# each kind of linear stored in another type: every format, and a layer the file keeps in f32.
+TINY = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_cache=False)
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+F32_LAYER = "blk.1.ffn_down"  # this one stays f32 in the file, and an nn.Linear in the model
+LORA = dict(kind="lora", rank=4, alpha=8.0, target_modules=["all-linear"])
+
+
+def write_tiny_gguf(path: Path, types: dict[str, str], f32: tuple[str, ...] = (F32_LAYER,)) -> Path:
+    """TINY, seeded, as a GGUF file whose decoder matrices are quantized by gguf-py to `types`."""
+    import gguf
+    from ember.infer.gguf_export import copy_gguf_tokenizer, llama_tensors, write_hparams
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TINY)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer.add_name("tiny")
+    write_hparams(writer, TINY, "f32")
+    copy_gguf_tokenizer(writer, resolve_path(SMOLLM2_GGUF))
+    for name, array in llama_tensors(model.state_dict(), TINY, "f32"):
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        if kind in types and not name.startswith(f32):
+            qtype = gguf.GGMLQuantizationType[types[kind]]
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", TYPES)
+
+
+def built(path: Path, quantize: str) -> torch.nn.Module:
+    torch.manual_seed(7)  # LoRA's A init draws on it, as a run's seeded start does
+    return load_model(ModelConfig(str(path)), MethodConfig(**LORA, quantize=quantize), False).model
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES))
+def test_each_format_dequantizes_bit_for_bit_as_gguf_py_does(qtype):
+    import gguf
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    weight[3, :32] = 0.5  # a constant block: scale 0
+    kind = gguf.GGMLQuantizationType[qtype]
+    packed = gguf.quants.quantize(weight, kind)
+    assert packed.shape == (48, 96 // 32 * BLOCK_BYTES[qtype])
+    want = gguf.quants.dequantize(packed, kind)
+    got = dequantize(torch.from_numpy(packed), qtype)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(want))
+
+
+def test_the_files_blocks_are_the_weights_lora_trains_over_and_train_bit_identically(tiny_gguf):
+    plain, kept = built(tiny_gguf, "none"), built(tiny_gguf, "gguf")
+    blocks = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
+    assert len(blocks) == 2 * len(TYPES) - 1  # every decoder matrix but the f32 one
+    assert {m.qtype for m in blocks.values()} == set(BLOCK_BYTES)
+    f32 = kept.get_submodule("base_model.model.model.layers.1.mlp.down_proj.base_layer")
+    assert type(f32) is torch.nn.Linear and f32.weight.dtype == torch.float32
+    for name, block in blocks.items():
+        weight = plain.get_submodule(name).weight
+        assert block.weight.dtype == torch.uint8 and not block.weight.requires_grad
+        assert block.weight.numel() == weight.numel() // 32 * BLOCK_BYTES[block.qtype]
+        assert torch.equal(block.dequantized(), weight), name
+    # Two steps: the same losses and the same adapters' gradients, bit for bit.
+    ids = torch.randint(0, TINY.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for model in (plain, kept):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(2):
+            loss = causal_lm_loss(model, ids)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append((losses, trainable_state(model)))
+    (la, sa), (lb, sb) = runs
+    assert la == lb and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all("lora_A" in k or "lora_B" in k for k in sb)  # a checkpoint holds only the adapters
+    assert any(not torch.equal(v, 0 * v) for k, v in sb.items() if "lora_B" in k)  # they trained
+    # Rebuilt from the file, the base is the same bytes (what a resumed run starts from).
+    again = {n: m.weight for n, m in built(tiny_gguf, "gguf").named_modules() if isinstance(m, BlockLinear)}
+    assert all(torch.equal(again[n], b.weight) for n, b in blocks.items())
+
+
+def test_the_base_holds_the_files_bytes_not_fp32(tiny_gguf):
+    plain, kept = built(tiny_gguf, "none"), built(tiny_gguf, "gguf")
+
+    def base_bytes(model: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+
+    matrices = {n: m.weight.numel() for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)
+                and "lora_" not in n and n != "base_model.model.lm_head"}
+    blocks = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
+    saved = sum(4 * matrices[n] - b.weight.numel() for n, b in blocks.items())
+    assert base_bytes(plain) - base_bytes(kept) == saved > 0
+
+
+def test_the_merge_adds_each_adapter_to_the_dequantized_blocks(tiny_gguf):
+    plain, kept = built(tiny_gguf, "none"), built(tiny_gguf, "gguf")
+    with torch.no_grad():
+        for model in (plain, kept):
+            gen = torch.Generator().manual_seed(5)
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen))  # B starts at zero: make the update visible
+    a, b = merge_adapters(plain), merge_adapters(kept)
+    assert not any(isinstance(m, BlockLinear) for m in b.modules())
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_the_traced_plan_of_a_gguf_base_counts_its_blocks(tiny_gguf, tmp_path):
+    """The plan traces the file's blocks at their sizes (not the formulas' NF4, nor fp32), and its
+    peak is within 2% of a measured step's (ember.doctor.measure, as `ember plan --calibrate`)."""
+    from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
+    from ember.events import Events
+    from tests.helpers import write_recipe
+    recipe = write_recipe(tmp_path, model={"path": str(tiny_gguf)}, method={**LORA, "quantize": "gguf"},
+                          data={"seq_len": 32}, train={"micro_batch": 2, "max_steps": 2})
+    plan = plan_recipe(PlanRequest(recipe, calibrate=True), Events()).plan
+    assert any("quantize = 'gguf'" in n for n in plan.notes)
+    kept = built(tiny_gguf, "gguf")
+    weights = sum(t.numel() * t.element_size() for t in [*kept.parameters(), *kept.buffers()])
+    assert plan.memory.weights == weights
+    assert abs(plan.memory.error) <= 0.02, (plan.memory.peak, plan.memory.measured_peak)
+
+
+def test_converting_a_gguf_file_draws_nothing_from_torchs_rng(tmp_path):
+    """A run seeds torch, then loads its model. The first run of a GGUF file converts it into a
+    model folder (ember.models.convert_gguf), building a model whose init drew on that RNG: its
+    LoRA adapters started from other values than every later run's, which read the folder."""
+    from ember.models import model_folder
+    from ember.paths import home
+    path = write_tiny_gguf(tmp_path / "rng.gguf", {**TYPES, "ffn_down": "Q4_0"})  # a file not converted yet
+    seeded = torch.manual_seed(7).get_state()
+    for converts in (True, False):
+        before = set(home().models.iterdir()) if home().models.exists() else set()
+        torch.manual_seed(7)
+        model_folder(str(path))
+        assert (set(home().models.iterdir()) != before) == converts
+        assert torch.equal(torch.get_rng_state(), seeded), f"converting={converts} drew on torch's RNG"
+
+
+def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
+    with pytest.raises(EmberError, match=r"quantize = 'gguf'.*'builtin:tiny'.*not a \.gguf file.*'nf4'"):
+        load_model(ModelConfig("builtin:tiny"), MethodConfig(**LORA, quantize="gguf"), False)
+    every = tuple(f"blk.{i}.{k}" for i in range(2) for k in TYPES)
+    unquantized = write_tiny_gguf(tmp_path / "f32.gguf", TYPES, f32=every)
+    with pytest.raises(NothingToQuantize, match=r"no linear layer of the file is stored in Q4_0, Q4_1, Q8_0"):
+        load_model(ModelConfig(str(unquantized)), MethodConfig(**LORA, quantize="gguf"), False)
