@@ -477,6 +477,10 @@ def check_recipe(recipe: Recipe, source: Source) -> None:
         raise EmberError(f"{at('method', 'quantize')} = '{recipe.method.quantize}' stores the frozen base in 4 bits "
                          f"under trained LoRA adapters (QLoRA); full fine-tuning trains the base itself, which "
                          f"cannot be 4-bit: set [method] kind = 'lora', or quantize = 'none'")
+    if recipe.method.quantize == "gguf" and recipe.train.compile is True:
+        raise EmberError(f"{at('train', 'compile')} = true with [method] quantize = 'gguf': the GGUF layers "
+                         f"dequantize again in backward through saved-tensor hooks, which torch.compile breaks its "
+                         f"graph at, layer after layer; set compile = false (or 'auto'), or quantize = 'nf4'")
     if recipe.method.kind == "lora" and not recipe.method.target_modules:
         raise EmberError(f"{at('method', 'target_modules')} is empty: name the modules LoRA "
                          f"adapts, or use ['all-linear']")

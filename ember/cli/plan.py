@@ -173,7 +173,8 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
         out.print(f"model: {m.family}-style, {m.layers} layers, hidden {m.hidden}, {m.heads}/{m.kv_heads} heads, "
                   f"vocab {m.vocab:,}; {p.model.params:,} parameters, {p.model.trainable:,} trained")
     rc = p.recipe
-    method = f"{rc.method} over a 4-bit {rc.quantize} base" if rc.quantize != "none" else rc.method
+    bases = {"nf4": "a 4-bit nf4 base", "gguf": "the GGUF file's quantized blocks"}
+    method = f"{rc.method} over {bases[rc.quantize]}" if rc.quantize in bases else rc.method
     out.print(f"recipe: {method}, micro batch {rc.micro_batch} x seq {rc.seq_len} x accum {rc.grad_accum}, "
               f"{rc.precision}, activation checkpointing {'on' if rc.activation_checkpointing else 'off'}, "
               f"loss chunk {rc.loss_chunk or 'off'}, optimizer state {rc.optimizer_state}")

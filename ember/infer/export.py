@@ -240,7 +240,8 @@ def checkpoint_model(trained: TrainedRun, events: Events) -> torch.nn.Module:
 
 def merged_model(trained: TrainedRun, events: Events) -> torch.nn.Module:
     """The trained model in float32: the final weights (or the checkpoint's), or the base with
-    the adapter merged in (a QLoRA run's base quantized as in training, then dequantized)."""
+    the adapter merged in (a QLoRA run's base quantized as in training, then dequantized; under
+    quantize 'gguf' that is the fp32 base itself, bit for bit: ember.train.gguf_blocks)."""
     from transformers import AutoModelForCausalLM
     if trained.checkpoint is not None:
         model = checkpoint_model(trained, events)

@@ -26,6 +26,7 @@ What it resumes from is a pure function of the file; a checkpoint never holds th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +109,45 @@ def is_block_linear(module: nn.Module) -> bool:
     return isinstance(module, BlockLinear)
 
 
-def keep_gguf_blocks(model: nn.Module, gguf: Path | None, spec: str) -> int:
+def load_with_blocks(folder: Path, gguf: Path, spec: str) -> nn.Module:
+    """The model of `folder` (GGUF file `gguf` converted: ember.models.convert_gguf) with the
+    linears the file quantizes in its blocks, never all in fp32 at once: the model is built
+    without parameters (accelerate's init_empty_weights; buffers are made), each linear's blocks
+    come from the file, checked against its fp32 weight read alone from the folder's safetensors,
+    and only the other weights (embeddings, norms, an untied head, linears the file keeps in f16
+    or f32) are loaded. The process's peak is the quantized model's, not the fp32 one's."""
+    from contextlib import ExitStack
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    with ExitStack() as stack:
+        files = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(path, "pt"))
+            files.update(dict.fromkeys(handle.keys(), handle))
+        keep_gguf_blocks(model, gguf, spec, lambda name: files[name].get_tensor(name))
+        rest = {k: files[k].get_tensor(k) for k, t in model.state_dict().items() if t.is_meta and k in files}
+    model.load_state_dict(rest, strict=False, assign=True)
+    model.tie_weights()  # a tied head is not in the files: it is the embeddings again
+    missing = [k for k, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise EmberError(f"[model] path = {spec!r}: {folder} has no weights for {', '.join(missing[:5])}: the "
+                         f"converted folder is incomplete; delete it and run again to convert the file anew")
+    return model
+
+
+def keep_gguf_blocks(model: nn.Module, gguf: Path | None, spec: str,
+                     reference: Callable[[str], torch.Tensor] | None = None) -> int:
     """Replace each linear of `model` (but the output head) that the GGUF file `gguf` stores in a
-    type of BLOCK_BYTES by a BlockLinear of the file's blocks; return how many. Each
-    layer's blocks must dequantize to exactly the weight `model` holds (but on the meta device,
-    where the plan builds the model without values). `spec` is [model] path, for the errors."""
+    type of BLOCK_BYTES by a BlockLinear of the file's blocks; return how many. Each layer's
+    blocks must dequantize to exactly its fp32 weight: the one `model` holds, or where its weights
+    are on the meta device, `reference(parameter name)`'s; without one (the plan's model, which
+    has no values), the blocks keep the meta device too. `spec` is [model] path, for the errors."""
     where = f"[method] quantize = 'gguf' with [model] path = {spec!r}"
     if gguf is None or gguf.suffix != ".gguf":
         raise EmberError(f"{where}: 'gguf' keeps a GGUF file's own quantized blocks, and this model is not "
@@ -129,11 +164,16 @@ def keep_gguf_blocks(model: nn.Module, gguf: Path | None, spec: str) -> int:
             if qtype not in BLOCK_BYTES:
                 other.add(qtype)
                 continue
-            packed = _packed(data, child.weight)
-            if not packed.is_meta and not torch.equal(dequantize(packed, qtype), child.weight.detach().to(packed.device)):
+            meta = child.weight.is_meta
+            packed = _packed(data, torch.device("meta") if meta and reference is None else
+                             torch.device("cpu") if meta else child.weight.device)
+            fp32 = None if packed.is_meta else reference(f"{full}.weight") if meta else child.weight.detach()
+            if fp32 is not None and not torch.equal(dequantize(packed, qtype), fp32.to(packed.device)):
                 raise EmberError(f"{where}: the file's {qtype} blocks of {full} do not dequantize to the weight "
                                  f"transformers loaded from it (this family's conversion changes the layer); "
                                  f"use quantize = 'nf4' or 'none'")
+            if meta and child.bias is not None and reference is not None:
+                child.bias = nn.Parameter(reference(f"{full}.bias"), requires_grad=False)
             setattr(parent, name, BlockLinear(child, packed, qtype))
             count += 1
     if not count:
@@ -179,9 +219,9 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def _packed(data: Any, like: torch.Tensor) -> torch.Tensor:
-    """A layer's blocks as a uint8 tensor on `like`'s device (only their shape on the meta device)."""
+def _packed(data: Any, device: torch.device) -> torch.Tensor:
+    """A layer's blocks as a uint8 tensor on `device` (only their shape on the meta device)."""
     import numpy as np
-    if like.is_meta:
+    if device.type == "meta":
         return torch.empty(data.shape, dtype=torch.uint8, device="meta")
-    return torch.from_numpy(np.array(data, dtype=np.uint8)).to(like.device)
+    return torch.from_numpy(np.array(data, dtype=np.uint8)).to(device)

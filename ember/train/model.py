@@ -16,7 +16,7 @@ from ember.models import model_folder, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from ember.train.gguf_blocks import keep_gguf_blocks
+from ember.train.gguf_blocks import is_block_linear, keep_gguf_blocks, load_with_blocks
 from ember.train.quantize import merge_adapters, quantize_base
 
 if TYPE_CHECKING:
@@ -49,7 +49,10 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
         source["files"] = {p.name: cached_sha256(p) for p in sorted(path.iterdir())
                            if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if method.quantize == "gguf" and source["kind"] == "gguf":  # never the whole fp32 model
+                model = load_with_blocks(path, Path(source["path"]), cfg.path)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
         tokenizer = load_tokenizer(path)
@@ -70,7 +73,7 @@ def prepare_model(model: nn.Module, method: MethodConfig, activation_checkpointi
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method.quantize == "nf4":
         quantize_base(model, make_4bit)  # before LoRA wraps the linears: peft adapts the 4-bit ones
-    elif method.quantize == "gguf":
+    elif method.quantize == "gguf" and not any(map(is_block_linear, model.modules())):  # else loaded so
         keep_gguf_blocks(model, gguf, spec)
     if method.kind == "lora":
         model = apply_lora(model, method)

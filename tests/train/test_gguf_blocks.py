@@ -175,6 +175,10 @@ def test_converting_a_gguf_file_draws_nothing_from_torchs_rng(tmp_path):
 
 
 def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
+    from ember.recipe import load_recipe
+    from tests.helpers import write_recipe
+    with pytest.raises(EmberError, match=r"\[train\] compile = true with \[method\] quantize = 'gguf'.*set compile = false"):
+        load_recipe(write_recipe(tmp_path, method={**LORA, "quantize": "gguf"}, train={"compile": True}))
     with pytest.raises(EmberError, match=r"quantize = 'gguf'.*'builtin:tiny'.*not a \.gguf file.*'nf4'"):
         load_model(ModelConfig("builtin:tiny"), MethodConfig(**LORA, quantize="gguf"), False)
     every = tuple(f"blk.{i}.{k}" for i in range(2) for k in TYPES)
