@@ -81,10 +81,18 @@ def trace(r: Recipe) -> Traced:
     return Traced(peak_bytes=live.peak - state + wanted, weights=weights, optimizer=wanted,
                   gradients=sum(p.numel() * p.element_size() for p in params),
                   flops_per_token=flops.get_total_flops() / tokens, trainable=sum(sizes),
-                  params=sum(p.numel() for p in model.parameters()), family=config.model_type,
+                  params=_weight_count(model), family=config.model_type,
                   timeline=tuple(live.timeline), optimizer_int8=eight_bit,
                   dequant_calls=len(live.dequantized) // per_micro_batch,
                   dequant_bytes=sum(map(dequantize_once, live.dequantized)) // per_micro_batch)
+
+
+def _weight_count(model: Any) -> int:
+    """The model's parameters as weights, not storage: a quantized linear's packed weight counts
+    its in x out weights (its numel is bytes, or NF4 codes two to a byte)."""
+    from ember.train.quantize import is_quantized
+    quantized = {id(m.weight): m.in_features * m.out_features for m in model.modules() if is_quantized(m)}
+    return sum(quantized.get(id(p), p.numel()) for p in model.parameters())
 
 
 def _fake_parameters(model: Any) -> None:

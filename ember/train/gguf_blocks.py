@@ -27,6 +27,7 @@ What it resumes from is a pure function of the file; a checkpoint never holds th
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -190,9 +191,10 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
     holds. Names map through gguf-py's tensor-name map of the file's architecture, as
     transformers' GGUF loader maps them, and its per-architecture processing is applied (Llama's
     Q and K rows reordered per head: whole rows move, blocks and all)."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    reader = GGUFReader(gguf)
+    stat = gguf.stat()
+    reader = _reader(gguf, stat.st_size, stat.st_mtime_ns)
     arch_name = reader.fields["general.architecture"].contents()
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
@@ -217,6 +219,15 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
         if result.weights is not None and result.name in to_hf:
             out[to_hf[result.name].removesuffix(".weight")] = (result.weights, tensor.tensor_type.name)
     return out
+
+
+@lru_cache(maxsize=2)
+def _reader(gguf: Path, size: int, mtime_ns: int) -> Any:
+    """gguf-py's reader of a file (memory-mapped), kept while the file is unchanged: it parses
+    every metadata field, a tokenizer's tens of thousands of tokens included (seconds), and the
+    plan and the run may each ask for it more than once in one process."""
+    from gguf import GGUFReader
+    return GGUFReader(gguf)
 
 
 def _packed(data: Any, device: torch.device) -> torch.Tensor:

@@ -31,7 +31,18 @@ CONFIGS = {
     "int8": {"optimizer": {"state_dtype": "int8"}},  # bitsandbytes' 8-bit AdamW state, checkpointed as is
     # QLoRA: the 4-bit base is quantized again at each start; the checkpoint holds the adapters
     "qlora": {"method": {"kind": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1, "quantize": "nf4"}},
+    # QLoRA over a GGUF file's own blocks (tests/gguf_files.py: its model path is filled in by
+    # `sections`), read again from the file at each start
+    "gguf": {"method": {"kind": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1, "quantize": "gguf"}},
 }
+
+
+def sections(name: str) -> dict:
+    """CONFIGS[name], with the tiny GGUF model (built once for every worker) where it needs one."""
+    if CONFIGS[name].get("method", {}).get("quantize") != "gguf":
+        return CONFIGS[name]
+    from tests.gguf_files import shared_tiny_gguf
+    return {**CONFIGS[name], "model": {"path": str(shared_tiny_gguf())}}
 
 
 def uninterrupted(name: str, sections: dict) -> Path:
@@ -45,7 +56,7 @@ def uninterrupted(name: str, sections: dict) -> Path:
 @pytest.fixture
 def baselines() -> Callable[[str], Path]:
     """Uninterrupted runs, one per configuration, made on first use."""
-    return lambda name: uninterrupted(name, CONFIGS[name])
+    return lambda name: uninterrupted(name, sections(name))
 
 
 def resume_to_end(recipe: Path, out: Path) -> None:
@@ -57,7 +68,7 @@ def resume_to_end(recipe: Path, out: Path) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_sigkill_at_random_moments_resumes_bit_exact(name, baselines, tmp_path):
     rng = random.Random(f"kills-{name}")
-    recipe = write_recipe(tmp_path, **CONFIGS[name])
+    recipe = write_recipe(tmp_path, **sections(name))
     out = tmp_path / "run"
     accum = CONFIGS[name].get("train", {}).get("grad_accum", 1)
     # A kill right after the first commit (so every restart has a checkpoint: persists run in

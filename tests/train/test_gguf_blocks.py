@@ -11,55 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ember.ckpt.contents import trainable_state
 from ember.errors import EmberError, NothingToQuantize
-from ember.models import resolve_path
 from ember.recipe import MethodConfig, ModelConfig
-from ember.train.gguf_blocks import BLOCK_BYTES, BlockLinear, dequantize
+from ember.train.gguf_blocks import BLOCK_BYTES, BlockLinear, dequantize, keep_gguf_blocks
 from ember.train.loss import causal_lm_loss
 from ember.train.model import load_model
 from ember.train.quantize import merge_adapters
-from tests.engines import SMOLLM2_GGUF
+from tests.gguf_files import TINY, TYPES, shared_tiny_gguf, write_tiny_gguf
 
-# A two-layer Llama with SmolLM2's vocabulary (its tokenizer is copied from the shipped GGUF),
-# each kind of linear stored in another type: every format, and a layer the file keeps in f32.
-TINY = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_cache=False)
-TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
-         "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
-F32_LAYER = "blk.1.ffn_down"  # this one stays f32 in the file, and an nn.Linear in the model
 LORA = dict(kind="lora", rank=4, alpha=8.0, target_modules=["all-linear"])
 
 
-def write_tiny_gguf(path: Path, types: dict[str, str], f32: tuple[str, ...] = (F32_LAYER,)) -> Path:
-    """TINY, seeded, as a GGUF file whose decoder matrices are quantized by gguf-py to `types`."""
-    import gguf
-    from ember.infer.gguf_export import copy_gguf_tokenizer, llama_tensors, write_hparams
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(TINY)
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-    writer.add_name("tiny")
-    write_hparams(writer, TINY, "f32")
-    copy_gguf_tokenizer(writer, resolve_path(SMOLLM2_GGUF))
-    for name, array in llama_tensors(model.state_dict(), TINY, "f32"):
-        kind = name.split(".")[2] if name.startswith("blk.") else None
-        if kind in types and not name.startswith(f32):
-            qtype = gguf.GGMLQuantizationType[types[kind]]
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", TYPES)
+def tiny_gguf() -> Path:
+    return shared_tiny_gguf()
 
 
 def built(path: Path, quantize: str) -> torch.nn.Module:
@@ -155,6 +122,7 @@ def test_the_traced_plan_of_a_gguf_base_counts_its_blocks(tiny_gguf, tmp_path):
     kept = built(tiny_gguf, "gguf")
     weights = sum(t.numel() * t.element_size() for t in [*kept.parameters(), *kept.buffers()])
     assert plan.memory.weights == weights
+    assert plan.model.params == sum(p.numel() for p in built(tiny_gguf, "none").parameters())  # weights, not bytes
     assert abs(plan.memory.error) <= 0.02, (plan.memory.peak, plan.memory.measured_peak)
 
 
@@ -183,5 +151,6 @@ def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
         load_model(ModelConfig("builtin:tiny"), MethodConfig(**LORA, quantize="gguf"), False)
     every = tuple(f"blk.{i}.{k}" for i in range(2) for k in TYPES)
     unquantized = write_tiny_gguf(tmp_path / "f32.gguf", TYPES, f32=every)
+    from transformers import LlamaForCausalLM
     with pytest.raises(NothingToQuantize, match=r"no linear layer of the file is stored in Q4_0, Q4_1, Q8_0"):
-        load_model(ModelConfig(str(unquantized)), MethodConfig(**LORA, quantize="gguf"), False)
+        keep_gguf_blocks(LlamaForCausalLM(TINY), unquantized, str(unquantized))
