@@ -268,3 +268,17 @@ def test_a_change_to_the_traced_step_is_a_new_cache_key(tmp_path):
                            env={**os.environ, "PYTHONPATH": str(tree)}) for tree in (ROOT, changed)]
     assert all(k.returncode == 0 for k in keys), [k.stderr for k in keys]
     assert keys[0].stdout.strip() != keys[1].stdout.strip(), keys[0].stdout
+
+
+def test_a_traced_plan_counts_a_4_bit_layers_weights_not_its_packed_codes():
+    """`ember plan` of a family without formulas printed a QLoRA model's parameters as its
+    storage: each 4-bit weight counted half (NF4 codes two to a byte)."""
+    from ember.doctor.fake_step import _weight_count
+    from ember.recipe import MethodConfig, ModelConfig
+    from ember.train.model import load_model
+    from ember.train.quantize import is_4bit
+    lora = {"kind": "lora", "rank": 4, "alpha": 8.0}
+    qlora = load_model(ModelConfig("builtin:tiny"), MethodConfig(**lora, quantize="nf4"), False).model
+    plain = load_model(ModelConfig("builtin:tiny"), MethodConfig(**lora), False).model
+    assert any(map(is_4bit, qlora.modules()))
+    assert _weight_count(qlora) == sum(p.numel() for p in plain.parameters())
