@@ -27,7 +27,6 @@ What it resumes from is a pure function of the file; a checkpoint never holds th
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +62,13 @@ class _Redequantize:
     gradients are the same bits as over the fp32 weight."""
 
     def __init__(self, weight: torch.Tensor, packed: torch.Tensor, qtype: str):
-        self.weight, self.packed, self.qtype = weight, packed, qtype
+        self.packed, self.qtype = packed, qtype
+        # The weight's root tensor (a view's _base is its root) by identity alone: autograd keeps
+        # these hooks with what they saved, and a reference here would keep the weight alive.
+        self.root = id(weight if weight._base is None else weight._base)
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t is not self.weight and t._base is not self.weight:
+        if id(t) != self.root and (t._base is None or id(t._base) != self.root):
             return t  # an input, kept as autograd keeps it
         return (self.packed, self.qtype, t.dtype, t.size(), t.stride(), t.storage_offset())
 
@@ -117,7 +119,6 @@ def load_with_blocks(folder: Path, gguf: Path, spec: str) -> nn.Module:
     come from the file, checked against its fp32 weight read alone from the folder's safetensors,
     and only the other weights (embeddings, norms, an untied head, linears the file keeps in f16
     or f32) are loaded. The process's peak is the quantized model's, not the fp32 one's."""
-    from contextlib import ExitStack
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -126,13 +127,19 @@ def load_with_blocks(folder: Path, gguf: Path, spec: str) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    with ExitStack() as stack:
-        files = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            handle = stack.enter_context(safe_open(path, "pt"))
-            files.update(dict.fromkeys(handle.keys(), handle))
-        keep_gguf_blocks(model, gguf, spec, lambda name: files[name].get_tensor(name))
-        rest = {k: files[k].get_tensor(k) for k, t in model.state_dict().items() if t.is_meta and k in files}
+    where: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            where.update(dict.fromkeys(handle.keys(), path))
+
+    def read(name: str) -> torch.Tensor:
+        # A file mapped for one tensor at a time: pages of a whole mapped file read once stay
+        # resident (and counted) until it is unmapped.
+        with safe_open(where[name], "pt") as handle:
+            return handle.get_tensor(name)
+
+    keep_gguf_blocks(model, gguf, spec, read)
+    rest = {k: read(k) for k, t in model.state_dict().items() if t.is_meta and k in where}
     model.load_state_dict(rest, strict=False, assign=True)
     model.tie_weights()  # a tied head is not in the files: it is the embeddings again
     missing = [k for k, p in model.named_parameters() if p.is_meta]
@@ -191,10 +198,11 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
     holds. Names map through gguf-py's tensor-name map of the file's architecture, as
     transformers' GGUF loader maps them, and its per-architecture processing is applied (Llama's
     Q and K rows reordered per head: whole rows move, blocks and all)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    stat = gguf.stat()
-    reader = _reader(gguf, stat.st_size, stat.st_mtime_ns)
+    # The reader parses every metadata field (a tokenizer's tens of thousands of tokens: seconds,
+    # and ~170 MB for SmolLM2's); it is dropped on return, the views into its memory map kept.
+    reader = GGUFReader(gguf)
     arch_name = reader.fields["general.architecture"].contents()
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
@@ -219,15 +227,6 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
         if result.weights is not None and result.name in to_hf:
             out[to_hf[result.name].removesuffix(".weight")] = (result.weights, tensor.tensor_type.name)
     return out
-
-
-@lru_cache(maxsize=2)
-def _reader(gguf: Path, size: int, mtime_ns: int) -> Any:
-    """gguf-py's reader of a file (memory-mapped), kept while the file is unchanged: it parses
-    every metadata field, a tokenizer's tens of thousands of tokens included (seconds), and the
-    plan and the run may each ask for it more than once in one process."""
-    from gguf import GGUFReader
-    return GGUFReader(gguf)
 
 
 def _packed(data: Any, device: torch.device) -> torch.Tensor:

@@ -48,6 +48,40 @@ def test_each_format_dequantizes_bit_for_bit_as_gguf_py_does(qtype):
     assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_layer_keeps_its_blocks_for_backward_not_the_dequantized_weight(autocast, monkeypatch):
+    """The fp32 weight a forward dequantizes is freed when the forward returns (its saved view
+    is the blocks and their geometry: before, an fp32 forward kept it, whose weight.t() is a view
+    of dequantize's reshape and escaped the hook), and backward's gradient is nn.Linear's."""
+    import gguf
+    import weakref
+    from ember.train import gguf_blocks
+    weight = np.random.default_rng(1).standard_normal((96, 64)).astype(np.float32)
+    packed = torch.from_numpy(gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1))
+    layer = BlockLinear(torch.nn.Linear(64, 96), packed, "Q4_1")
+    plain = torch.nn.Linear(64, 96)
+    with torch.no_grad():
+        plain.weight.copy_(layer.dequantized())
+        plain.bias.copy_(layer.bias)
+    made = []
+
+    def recorded(*args):
+        out = dequantize(*args)
+        made.append(weakref.ref(out if out._base is None else out._base))
+        return out
+    monkeypatch.setattr(gguf_blocks, "dequantize", recorded)
+    for shape in [(2, 24, 64), (24, 64)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, want = layer(x), plain(x)
+        del made[:-1]  # the forward's own dequantization
+        assert made[0]() is None, f"{shape}: the forward's dequantized weight is alive while its graph is"
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.dtype)
+        (got,) = torch.autograd.grad(y, x, g)
+        (expected,) = torch.autograd.grad(want, x, g)
+        assert torch.equal(y, want) and torch.equal(got, expected)
+
+
 def test_the_files_blocks_are_the_weights_lora_trains_over_and_train_bit_identically(tiny_gguf):
     plain, kept = built(tiny_gguf, "none"), built(tiny_gguf, "gguf")
     blocks = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
