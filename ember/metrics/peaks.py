@@ -122,6 +122,7 @@ class CpuPeak:
     at: float
     others: float | None
     per_call: float = 0.0   # a rate fitted per call (measured_dequant_rate): its fixed seconds per call
+    size: int = 0           # a matmul timed smaller than asked (time_matmul), its size; 0: as asked
 
     def describe(self) -> str:
         """When and under what load, for the peak's source."""
@@ -209,15 +210,34 @@ MATMUL_DTYPES = ("fp32", "bf16", "fp16")
 
 def time_matmul(threads: int, size: int = 1024, rounds: int = 5, dtype: str = "fp32") -> CpuPeak:
     """Matmul FLOP/s in `dtype` (MATMUL_DTYPES) on this CPU with `threads` threads, the best of
-    `rounds` windows of 0.1 s, with other processes' share of the cores while it ran."""
+    `rounds` windows of 0.1 s, with other processes' share of the cores while it ran. The size is
+    `size`, or smaller where one call would not fit a window (matmul_size): on a CPU without fp16
+    units a 1024x1024 fp16 matmul takes 2 s (1 GFLOP/s; 2.8 at 512), and the timing took 13 s."""
     import torch
 
     from ember.device import DTYPES
     with _timing(threads) as others:
         gen = torch.Generator().manual_seed(0)  # never the global RNG: a run's stream stays its own
-        a, b = (torch.randn(size, size, generator=gen).to(DTYPES[dtype]) for _ in range(2))
-        best = 2 * size ** 3 / _best_seconds(lambda: a @ b, 0.1, rounds)
-        return CpuPeak(best, time.time(), others())
+        probe = min(size, PROBE_SIZE)
+        a, b = (torch.randn(probe, probe, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+        a @ b  # a first call pays for setting up the kernel
+        t0 = time.perf_counter()
+        a @ b
+        timed = matmul_size(time.perf_counter() - t0, WINDOW, probe, size)
+        a, b = (torch.randn(timed, timed, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+        best = 2 * timed ** 3 / _best_seconds(lambda: a @ b, WINDOW, rounds)
+        return CpuPeak(best, time.time(), others(), size=timed if timed != size else 0)
+
+
+PROBE_SIZE = 256  # the matmul one call of which is timed first, to size the measured one
+WINDOW = 0.1      # seconds of each timing window
+
+
+def matmul_size(probe_seconds: float, window: float, probe: int, largest: int) -> int:
+    """The largest of `largest` and `probe` doubled below it whose one call fits within `window`
+    (a matmul's time grows as its size cubed from the probe's `probe_seconds`); `probe` at least."""
+    sizes = [largest, *(probe << k for k in range(8) if probe << k < largest)]
+    return max((n for n in sizes if probe_seconds * (n / probe) ** 3 <= window), default=probe)
 
 
 def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5,
@@ -229,7 +249,8 @@ def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, round
         raise ValueError(f"no CPU matmul peak for dtype {dtype!r}: one of {', '.join(MATMUL_DTYPES)}")
     key = cpu_peak_key(threads) + ("" if dtype == "fp32" else f":{dtype}")  # fp32's key as before
     peak, how = cached_cpu_rate(key, lambda: time_matmul(threads, size, rounds, dtype), again)
-    return Peak(peak.flops, f"{how}: {dtype} {size}x{size} matmul, {threads} threads")
+    timed = peak.size or size
+    return Peak(peak.flops, f"{how}: {dtype} {timed}x{timed} matmul, {threads} threads")
 
 
 def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = False) -> tuple[CpuPeak, str]:
@@ -246,7 +267,7 @@ def cached_cpu_rate(key: str, measure: Callable[[], CpuPeak], again: bool = Fals
     peak, why = choose_cpu_peak(record, time.time(), others_now, measure, again)
     if why is not None:
         known[key] = {"flops": peak.flops, "at": peak.at, "others": peak.others} | \
-            ({"per_call": peak.per_call} if peak.per_call else {})
+            ({"per_call": peak.per_call} if peak.per_call else {}) | ({"size": peak.size} if peak.size else {})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known))
     return peak, peak.describe() + (f" (measured again: {why})" if why is not None and record is not None else "")
@@ -259,7 +280,7 @@ def _from_json(value: object) -> CpuPeak | None:
     try:
         others = value.get("others")
         return CpuPeak(float(value["flops"]), float(value["at"]), None if others is None else float(others),
-                       float(value.get("per_call", 0.0)))
+                       float(value.get("per_call", 0.0)), int(value.get("size", 0)))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -323,7 +323,8 @@ def remeasure_peak(job: Job, share: float) -> bool:
     perf.update(peak_flops=peak.flops, peak_source=peak.source)
     job.run.save_record()
     job.events.warn(f"MFU came out at {share:.1%} of the CPU peak measured at start-up ({old / 1e12:.4g} "
-                    f"TFLOP/s), which cannot be true: the machine was busy then. Measured again now: "
+                    f"TFLOP/s), which cannot be true: that measurement was low (a busy machine, or a matmul slower "
+                    f"at its size than the run's). Measured again now: "
                     f"{peak.flops / 1e12:.4g} TFLOP/s, the run's peak from here on")
     return True
 

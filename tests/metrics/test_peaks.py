@@ -128,3 +128,17 @@ def test_a_bf16_run_on_a_cpu_divides_by_the_bf16_matmul_peak(tmp_path, monkeypat
     assert peaks.select_peak(0.0, "cpu", "cpu", "bf16", 1) == bf16 and timed == ["bf16"]  # cached
     with pytest.raises(ValueError, match="no CPU matmul peak for dtype 'int8'"):
         peaks.measured_cpu_peak(1, dtype="int8")
+
+
+def test_a_matmul_too_slow_for_the_timing_window_is_timed_at_a_smaller_size():
+    """On a CPU without fp16 units (this VM's AMD EPYC: 1 GFLOP/s for a 1024x1024 fp16 matmul,
+    2.8 at 512, 4 at 64), timing the fp16 peak at 1024 took ~13 s, again at the end of every fp16
+    run whose MFU came out above it. The size is now the largest whose one call fits the window,
+    judged from one call at 256 (a matmul's time grows as its size cubed)."""
+    from ember.metrics.peaks import PROBE_SIZE, matmul_size, time_matmul
+    assert matmul_size(0.0105, 0.1, 256, 1024) == 512     # fp16 here: 84 ms predicted at 512, 670 at 1024
+    assert matmul_size(0.00034, 0.1, 256, 1024) == 1024   # fp32 here: as before
+    assert matmul_size(2.0, 0.1, 256, 1024) == 256        # never below the probe
+    assert matmul_size(0.001, 0.1, 256, 1000) == 1000     # the size asked for, not only powers of two
+    peak = time_matmul(1, size=2 * PROBE_SIZE, rounds=1)
+    assert peak.size in (0, PROBE_SIZE) and peak.flops > 0  # 0: timed at the size asked for
