@@ -14,6 +14,7 @@ hashes of large files.
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
       cache/modules/KEY.json    a model's module names (LoRA's targets), by its config
+      cache/gguf/SHA.json       a GGUF file's tensor index ([method] quantize = 'gguf'), by its content
       cache/traced/KEY.json     a step traced on fake tensors (the plan of a family without formulas)
       cache/packages.json       the installed packages, by sys.path's folders' modification times
       cache/inductor/           torch.compile's caches ([train] compile; ember.train.compiled)
@@ -107,6 +108,10 @@ class Home:
     def traced_cache(self, key: str) -> Path:
         """A training step traced on fake tensors (ember.doctor.traced), keyed by what shapes it."""
         return self.cache / "traced" / f"{key}.json"
+
+    def gguf_tensors_cache(self, sha256: str) -> Path:
+        """A GGUF file's architecture and 2-D tensors' places (ember.train.gguf_blocks), by its content."""
+        return self.cache / "gguf" / f"{sha256[:32]}.json"
 
     def module_names_cache(self, key: str) -> Path:
         """A model's module names (ember.models.module_names), keyed by its config."""

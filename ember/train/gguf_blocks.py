@@ -6,16 +6,24 @@ and that second rounding is what QLoRA's loss pays on a small model (bench/READM
 against LoRA on the demo job"). 'gguf' keeps each decoder linear as the file stores it: the
 blocks' bytes, read from the file, dequantized for each matmul and freed after. The weights a
 matmul sees are bit-for-bit those LoRA trains over (checked for every layer at load), at the
-file's size: Q4_0 and Q4_1 hold 32 weights in 18 and 20 bytes, Q8_0 in 34.
+file's size: Q4_0 and Q4_1 hold 32 weights in 18 and 20 bytes, Q8_0 in 34, and the k-quants
+256 in 144 (Q4_K), 176 (Q5_K) and 210 (Q6_K), what "Q4_K_M"-style files mix.
 
-Formats (ggml's block layouts, 32 weights a block, along a row):
-  Q4_0  fp16 scale d, 16 bytes of 4-bit codes q        w = (q - 8) * d
-  Q4_1  fp16 scale d, fp16 minimum m, 16 bytes of codes  w = q * d + m
-  Q8_0  fp16 scale d, 32 signed bytes q                  w = q * d
-Codes of a block's first 16 weights are the low nibbles, the next 16 the high nibbles. A layer
-stored in another type (the k-quants, f16) stays as transformers loaded it, in fp32; a file with
-none of these types is refused. The arithmetic is gguf-py's (what transformers dequantizes
-with), in the same order, so the load-time check holds exactly.
+Formats (ggml's block layouts, along a row):
+  Q4_0  fp16 scale d, 16 bytes of 4-bit codes q           w = (q - 8) * d
+  Q4_1  fp16 scale d, fp16 minimum m, 16 bytes of codes     w = q * d + m
+  Q8_0  fp16 scale d, 32 signed bytes q                     w = q * d
+  Q4_K  fp16 d and dmin, eight 6-bit scales sc and mins m in 12 bytes, 128 bytes of 4-bit
+        codes; 8 sub-blocks of 32                           w = d * sc * q - dmin * m
+  Q5_K  as Q4_K, with each code's fifth bit in 32 bytes more
+  Q6_K  128 bytes of codes' low 4 bits, 64 of their high 2, sixteen 8-bit scales, fp16 d;
+        16 sub-blocks of 16                                 w = d * sc * (q - 32)
+In the 32-weight types the codes of a block's first 16 weights are the low nibbles, the next
+16 the high nibbles. A layer stored in another type (f16, Q5_0, Q2_K, Q3_K, the i-quants) stays
+as transformers loaded it, in fp32; a file with none of these types is refused. The arithmetic
+is gguf-py's (what transformers dequantizes with), in the same order, so the load-time check
+holds exactly. Which tensors are where in the file is read once with gguf-py's reader and kept
+in $EMBER_HOME by the file's hash (`tensor_index`): the reader parses all the metadata.
 
 A layer's backward dequantizes again for its input's gradient rather than keep the weight from
 forward, as an nn.Linear would (saved-tensor hooks around nn.Linear's own op: the same graph, so
@@ -26,6 +34,7 @@ What it resumes from is a pure function of the file; a checkpoint never holds th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,24 +44,68 @@ from torch import nn
 
 from ember.errors import EmberError, NothingToQuantize
 
-BLOCK = 32  # weights per block, in every type held here
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # the types held, and each block's bytes
+# The types held: (weights a block, bytes a block). ggml's "k-quants" group 256 weights in a
+# super-block of sub-blocks, each with its own 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) scale.
+FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+BLOCK_BYTES = {qtype: size for qtype, (_, size) in FORMATS.items()}
 
 
 def dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
-    """The fp32 weight of `packed` (uint8, [rows, blocks x block bytes]) in GGUF type `qtype`."""
+    """The fp32 weight of `packed` (uint8, [rows, blocks x block bytes]) in GGUF type `qtype`,
+    computed as gguf-py's dequantize computes it (the same operations in the same order)."""
     rows = packed.shape[0]
-    blocks = packed.reshape(rows, -1, BLOCK_BYTES[qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [rows, n, 1]
+    b = packed.reshape(-1, BLOCK_BYTES[qtype])  # one block a row
+    if qtype == "Q6_K":
+        return _q6_k(b).reshape(rows, -1)
+    d = _f16(b[:, 0:2])  # [blocks, 1]
     if qtype == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
-        return (q * d).reshape(rows, -1)
-    codes = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+        return (b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * d).reshape(rows, -1)
+    if qtype in ("Q4_K", "Q5_K"):
+        return _q45_k(b, d, qtype).reshape(rows, -1)
+    codes = b[:, 4:] if qtype == "Q4_1" else b[:, 2:]
     q = torch.cat((codes & 0x0F, codes >> 4), dim=-1)  # low nibbles: weights 0-15; high: 16-31
     if qtype == "Q4_0":
         return (d * (q.to(torch.int8) - 8).to(torch.float32)).reshape(rows, -1)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
-    return (d * q.to(torch.float32) + m).reshape(rows, -1)
+    return (d * q.to(torch.float32) + _f16(b[:, 2:4])).reshape(rows, -1)
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    """Each row's 2 bytes as an fp16 number, in fp32: [blocks, 1]."""
+    return x.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _shifts(*bits: int) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.uint8).reshape(-1, 1)
+
+
+def _q45_k(b: torch.Tensor, d: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Q4_K and Q5_K: d and dmin (fp16), 12 bytes of eight 6-bit scales and minimums, then (Q5_K)
+    32 bytes of each weight's fifth bit, then 128 bytes of 4-bit codes: w = d*sc*q - dmin*m."""
+    n = b.shape[0]
+    s = b[:, 4:16].reshape(n, 3, 4)
+    lo, mid, hi = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat((lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)), dim=-1).to(torch.float32)
+    mn = torch.cat((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), dim=-1).to(torch.float32)
+    scale = (d * sc).reshape(n, 8, 1)
+    low = (_f16(b[:, 2:4]) * mn).reshape(n, 8, 1)
+    codes = b[:, -128:].reshape(n, 4, 1, 32) >> _shifts(0, 4)
+    q = (codes & 0x0F).reshape(n, 8, 32)
+    if qtype == "Q5_K":
+        high = (b[:, 16:48].reshape(n, 1, 32) >> _shifts(*range(8))) & 0x01
+        q = q | (high << 4)
+    return (scale * q.to(torch.float32) - low).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K: 128 bytes of each weight's low 4 bits, 64 of its high 2, sixteen 8-bit scales, d
+    (fp16): w = d*sc*(q - 32)."""
+    n = b.shape[0]
+    scale = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
+    low = ((b[:, :128].reshape(n, 2, 1, 64) >> _shifts(0, 4)) & 0x0F).reshape(n, 8, 32)
+    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6)) & 0x03).reshape(n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
+    return (scale * q).reshape(n, 256)
 
 
 class _Redequantize:
@@ -198,12 +251,10 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
     holds. Names map through gguf-py's tensor-name map of the file's architecture, as
     transformers' GGUF loader maps them, and its per-architecture processing is applied (Llama's
     Q and K rows reordered per head: whole rows move, blocks and all)."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    # The reader parses every metadata field (a tokenizer's tens of thousands of tokens: seconds,
-    # and ~170 MB for SmolLM2's); it is dropped on return, the views into its memory map kept.
-    reader = GGUFReader(gguf)
-    arch_name = reader.fields["general.architecture"].contents()
+    arch_name, tensors = tensor_index(gguf)
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
         raise EmberError(f"[method] quantize = 'gguf': {gguf} is a {arch_name!r} model, which this gguf "
@@ -219,14 +270,38 @@ def gguf_linears(model: nn.Module, gguf: Path) -> dict[str, tuple[Any, str]]:
     config = model.config.to_dict()
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=config)
     out = {}
-    for tensor in reader.tensors:
-        if tensor.name not in to_hf or len(tensor.shape) != 2:
+    for name, qtype, offset, shape in tensors:
+        if name not in to_hf:
             continue
-        result = processor.process(weights=tensor.data, name=tensor.name, tensor_key_mapping=to_hf,
+        data = np.memmap(gguf, dtype=np.uint8, mode="r", offset=offset, shape=tuple(shape))  # rows of bytes
+        result = processor.process(weights=data, name=name, tensor_key_mapping=to_hf,
                                    parsed_parameters={"config": config, "tensors": {}})
         if result.weights is not None and result.name in to_hf:
-            out[to_hf[result.name].removesuffix(".weight")] = (result.weights, tensor.tensor_type.name)
+            out[to_hf[result.name].removesuffix(".weight")] = (result.weights, qtype)
     return out
+
+
+def tensor_index(gguf: Path) -> tuple[str, list[tuple[str, str, int, list[int]]]]:
+    """The file's architecture and, for each 2-D tensor, (name, GGUF type, byte offset, [rows,
+    bytes per row]). gguf-py's reader parses every metadata field to get there (a tokenizer's
+    tens of thousands of tokens: ~3 s and ~170 MB for SmolLM2's), so the index is kept in
+    $EMBER_HOME by the file's content hash and read from there at later starts."""
+    from ember.durable import write_durable
+    from ember.paths import cached_sha256, home
+    cache = home().gguf_tensors_cache(cached_sha256(gguf))
+    try:
+        known = json.loads(cache.read_text())
+        return known["arch"], [tuple(t) for t in known["tensors"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from gguf import GGUFReader
+    reader = GGUFReader(gguf)
+    tensors = [(t.name, t.tensor_type.name, int(t.data_offset), [int(t.data.shape[0]), int(t.n_bytes // t.data.shape[0])])
+               for t in reader.tensors if len(t.shape) == 2]
+    arch = str(reader.fields["general.architecture"].contents())
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_durable(cache, json.dumps({"arch": arch, "tensors": tensors}))
+    return arch, tensors
 
 
 def _packed(data: Any, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from ember.ckpt.contents import trainable_state
 from ember.errors import EmberError, NothingToQuantize
 from ember.recipe import MethodConfig, ModelConfig
-from ember.train.gguf_blocks import BLOCK_BYTES, BlockLinear, dequantize, keep_gguf_blocks
+from ember.train.gguf_blocks import BLOCK_BYTES, FORMATS, BlockLinear, dequantize, keep_gguf_blocks
 from ember.train.loss import causal_lm_loss
 from ember.train.model import load_model
 from ember.train.quantize import merge_adapters
@@ -34,18 +34,32 @@ def built(path: Path, quantize: str) -> torch.nn.Module:
     return load_model(ModelConfig(str(path)), MethodConfig(**LORA, quantize=quantize), False).model
 
 
-@pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES))
+# Where each type keeps its fp16 fields (d, and the minimum or dmin): gguf-py quantizes the
+# 32-weight types; for the k-quants (which it cannot quantize) the blocks are random bytes with
+# these fields set to finite fp16 numbers.
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
 def test_each_format_dequantizes_bit_for_bit_as_gguf_py_does(qtype):
     import gguf
     rng = np.random.default_rng(0)
-    weight = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
-    weight[3, :32] = 0.5  # a constant block: scale 0
     kind = gguf.GGMLQuantizationType[qtype]
-    packed = gguf.quants.quantize(weight, kind)
-    assert packed.shape == (48, 96 // 32 * BLOCK_BYTES[qtype])
+    per_block, size = FORMATS[qtype]
+    if qtype in FP16_FIELDS:
+        packed = rng.integers(0, 256, (48, 3 * size), dtype=np.uint8)
+        blocks = packed.reshape(-1, size)
+        for at in FP16_FIELDS[qtype]:
+            blocks[:, at:at + 2] = (rng.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    else:
+        weight = (rng.standard_normal((48, 3 * per_block)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+        weight[3, :32] = 0.5  # a constant block: scale 0
+        packed = gguf.quants.quantize(weight, kind)
+    assert packed.shape == (48, 3 * size)
     want = gguf.quants.dequantize(packed, kind)
     got = dequantize(torch.from_numpy(packed), qtype)
-    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(want))
+    assert got.shape == (48, 3 * per_block) and got.dtype == torch.float32
+    assert np.isfinite(want).all() and torch.equal(got, torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -86,13 +100,13 @@ def test_the_files_blocks_are_the_weights_lora_trains_over_and_train_bit_identic
     plain, kept = built(tiny_gguf, "none"), built(tiny_gguf, "gguf")
     blocks = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
     assert len(blocks) == 2 * len(TYPES) - 1  # every decoder matrix but the f32 one
-    assert {m.qtype for m in blocks.values()} == set(BLOCK_BYTES)
+    assert {m.qtype for m in blocks.values()} == set(TYPES.values())
     f32 = kept.get_submodule("base_model.model.model.layers.1.mlp.down_proj.base_layer")
     assert type(f32) is torch.nn.Linear and f32.weight.dtype == torch.float32
     for name, block in blocks.items():
         weight = plain.get_submodule(name).weight
         assert block.weight.dtype == torch.uint8 and not block.weight.requires_grad
-        assert block.weight.numel() == weight.numel() // 32 * BLOCK_BYTES[block.qtype]
+        assert block.weight.numel() == weight.numel() // FORMATS[block.qtype][0] * BLOCK_BYTES[block.qtype]
         assert torch.equal(block.dequantized(), weight), name
     # Two steps: the same losses and the same adapters' gradients, bit for bit.
     ids = torch.randint(0, TINY.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -186,5 +200,6 @@ def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
     every = tuple(f"blk.{i}.{k}" for i in range(2) for k in TYPES)
     unquantized = write_tiny_gguf(tmp_path / "f32.gguf", TYPES, f32=every)
     from transformers import LlamaForCausalLM
-    with pytest.raises(NothingToQuantize, match=r"no linear layer of the file is stored in Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(NothingToQuantize, match=r"no linear layer of the file is stored in Q4_0, Q4_1, Q8_0, Q4_K, "
+                       r"Q5_K, Q6_K \(its layers are F32\)"):
         keep_gguf_blocks(LlamaForCausalLM(TINY), unquantized, str(unquantized))
