@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,10 @@ from ember.errors import EmberError
 from ember.proc import described, holders_of
 
 INHERITED = "EMBER_LOCK_FD"
+# A SIGKILLed holder keeps its lock until its exit has released its files, after its memory:
+# meanwhile /proc shows it with no descriptors, and no process seems to hold the lock. A rerun
+# at once waits for that (milliseconds; longer for a large process on a busy machine), this long.
+EXITING = 10.0
 LAUNCHER = "EMBER_LOCK_LAUNCHER"  # the PID of the distributed launcher that holds the lock
 
 _held: set[int] = set()  # this process's lock descriptors: closed in every child it forks
@@ -75,7 +80,8 @@ def acquire(path: Path, what: str, wait: Callable[[str], None] | None = None) ->
     if inherited is not None:
         return inherited
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    for last_try in (False, True):
+    deadline = time.monotonic() + EXITING
+    while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return _own(path, fd)
@@ -88,8 +94,9 @@ def acquire(path: Path, what: str, wait: Callable[[str], None] | None = None) ->
         if holder == os.environ.get(LAUNCHER):  # our launcher holds it for us (it is held: flock failed)
             os.close(fd)
             return Lock(path, -1)
-        if last_try or holders_of(path):
-            break  # else the holder let go since: once more
+        if holders_of(path) or time.monotonic() > deadline:
+            break  # a process holds it; else the holder is exiting (or let go since): again, shortly
+        time.sleep(0.02)
     os.close(fd)
     raise EmberError(f"{what}: {who_holds(path, holder)}; wait for it to finish or stop it, "
                      f"or use another folder")

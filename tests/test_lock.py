@@ -98,3 +98,23 @@ def test_a_refusal_never_names_a_dead_process_as_the_holder(tmp_path):
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     acquire(path, "--out x").release()  # and the holder's end frees it
+
+
+def test_a_rerun_waits_for_a_killed_holder_to_finish_exiting(tmp_path, monkeypatch):
+    """A SIGKILLed holder keeps the lock until its exit releases its files, after its memory;
+    meanwhile /proc lists no descriptor of it, and no process seems to hold the lock. `ember run`
+    right after a kill -9 refused then ("has ended, and no process this user can see holds its
+    lock", seen in the suite under load: tests/e2e/test_rerun.py's supervised case); it now
+    waits for the exit (ember.lock.EXITING) and takes the lock."""
+    import threading
+
+    from ember import lock
+    path = tmp_path / ".lock"
+    holder = hold(path)
+    monkeypatch.setattr(lock, "holders_of", lambda p: [])  # the exit window: /proc shows no holder
+    threading.Timer(0.3, holder.stdin.close).start()  # the holder's exit completes: the lock is free
+    try:
+        acquire(path, "--out x").release()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

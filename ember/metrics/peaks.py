@@ -211,8 +211,8 @@ MATMUL_DTYPES = ("fp32", "bf16", "fp16")
 def time_matmul(threads: int, size: int = 1024, rounds: int = 5, dtype: str = "fp32") -> CpuPeak:
     """Matmul FLOP/s in `dtype` (MATMUL_DTYPES) on this CPU with `threads` threads, the best of
     `rounds` windows of 0.1 s, with other processes' share of the cores while it ran. The size is
-    `size`, or smaller where one call would not fit a window (matmul_size): on a CPU without fp16
-    units a 1024x1024 fp16 matmul takes 2 s (1 GFLOP/s; 2.8 at 512), and the timing took 13 s."""
+    `size`, or smaller where one call would take over LONGEST_CALL (matmul_size): on a CPU without
+    fp16 units a 1024x1024 fp16 matmul takes 2 s (1 GFLOP/s; 2.8 at 512), and the timing took 13 s."""
     import torch
 
     from ember.device import DTYPES
@@ -221,16 +221,16 @@ def time_matmul(threads: int, size: int = 1024, rounds: int = 5, dtype: str = "f
         probe = min(size, PROBE_SIZE)
         a, b = (torch.randn(probe, probe, generator=gen).to(DTYPES[dtype]) for _ in range(2))
         a @ b  # a first call pays for setting up the kernel
-        t0 = time.perf_counter()
-        a @ b
-        timed = matmul_size(time.perf_counter() - t0, WINDOW, probe, size)
+        timed = matmul_size(min(_call_seconds(lambda: a @ b) for _ in range(2)), LONGEST_CALL, probe, size)
         a, b = (torch.randn(timed, timed, generator=gen).to(DTYPES[dtype]) for _ in range(2))
         best = 2 * timed ** 3 / _best_seconds(lambda: a @ b, WINDOW, rounds)
         return CpuPeak(best, time.time(), others(), size=timed if timed != size else 0)
 
 
-PROBE_SIZE = 256  # the matmul one call of which is timed first, to size the measured one
-WINDOW = 0.1      # seconds of each timing window
+PROBE_SIZE = 256    # the matmul two calls of which are timed first, to size the measured one
+WINDOW = 0.1        # seconds of each timing window
+LONGEST_CALL = 0.5  # a call predicted longer is timed at a smaller size: far above fp32's and bf16's
+                    # 1024 (10-20 ms here), so a busy machine does not shrink them; fp16 here: 670 ms
 
 
 def matmul_size(probe_seconds: float, window: float, probe: int, largest: int) -> int:
@@ -338,6 +338,12 @@ def _quiet_bitsandbytes():
         return bitsandbytes
     finally:
         log.setLevel(level)
+
+
+def _call_seconds(call: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def _best_seconds(call: Callable[[], object], window: float, rounds: int = 3) -> float:

@@ -133,12 +133,14 @@ def test_a_bf16_run_on_a_cpu_divides_by_the_bf16_matmul_peak(tmp_path, monkeypat
 def test_a_matmul_too_slow_for_the_timing_window_is_timed_at_a_smaller_size():
     """On a CPU without fp16 units (this VM's AMD EPYC: 1 GFLOP/s for a 1024x1024 fp16 matmul,
     2.8 at 512, 4 at 64), timing the fp16 peak at 1024 took ~13 s, again at the end of every fp16
-    run whose MFU came out above it. The size is now the largest whose one call fits the window,
-    judged from one call at 256 (a matmul's time grows as its size cubed)."""
-    from ember.metrics.peaks import PROBE_SIZE, matmul_size, time_matmul
-    assert matmul_size(0.0105, 0.1, 256, 1024) == 512     # fp16 here: 84 ms predicted at 512, 670 at 1024
-    assert matmul_size(0.00034, 0.1, 256, 1024) == 1024   # fp32 here: as before
-    assert matmul_size(2.0, 0.1, 256, 1024) == 256        # never below the probe
-    assert matmul_size(0.001, 0.1, 256, 1000) == 1000     # the size asked for, not only powers of two
+    run whose MFU came out above it. The size is now the largest whose one call is predicted
+    within LONGEST_CALL, from two calls at 256 (a matmul's time grows as its size cubed); far
+    above what fp32 and bf16 take at 1024, so a busy machine does not shrink theirs."""
+    from ember.metrics.peaks import LONGEST_CALL, PROBE_SIZE, matmul_size, time_matmul
+    assert matmul_size(0.0105, LONGEST_CALL, 256, 1024) == 512    # fp16 here: 84 ms predicted at 512, 670 at 1024
+    assert matmul_size(0.00034, LONGEST_CALL, 256, 1024) == 1024  # fp32 here: as before
+    assert matmul_size(0.0034, LONGEST_CALL, 256, 1024) == 1024   # and ten times slower (a busy machine)
+    assert matmul_size(2.0, LONGEST_CALL, 256, 1024) == 256       # never below the probe
+    assert matmul_size(0.001, LONGEST_CALL, 256, 1000) == 1000    # the size asked for, not only powers of two
     peak = time_matmul(1, size=2 * PROBE_SIZE, rounds=1)
     assert peak.size in (0, PROBE_SIZE) and peak.flops > 0  # 0: timed at the size asked for
