@@ -75,8 +75,9 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.float16).to(torch.float32)
 
 
-def _shifts(*bits: int) -> torch.Tensor:
-    return torch.tensor(bits, dtype=torch.uint8).reshape(-1, 1)
+def _shifts(like: torch.Tensor, *bits: int) -> torch.Tensor:
+    """Bit shifts as a column, on `like`'s device (a CUDA tensor cannot shift by a CPU one)."""
+    return torch.tensor(bits, dtype=torch.uint8, device=like.device).reshape(-1, 1)
 
 
 def _q45_k(b: torch.Tensor, d: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -89,10 +90,10 @@ def _q45_k(b: torch.Tensor, d: torch.Tensor, qtype: str) -> torch.Tensor:
     mn = torch.cat((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), dim=-1).to(torch.float32)
     scale = (d * sc).reshape(n, 8, 1)
     low = (_f16(b[:, 2:4]) * mn).reshape(n, 8, 1)
-    codes = b[:, -128:].reshape(n, 4, 1, 32) >> _shifts(0, 4)
+    codes = b[:, -128:].reshape(n, 4, 1, 32) >> _shifts(b, 0, 4)
     q = (codes & 0x0F).reshape(n, 8, 32)
     if qtype == "Q5_K":
-        high = (b[:, 16:48].reshape(n, 1, 32) >> _shifts(*range(8))) & 0x01
+        high = (b[:, 16:48].reshape(n, 1, 32) >> _shifts(b, *range(8))) & 0x01
         q = q | (high << 4)
     return (scale * q.to(torch.float32) - low).reshape(n, 256)
 
@@ -102,8 +103,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     (fp16): w = d*sc*(q - 32)."""
     n = b.shape[0]
     scale = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
-    low = ((b[:, :128].reshape(n, 2, 1, 64) >> _shifts(0, 4)) & 0x0F).reshape(n, 8, 32)
-    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6)) & 0x03).reshape(n, 8, 32)
+    low = ((b[:, :128].reshape(n, 2, 1, 64) >> _shifts(b, 0, 4)) & 0x0F).reshape(n, 8, 32)
+    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(b, 0, 2, 4, 6)) & 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
     return (scale * q).reshape(n, 256)
 

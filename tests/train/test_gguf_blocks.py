@@ -62,6 +62,16 @@ def test_each_format_dequantizes_bit_for_bit_as_gguf_py_does(qtype):
     assert np.isfinite(want).all() and torch.equal(got, torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_each_format_dequantizes_on_the_device_its_blocks_are_on(qtype):
+    """The k-quants shifted their codes by a column of shifts made on the CPU: blocks on another
+    device (CUDA; the meta device here, which no GPU is needed for) failed with "Tensor on
+    device cpu is not on the expected device"."""
+    per_block, size = FORMATS[qtype]
+    got = dequantize(torch.zeros(4, 2 * size, dtype=torch.uint8, device="meta"), qtype)
+    assert got.device.type == "meta" and got.shape == (4, 2 * per_block) and got.dtype == torch.float32
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_layer_keeps_its_blocks_for_backward_not_the_dequantized_weight(autocast, monkeypatch):
     """The fp32 weight a forward dequantizes is freed when the forward returns (its saved view
