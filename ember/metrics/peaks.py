@@ -233,11 +233,12 @@ LONGEST_CALL = 0.5  # a call predicted longer is timed at a smaller size: far ab
                     # 1024 (10-20 ms here), so a busy machine does not shrink them; fp16 here: 670 ms
 
 
-def matmul_size(probe_seconds: float, window: float, probe: int, largest: int) -> int:
-    """The largest of `largest` and `probe` doubled below it whose one call fits within `window`
-    (a matmul's time grows as its size cubed from the probe's `probe_seconds`); `probe` at least."""
+def matmul_size(probe_seconds: float, longest: float, probe: int, largest: int) -> int:
+    """The largest of `largest` and `probe` doubled below it whose one call is predicted within
+    `longest` seconds (a matmul's time grows as its size cubed from the probe's `probe_seconds`);
+    `probe` at least."""
     sizes = [largest, *(probe << k for k in range(8) if probe << k < largest)]
-    return max((n for n in sizes if probe_seconds * (n / probe) ** 3 <= window), default=probe)
+    return max((n for n in sizes if probe_seconds * (n / probe) ** 3 <= longest), default=probe)
 
 
 def measured_cpu_peak(threads: int, again: bool = False, size: int = 1024, rounds: int = 5,

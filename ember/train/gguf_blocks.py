@@ -227,10 +227,14 @@ def keep_gguf_blocks(model: nn.Module, gguf: Path | None, spec: str,
                 other.add(qtype)
                 continue
             meta = child.weight.is_meta
-            packed = _packed(data, torch.device("meta") if meta and reference is None else
-                             torch.device("cpu") if meta else child.weight.device)
-            fp32 = None if packed.is_meta else reference(f"{full}.weight") if meta else child.weight.detach()
-            if fp32 is not None and not torch.equal(dequantize(packed, qtype), fp32.to(packed.device)):
+            if not meta:  # the weight transformers loaded
+                device, fp32 = child.weight.device, child.weight.detach()
+            elif reference is not None:  # built without weights: each read alone
+                device, fp32 = torch.device("cpu"), reference(f"{full}.weight")
+            else:  # the plan's model: shapes only
+                device, fp32 = torch.device("meta"), None
+            packed = _packed(data, device)
+            if fp32 is not None and not torch.equal(dequantize(packed, qtype), fp32.to(device)):
                 raise EmberError(f"{where}: the file's {qtype} blocks of {full} do not dequantize to the weight "
                                  f"transformers loaded from it (this family's conversion changes the layer); "
                                  f"use quantize = 'nf4' or 'none'")
