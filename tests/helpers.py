@@ -188,3 +188,20 @@ def callers_of(module: str, function: str) -> list[str]:
             if isinstance(node, ast.Attribute) and node.attr == function and ast.unparse(node.value) in aliases:
                 callers.append(str(path.relative_to(ember)))
     return callers
+
+
+def measured_peak(r) -> int:
+    """Recipe `r`'s step peak as ember.doctor.measure.calibrate measures it (one step), less the
+    tensors this test process held before: the measurement counts every live tensor of the
+    process, here other tests' too. torch's thread count is put back (the measurement sets the
+    recipe's)."""
+    import gc
+
+    from ember.doctor.measure import calibrate, live_tensor_bytes
+    threads = torch.get_num_threads()
+    gc.collect()
+    held = live_tensor_bytes(torch.device("cpu"))
+    try:
+        return calibrate(r, steps=1).peak_bytes - held
+    finally:
+        torch.set_num_threads(threads)

@@ -15,11 +15,11 @@ import torch
 import transformers as tf
 
 from ember.doctor.fake_step import trace
-from ember.doctor.measure import calibrate, live_tensor_bytes
+from ember.doctor.measure import live_tensor_bytes
 from ember.plan.memory import LLAMA_FAMILY
 from ember.recipe import load_recipe
 from ember.data.tokenizer import ByteTokenizer
-from tests.helpers import ROOT, write_recipe
+from tests.helpers import ROOT, measured_peak, write_recipe
 from tests.test_startup import HEAVY, imports_of
 
 H = {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -80,16 +80,9 @@ def models(tmp_path_factory):
 
 
 def traced_and_measured(recipe_path, *overrides: str) -> tuple[int, int]:
-    """The traced peak, and the measured one less the tensors this test process held before
-    (the measurement counts every live tensor of the process: here, other tests' too)."""
+    """The traced peak, and the measured one (less the tensors other tests left: measured_peak)."""
     r = load_recipe(recipe_path, list(overrides))
-    threads = torch.get_num_threads()
-    gc.collect()
-    held = live_tensor_bytes(torch.device("cpu"))
-    try:
-        return trace(r).peak_bytes, calibrate(r, steps=1).peak_bytes - held
-    finally:
-        torch.set_num_threads(threads)  # the measurement sets the recipe's threads
+    return trace(r).peak_bytes, measured_peak(r)
 
 
 def test_the_families_are_outside_the_formulas():

@@ -171,12 +171,10 @@ def test_the_traced_plan_of_a_gguf_base_counts_its_blocks(tiny_gguf, tmp_path):
     """The plan traces the file's blocks at their sizes (not the formulas' NF4, nor fp32), and its
     peak is within 2% of a measured step's (ember.doctor.measure, as `ember plan --calibrate`
     measures it, less the tensors this test process held before: other tests')."""
-    import gc
     from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
-    from ember.doctor.measure import calibrate, live_tensor_bytes
     from ember.events import Events
     from ember.recipe import load_recipe
-    from tests.helpers import write_recipe
+    from tests.helpers import measured_peak, write_recipe
     recipe = write_recipe(tmp_path, model={"path": str(tiny_gguf)}, method={**LORA, "quantize": "gguf"},
                           data={"seq_len": 32}, train={"micro_batch": 2, "max_steps": 2})
     plan = plan_recipe(PlanRequest(recipe), Events()).plan
@@ -186,13 +184,7 @@ def test_the_traced_plan_of_a_gguf_base_counts_its_blocks(tiny_gguf, tmp_path):
     assert plan.memory.weights == weights
     assert plan.model.params == sum(p.numel() for p in built(tiny_gguf, "none").parameters())  # weights, not bytes
     del kept
-    threads = torch.get_num_threads()
-    gc.collect()
-    held = live_tensor_bytes(torch.device("cpu"))
-    try:
-        measured = calibrate(load_recipe(recipe), steps=1).peak_bytes - held
-    finally:
-        torch.set_num_threads(threads)  # the measurement sets the recipe's threads
+    measured = measured_peak(load_recipe(recipe))
     assert abs(plan.memory.peak / measured - 1) <= 0.02, (plan.memory.peak, measured)
 
 
