@@ -75,7 +75,9 @@ def _key(r: Recipe) -> str:
         from ember.models import resolve_path
         from ember.paths import cached_sha256
         from ember.train import gguf_blocks
-        fields["gguf_sha256"] = cached_sha256(resolve_path(r.model.path))
+        gguf = resolve_path(r.model.path)
+        if gguf.suffix == ".gguf":  # another model is refused by the trace, saying why
+            fields["gguf_sha256"] = cached_sha256(gguf)
         source += Path(gguf_blocks.__file__).read_bytes()
     blob = json.dumps([fields, shaping, versions], sort_keys=True, default=str).encode() + source
     return hashlib.sha256(blob).hexdigest()[:32]

@@ -211,6 +211,12 @@ def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
         load_recipe(write_recipe(tmp_path, method={**LORA, "quantize": "gguf"}, train={"compile": True}))
     with pytest.raises(EmberError, match=r"quantize = 'gguf'.*'builtin:tiny'.*not a \.gguf file.*'nf4'"):
         load_model(ModelConfig("builtin:tiny"), MethodConfig(**LORA, quantize="gguf"), False)
+    # and so is its plan (before: "[Errno 2] No such file or directory: '.../builtin:tiny'", from
+    # the trace's cache key, which hashed the model's file)
+    from ember.doctor.calibrated_plan import PlanRequest, plan_recipe
+    from ember.events import Events
+    with pytest.raises(EmberError, match=r"quantize = 'gguf'.*'builtin:tiny'.*not a \.gguf file.*'nf4'"):
+        plan_recipe(PlanRequest(write_recipe(tmp_path / "plan", method={**LORA, "quantize": "gguf"})), Events())
     every = tuple(f"blk.{i}.{k}" for i in range(2) for k in TYPES)
     unquantized = write_tiny_gguf(tmp_path / "f32.gguf", TYPES, f32=every)
     from transformers import LlamaForCausalLM
