@@ -27,6 +27,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ember.proc import dies_with_us  # noqa: E402  (after the repository is on the path)
 RECIPE = ROOT / "examples" / "smollm2-lora.toml"
 METHODS = {"lora": [], "qlora-nf4": ["--set", "method.quantize=nf4"], "qlora-gguf": ["--set", "method.quantize=gguf"]}
 
@@ -39,7 +41,7 @@ def run(out: Path, seed: int, steps: int, extra: list[str]) -> tuple[list[tuple[
         proc = subprocess.Popen([sys.executable, "-m", "ember", "run", str(RECIPE), "--out", str(out), "--no-ledger",
                                  "--set", f"train.seed={seed}", "--set", f"train.max_steps={steps}",
                                  "--set", "checkpoint.every_steps=0", *extra], stdout=subprocess.DEVNULL, stderr=err,
-                                cwd=ROOT)
+                                cwd=ROOT, preexec_fn=dies_with_us())  # a killed bench leaves no run behind
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
