@@ -18,7 +18,7 @@ from ember.plan.memory import ModelShape
 from ember.plan.planner import make_plan, plan_memory
 from ember.plan.remedies import fits
 from ember.recipe import load_recipe
-from tests.helpers import run_ember, write_recipe
+from tests.helpers import measured_peak, run_ember, write_recipe
 
 PEAK = Peak(1e12, "test: 1 TFLOP/s")
 BUDGET = 2_000_000  # builtin:tiny, micro batch 4 x accum 2 x seq 32: 3.2 MiB as written; some fit, some not
@@ -162,22 +162,6 @@ def test_a_peak_derived_from_micro_batches_1_and_2_is_the_traced_one(tmp_path, n
     assert peak_between(at[1], at[2], 5) == at[5].peak_bytes
     chunked = [trace(load_recipe(path, ["train.loss_chunk=32", f"train.micro_batch={mb}"])) for mb in (1, 2)]
     assert peak_between(*chunked, 3) is None
-
-
-def measured_peak(r) -> int:
-    """The recipe's step peak measured for real, less the tensors this test process held before."""
-    import gc
-
-    import torch
-
-    from ember.doctor.measure import calibrate, live_tensor_bytes
-    threads = torch.get_num_threads()
-    gc.collect()
-    held = live_tensor_bytes(torch.device("cpu"))
-    try:
-        return calibrate(r, steps=1).peak_bytes - held
-    finally:
-        torch.set_num_threads(threads)  # the measurement sets the recipe's threads
 
 
 def test_a_family_without_formulas_gets_a_fit_whose_pick_fits_when_measured(tmp_path, neox):
