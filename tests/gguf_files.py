@@ -4,6 +4,7 @@ the shipped GGUF), each kind of decoder matrix quantized by gguf-py to another t
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -49,3 +50,22 @@ def write_tiny_gguf(path: Path, types: dict[str, str], f32: tuple[str, ...] = (F
 def shared_tiny_gguf() -> Path:
     """write_tiny_gguf's file of TYPES, built once for every worker (tests/artifacts.py)."""
     return shared("tiny-gguf", TYPES, lambda folder: write_tiny_gguf(folder / "tiny.gguf", TYPES)) / "tiny.gguf"
+
+
+@contextlib.contextmanager
+def gguf_parses():
+    """Counts the GGUF files gguf-py's reader parses meanwhile (each parse reads every metadata
+    field: seconds for a 49k-token vocabulary): yields a list with the count in its one item."""
+    from gguf.gguf_reader import GGUFReader
+    build = GGUFReader._build_fields
+    count = [0]
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return build(self, *args, **kwargs)
+
+    GGUFReader._build_fields = counted
+    try:
+        yield count
+    finally:
+        GGUFReader._build_fields = build

@@ -23,6 +23,7 @@ import torch
 
 from ember.errors import EmberError
 from ember.events import Events
+from ember.models import one_reader
 
 LLAMA_TYPES = ("llama",)
 # tokenizer.json pre-tokenizers llama.cpp knows by name; others get its default, with a warning
@@ -44,12 +45,13 @@ def write_gguf(model: torch.nn.Module, tokenizer_source: Path, model_source: Pat
     config = model.config
     check_llama(config)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-    write_general(writer, model_source)
-    write_hparams(writer, config, dtype)
-    if tokenizer_source.is_file():
-        copy_gguf_tokenizer(writer, tokenizer_source)
-    else:
-        write_hf_tokenizer(writer, tokenizer_source, config.vocab_size, events)
+    with one_reader():  # the source GGUF is read for its general.* and its tokenizer.* keys: parsed once
+        write_general(writer, model_source)
+        write_hparams(writer, config, dtype)
+        if tokenizer_source.is_file():
+            copy_gguf_tokenizer(writer, tokenizer_source)
+        else:
+            write_hf_tokenizer(writer, tokenizer_source, config.vocab_size, events)
     events.stage(f"writing GGUF ({dtype})", path=str(path))
     for name, array in llama_tensors(model.state_dict(), config, dtype):
         writer.add_tensor(name, array)

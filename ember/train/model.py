@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import nn
 
 from ember.errors import EmberError
 from ember.events import Events
-from ember.models import model_folder, tiny_config
+from ember.models import model_folder, one_reader, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -38,26 +39,29 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     """Build the model (seed torch first: random init must be reproducible) and its tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    if cfg.path == "builtin:tiny":
-        model = LlamaForCausalLM(tiny_config())
-        tokenizer: Tokenizer = ByteTokenizer()
-        source = {"kind": "builtin", "name": "tiny", "config": model.config.to_diff_dict()}
-    elif cfg.path.startswith("builtin:"):
-        raise EmberError(f"[model] path = {cfg.path!r}: the only builtin model is 'builtin:tiny'")
-    else:
-        path, source = model_folder(cfg.path, events)
-        source["files"] = {p.name: cached_sha256(p) for p in sorted(path.iterdir())
-                           if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
-        try:
-            if method.quantize == "gguf" and source["kind"] == "gguf":  # never the whole fp32 model
-                model = load_with_blocks(path, Path(source["path"]), cfg.path)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
-        tokenizer = load_tokenizer(path)
-    gguf = Path(source["path"]) if source.get("kind") == "gguf" else None
-    model = prepare_model(model, method, activation_checkpointing, gguf=gguf, spec=cfg.path)
+    # A first run of a .gguf file converts it and, for quantize = 'gguf', indexes its blocks:
+    # gguf-py parses the file's metadata once for both (ember.models.one_reader).
+    with one_reader() if cfg.path.endswith(".gguf") else contextlib.nullcontext():
+        if cfg.path == "builtin:tiny":
+            model = LlamaForCausalLM(tiny_config())
+            tokenizer: Tokenizer = ByteTokenizer()
+            source = {"kind": "builtin", "name": "tiny", "config": model.config.to_diff_dict()}
+        elif cfg.path.startswith("builtin:"):
+            raise EmberError(f"[model] path = {cfg.path!r}: the only builtin model is 'builtin:tiny'")
+        else:
+            path, source = model_folder(cfg.path, events)
+            source["files"] = {p.name: cached_sha256(p) for p in sorted(path.iterdir())
+                               if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
+            try:
+                if method.quantize == "gguf" and source["kind"] == "gguf":  # never the whole fp32 model
+                    model = load_with_blocks(path, Path(source["path"]), cfg.path)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            except (OSError, ValueError) as e:
+                raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
+            tokenizer = load_tokenizer(path)
+        gguf = Path(source["path"]) if source.get("kind") == "gguf" else None
+        model = prepare_model(model, method, activation_checkpointing, gguf=gguf, spec=cfg.path)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     return ModelBundle(model, tokenizer, max_positions, source)
 

@@ -24,6 +24,7 @@ from ember.infer.export import export_run
 from ember.models import resolve_path
 from ember.paths import cached_sha256
 from tests.engines import SMOLLM2_GGUF, require_llama_cpp
+from tests.gguf_files import gguf_parses
 from tests.helpers import run_ember, write_recipe
 
 IDS = [100, 2000, 345, 17, 9000, 42, 7, 31000, 5, 48000]
@@ -240,7 +241,9 @@ def test_gguf_of_a_run_from_a_gguf_copies_its_tokenizer(lora_run, tmp_path, smol
     source = resolve_path(SMOLLM2_GGUF)
     record["model"].update(kind="gguf", path=str(source), sha256=cached_sha256(source))
     (run / "run.json").write_text(json.dumps(record))
-    path = Path(export_run(run, "gguf").path)
+    with gguf_parses() as parses:
+        path = Path(export_run(run, "gguf").path)
+    assert parses[0] == 1  # the source's general.* and tokenizer.* from one parse (two before)
     ours, theirs = gguf.GGUFReader(path).fields, smollm2_fields
     keys = sorted(k for k in theirs if k.startswith("tokenizer."))
     assert "tokenizer.ggml.pre" in keys and sorted(k for k in ours if k.startswith("tokenizer.")) == keys

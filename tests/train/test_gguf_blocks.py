@@ -19,7 +19,7 @@ from ember.train.gguf_blocks import BLOCK_BYTES, FORMATS, BlockLinear, dequantiz
 from ember.train.loss import causal_lm_loss
 from ember.train.model import load_model
 from ember.train.quantize import merge_adapters
-from tests.gguf_files import TINY, TYPES, shared_tiny_gguf, write_tiny_gguf
+from tests.gguf_files import TINY, TYPES, gguf_parses, shared_tiny_gguf, write_tiny_gguf
 
 LORA = dict(kind="lora", rank=4, alpha=8.0, target_modules=["all-linear"])
 
@@ -202,6 +202,20 @@ def test_converting_a_gguf_file_draws_nothing_from_torchs_rng(tmp_path):
         model_folder(str(path))
         assert (set(home().models.iterdir()) != before) == converts
         assert torch.equal(torch.get_rng_state(), seeded), f"converting={converts} drew on torch's RNG"
+
+
+def test_a_first_run_of_a_gguf_file_parses_it_once(tmp_path):
+    """A run's first start on a GGUF file converts it (transformers opens it for the config, the
+    weights and the tokenizer) and indexes its blocks: each opening parsed every metadata field
+    again (4 parses, 3.9 s each for SmolLM2's vocabulary). Now one; a later start reads none."""
+    path = write_tiny_gguf(tmp_path / "once.gguf", {**TYPES, "attn_q": "Q8_0"})  # not converted yet
+    with gguf_parses() as parses:
+        first = built(path, "gguf")
+    assert parses[0] == 1
+    with gguf_parses() as parses:
+        again = built(path, "gguf")
+    assert parses[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
 
 
 def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
