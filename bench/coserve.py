@@ -51,7 +51,12 @@ The default run (25 s windows, 15 s drain) takes about 10 minutes: 9 windows a p
 llama.cpp ones up to window + drain long (at 2 requests/s its one thread falls behind here).
 
 usage: python bench/coserve.py [--window 25] [--drain 15] [--traces light heavy bursty]
-           [--arms c d] [--micro-batch 8] [--seed 0] [--idle-gap 2.0]
+           [--arms c d] [--micro-batch 8] [--seed 0] [--idle-gap 2.0] [--model tiny|smollm2]
+           [--seq-len N] [--gap-share X] [--burst-seconds S]
+
+--model smollm2 trains the demo's LoRA on SmolLM2-135M instead (one thread, no accumulation, a
+checkpoint every 10 steps): its engine alone serves the same base with the run's newest committed
+adapter (the cost a token of the live model), and llama.cpp in (c) serves that base too.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +87,7 @@ from ember import control  # noqa: E402
 from serve_colocation import llama_engine, start_service, steps, stop_service, throughput, union  # noqa: E402
 from tests.helpers import GENESIS, ember_cmd, write_recipe  # noqa: E402
 
+DEMO = ROOT / "examples" / "smollm2-lora.toml"
 PROMPT_TOKENS, ANSWER_TOKENS = 32, 64
 CHARS_PER_TOKEN = {"builtin": 1, "llama": 4.3}  # byte tokens; SmolLM2's BPE on English prose
 HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
@@ -207,10 +214,28 @@ def training(got: dict, rows: list) -> None:
 
 
 def recipe_sections(args) -> dict:
-    """The recipe's sections: coserve_light's, with --micro-batch sequences a micro-batch and the
-    step's 16 sequences kept (grad_accum = 16 / micro-batch)."""
-    return {**TRAIN, "train": {**TRAIN["train"], "micro_batch": args.micro_batch,
-                               "grad_accum": 16 // args.micro_batch}}
+    """The recipe's sections. --model tiny: coserve_light's, with --micro-batch sequences a
+    micro-batch and the step's 16 sequences kept (grad_accum = 16 / micro-batch). --model smollm2:
+    the demo's model, LoRA and data (examples/smollm2-lora.toml), one thread, --micro-batch
+    sequences of --seq-len tokens a step (no accumulation), a checkpoint every 10 steps (the
+    engine alone serves the newest committed adapter). [serve] gap_share and burst_seconds as given."""
+    serve = {**TRAIN["serve"], **({"gap_share": args.gap_share} if args.gap_share is not None else {}),
+             **({"burst_seconds": args.burst_seconds} if args.burst_seconds is not None else {})}
+    if args.model == "tiny":
+        return {**TRAIN, "train": {**TRAIN["train"], "micro_batch": args.micro_batch,
+                                   "grad_accum": 16 // args.micro_batch}, "serve": serve,
+                **({"data": {**TRAIN["data"], "seq_len": args.seq_len}} if args.seq_len else {})}
+    demo = tomllib.loads(DEMO.read_text())
+    return {"model": demo["model"], "method": demo["method"],
+            "data": {"files": [str(DEMO.parent / demo["data"]["files"][0])], "seq_len": args.seq_len or 128},
+            "train": {"max_steps": 1_000_000, "micro_batch": args.micro_batch, "grad_accum": 1, "threads": 1,
+                      "seed": 0},
+            "checkpoint": {"every_steps": 10, "keep_last": 2}, "serve": serve}
+
+
+def engine_of(args) -> str:
+    """How prompts are cut: byte tokens (builtin:tiny) or SmolLM2's BPE (~4.3 characters a token)."""
+    return "builtin" if args.model == "tiny" else "llama"
 
 
 def wait_ack(folder: Path, seq: int, state: str, timeout: float = 60) -> None:
@@ -230,24 +255,36 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
         proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
                                 env={**os.environ, control.ENV: str(ctl)}, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=log)
-    worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
-              "--threads", "1"]
+    if args.model == "tiny":  # the co-served model's weights differ (trained), its cost a token does not
+        worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
+                  "--threads", "1"]
+        served, warm_up = "base", 20
+    else:  # the same base with the run's newest committed adapter: the live model's cost a token
+        worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", recipe_sections(args)["model"]["path"],
+                  "--runs", str(out), "--threads", "1"]
+        served, warm_up = out.name, 12
+    engine = engine_of(args)
     try:
         with process(worker, ROOT, work / "worker.log") as alone:
-            while not (out / "serve.json").exists() or len(steps(out)) < 20:  # past warm-up
+            while not (out / "serve.json").exists() or len(steps(out)) < warm_up:  # past warm-up
                 if proc.poll() is not None:
                     raise RuntimeError(f"the co-serving run exited; see {work / 'coserve.log'}")
                 time.sleep(0.5)
             info = json.loads((out / "serve.json").read_text())
             live = (info["url"], {"Authorization": f"Bearer {info['token']}"}, None)
+            if args.model != "tiny":  # each engine's first answer loads what it serves (the adapter)
+                wait_ack(ctl, control.request(ctl, "user"), "paused")
+                play(alone, {}, served, engine, [(0.0, 0)], argparse.Namespace(window=0.0, drain=120.0))
+                wait_ack(ctl, control.request(ctl, None), "running")
+                play(*live, engine, [(0.0, 0)], argparse.Namespace(window=0.0, drain=120.0))
 
             def measure(name: str, trace: list, arm: str) -> Window:
                 if arm == "a":
                     return quiet(args)
                 if arm == "d":
-                    return play(*live, "builtin", trace, args)
+                    return play(*live, engine, trace, args)
                 wait_ack(ctl, control.request(ctl, "user"), "paused")  # training soft-paused: the worker alone
-                w = play(alone, {}, "base", "builtin", trace, args)
+                w = play(alone, {}, served, engine, trace, args)
                 wait_ack(ctl, control.request(ctl, None), "running")
                 return w
             got = windows("co-serving", traces, ("a", "d", "b"), measure)
@@ -271,7 +308,8 @@ def service_phase(work: Path, traces: dict, args) -> dict:
             r = s.api("POST", "/api/jobs", {"recipe": str(write_recipe(work / "recipe-job", **job_train)),
                                             "name": "train"})
             assert r.status_code == 201, r.text
-            s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= 20, timeout=300)
+            s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= (20 if args.model == "tiny" else 12),
+                   timeout=600)
             out = Path(s.jobs()["train"]["out"])
             tokens = llama_prompt_tokens(upstream, traces)
 
@@ -380,7 +418,8 @@ def row(trace: str, phase: str, arm: str, got: dict) -> str:
 
 def report(got: dict, traces: dict, phases: list[str], args, loads: list[float], seconds: float) -> None:
     print(f"\n{len(traces)} traces x arms, --window {args.window:g} s, --drain {args.drain:g} s, "
-          f"micro batch {args.micro_batch} x grad_accum {16 // args.micro_batch}, seed {args.seed}, "
+          f"model {args.model}, {json.dumps(recipe_sections(args)['train'])}, {json.dumps(recipe_sections(args)['serve'])}, "
+          f"seq_len {recipe_sections(args)['data']['seq_len']}, seed {args.seed}, "
           f"idle gap {args.idle_gap:g} s; {seconds:.0f} s in all")
     print("| trace | arm | requests done | prompt / answer tokens | latency p50 | latency p99 | p50 / alone "
           "| p99 / alone | busy share | training tokens/s | kept (vs all (a)) |")
@@ -408,10 +447,16 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", choices=("c", "d"), default=["c", "d"],
                    help="c: pause-and-gap with llama.cpp, d: co-serving; each with its own (a) and (b)")
     p.add_argument("--micro-batch", type=int, choices=(1, 2, 4, 8, 16), default=8,
-                   help="sequences of 256 tokens a micro-batch (default 8); a step stays 16 of them: "
+                   help="sequences a micro-batch (default 8); with --model tiny a step stays 16 of them: "
                         "a co-served request waits for the micro-batch under way")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-gap", type=float, default=2.0, help="the service's [inference] idle_gap_seconds")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="tiny: builtin:tiny, full fine-tuning (default); smollm2: the demo's LoRA on SmolLM2-135M, "
+                        "co-served and served alone with its adapter, llama.cpp serving the same model in (c)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens a sequence (default: 256 tiny, 128 smollm2)")
+    p.add_argument("--gap-share", type=float, default=None, help="[serve] gap_share (default: the recipe's)")
+    p.add_argument("--burst-seconds", type=float, default=None, help="[serve] burst_seconds (default: the recipe's)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     traces = {t: [(at, rng.randrange(len(TEXT) - 200)) for at in arrivals(t, args.window, rng)] for t in args.traces}
