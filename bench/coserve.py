@@ -56,7 +56,8 @@ usage: python bench/coserve.py [--window 25] [--drain 15] [--traces light heavy 
 
 --model smollm2 trains the demo's LoRA on SmolLM2-135M instead (one thread, no accumulation, a
 checkpoint every 10 steps): its engine alone serves the same base with the run's newest committed
-adapter (the cost a token of the live model), and llama.cpp in (c) serves that base too.
+adapter (the cost a token of the live model), and llama.cpp in (c) serves that base too. It
+reads examples/data/kjv.jsonl, which `make demo` writes (examples/prepare_kjv.py).
 """
 
 from __future__ import annotations
@@ -181,6 +182,15 @@ def play(url: str, headers: dict, model: str | None, engine: str, trace: list[tu
     return w
 
 
+def warm(url: str, headers: dict, model: str | None, engine: str) -> None:
+    """One request, answered whole and not counted: what the engine loads for its first answer
+    (the worker alone: the run's newest committed adapter, read again whenever a newer one was
+    committed) is not in a window's latencies."""
+    r = play(url, headers, model, engine, [(0.0, 0)], argparse.Namespace(window=0.0, drain=300.0)).results[0]
+    if not r.done:
+        raise RuntimeError(f"the warm-up request to {url} was not answered: {r.error}")
+
+
 def quiet(args) -> Window:
     """Training alone: no request for --window seconds."""
     w = Window(lo=time.time())
@@ -272,11 +282,8 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
                 time.sleep(0.5)
             info = json.loads((out / "serve.json").read_text())
             live = (info["url"], {"Authorization": f"Bearer {info['token']}"}, None)
-            if args.model != "tiny":  # each engine's first answer loads what it serves (the adapter)
-                wait_ack(ctl, control.request(ctl, "user"), "paused")
-                play(alone, {}, served, engine, [(0.0, 0)], argparse.Namespace(window=0.0, drain=120.0))
-                wait_ack(ctl, control.request(ctl, None), "running")
-                play(*live, engine, [(0.0, 0)], argparse.Namespace(window=0.0, drain=120.0))
+            if args.model != "tiny":  # co-serving's first answer builds what it keeps (untimed)
+                warm(*live, engine)
 
             def measure(name: str, trace: list, arm: str) -> Window:
                 if arm == "a":
@@ -284,6 +291,8 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
                 if arm == "d":
                     return play(*live, engine, trace, args)
                 wait_ack(ctl, control.request(ctl, "user"), "paused")  # training soft-paused: the worker alone
+                if args.model != "tiny":  # the adapter committed since its last window: loaded untimed
+                    warm(alone, {}, served, engine)
                 w = play(alone, {}, served, engine, trace, args)
                 wait_ack(ctl, control.request(ctl, None), "running")
                 return w

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -164,28 +165,46 @@ def _convert_model(gguf: Path, tmp: Path) -> None:
     tokenizer.save_pretrained(tmp)
 
 
+_READING = threading.Lock()  # one_reader's windows: the first in installs the memo, the last out removes it
+_WINDOWS = {"depth": 0, "made": None, "readers": {}}
+
+
 @contextlib.contextmanager
 def one_reader():
     """Within it, a GGUF file is parsed once however often it is opened. transformers opens the
     file anew for the model's config, for its weights and for its tokenizer, and gguf-py's reader
     parses every metadata field each time (SmolLM2's 49,152-token vocabulary: ~3-4 s a parse; its
     conversion took 16.9-19.4 s with three parses, 11.3-11.6 s with one). The reader holds a
-    read-only map of the file and nothing any caller changes, so one per file serves them all."""
+    read-only map of the file and nothing any caller changes, so one per file serves them all.
+    Windows that overlap (nested, or in other threads) share one memo until the last one ends."""
     import gguf
-    made = gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
+    with _READING:
+        if _WINDOWS["depth"] == 0:
+            made, readers = gguf.GGUFReader, {}
 
-    def reader(path: Any, mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = made(path, mode)
-        return readers[key]
+            def reader(path: Any, mode: str = "r") -> Any:
+                key = (os.path.realpath(path), mode)
+                with _READING:
+                    if key not in readers:
+                        readers[key] = made(path, mode)
+                    return readers[key]
 
-    gguf.GGUFReader = reader  # transformers imports it from the package at each load
+            _WINDOWS.update(made=made, readers=readers)
+            gguf.GGUFReader = reader  # transformers imports it from the package at each load
+        _WINDOWS["depth"] += 1
     try:
         yield
     finally:
-        gguf.GGUFReader = made
+        with _READING:
+            _WINDOWS["depth"] -= 1
+            if _WINDOWS["depth"] == 0:
+                gguf.GGUFReader = _WINDOWS["made"]
+                _WINDOWS.update(made=None, readers={})
+
+
+def reading(spec: str) -> contextlib.AbstractContextManager:
+    """one_reader() for a `[model] path` that names a .gguf file; otherwise nothing."""
+    return one_reader() if spec.endswith(".gguf") else contextlib.nullcontext()
 
 
 def check_against_model(spec_seq_len: int, method: Any, config: Any) -> None:

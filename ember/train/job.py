@@ -31,7 +31,7 @@ from ember.ledger.database import Ledger, NullLedger
 from ember.ledger.goodput import EventKind
 from ember.metrics.flops import architecture_of, flops_per_token
 from ember.metrics.peaks import select_peak
-from ember.models import check_against_model, config_fields
+from ember.models import check_against_model, config_fields, reading
 from ember.proc import process_start_time
 from ember.recipe import DataFormat, Recipe
 from ember.train.breakdown import StepTimer
@@ -113,11 +113,12 @@ def prepare(recipe: Recipe, out: Path, allow_change: bool, events: Events,
     threads = configure_determinism(recipe.train.deterministic, rank_threads(recipe, world)
                                     or run.record.get("threads") or recipe.train.threads, device)
     seed_all(recipe.train.seed)  # before the model: random init and LoRA init draw from it, alike on every rank
-    check_against_model(recipe.data.seq_len, recipe.method, config_fields(recipe.model.path, events))
-    events.stage("loading the model", model=recipe.model.path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers/peft deprecation chatter
-        bundle = load_model(recipe.model, recipe.method, recipe.train.activation_checkpointing, events)
+    with reading(recipe.model.path):  # a .gguf file's first run converts it as the config is read: one parse
+        check_against_model(recipe.data.seq_len, recipe.method, config_fields(recipe.model.path, events))
+        events.stage("loading the model", model=recipe.model.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers/peft deprecation chatter
+            bundle = load_model(recipe.model, recipe.method, recipe.train.activation_checkpointing, events)
     dropout = install_dropout(bundle.model, recipe.train.seed)  # LoRA's masks by sample, not by rank
     bundle.model.to(device)
     if world.distributed:  # each rank its own stream for other dropout (saved per rank in the checkpoint)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from torch import nn
 
 from ember.errors import EmberError
 from ember.events import Events
-from ember.models import model_folder, one_reader, tiny_config
+from ember.models import model_folder, reading, tiny_config
 from ember.paths import cached_sha256
 from ember.recipe import MethodConfig, ModelConfig
 from ember.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -40,8 +39,9 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     # A first run of a .gguf file converts it and, for quantize = 'gguf', indexes its blocks:
-    # gguf-py parses the file's metadata once for both (ember.models.one_reader).
-    with one_reader() if cfg.path.endswith(".gguf") else contextlib.nullcontext():
+    # gguf-py parses the file's metadata once for both (ember.models.one_reader; a run's own
+    # window, ember.train.job, also holds its check of the model's config).
+    with reading(cfg.path):
         if cfg.path == "builtin:tiny":
             model = LlamaForCausalLM(tiny_config())
             tokenizer: Tokenizer = ByteTokenizer()

@@ -204,18 +204,25 @@ def test_converting_a_gguf_file_draws_nothing_from_torchs_rng(tmp_path):
         assert torch.equal(torch.get_rng_state(), seeded), f"converting={converts} drew on torch's RNG"
 
 
-def test_a_first_run_of_a_gguf_file_parses_it_once(tmp_path):
-    """A run's first start on a GGUF file converts it (transformers opens it for the config, the
-    weights and the tokenizer) and indexes its blocks: each opening parsed every metadata field
-    again (4 parses, 3.9 s each for SmolLM2's vocabulary). Now one; a later start reads none."""
-    path = write_tiny_gguf(tmp_path / "once.gguf", {**TYPES, "attn_q": "Q8_0"})  # not converted yet
-    with gguf_parses() as parses:
-        first = built(path, "gguf")
-    assert parses[0] == 1
-    with gguf_parses() as parses:
-        again = built(path, "gguf")
-    assert parses[0] == 0
-    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+def test_a_first_run_of_a_gguf_file_parses_it_once(tmp_path, monkeypatch):
+    """A run's first start on a GGUF file checks the model's config (which converts the file:
+    transformers opens it for the config, the weights and the tokenizer), then loads it with its
+    blocks (indexing them): each opening parsed every metadata field again, 4 parses (~3-4 s each
+    for SmolLM2's vocabulary). Now one; a later start reads none."""
+    from ember.events import Events
+    from ember.recipe import load_recipe
+    from ember.train.job import prepare
+    from tests.helpers import with_cpu_peak, write_recipe
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))  # nothing converted or indexed yet
+    with_cpu_peak(tmp_path / "home")
+    path = write_tiny_gguf(tmp_path / "once.gguf", TYPES)
+    recipe = load_recipe(write_recipe(tmp_path / "r", model={"path": str(path)}, train={"max_steps": 1},
+                                      method={**LORA, "quantize": "gguf"}))
+    for out, parsed in (("first", 1), ("again", 0)):
+        with gguf_parses() as parses:
+            job = prepare(recipe, tmp_path / out, False, Events(lambda e: None), ledger_path=False)
+        assert parses[0] == parsed, out
+        assert sum(isinstance(m, BlockLinear) for m in job.model.modules()) == 2 * len(TYPES) - 1
 
 
 def test_quantize_gguf_is_refused_without_blocks_it_keeps(tiny_gguf, tmp_path):
