@@ -243,6 +243,11 @@ def recipe_sections(args) -> dict:
             "checkpoint": {"every_steps": 10, "keep_last": 2}, "serve": serve}
 
 
+def warm_up_steps(args) -> int:
+    """Steps a run trains before its first window (past start-up; SmolLM2's step is ~0.65 s)."""
+    return 20 if args.model == "tiny" else 12
+
+
 def engine_of(args) -> str:
     """How prompts are cut: byte tokens (builtin:tiny) or SmolLM2's BPE (~4.3 characters a token)."""
     return "builtin" if args.model == "tiny" else "llama"
@@ -268,15 +273,15 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
     if args.model == "tiny":  # the co-served model's weights differ (trained), its cost a token does not
         worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
                   "--threads", "1"]
-        served, warm_up = "base", 20
+        served = "base"
     else:  # the same base with the run's newest committed adapter: the live model's cost a token
         worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", recipe_sections(args)["model"]["path"],
                   "--runs", str(out), "--threads", "1"]
-        served, warm_up = out.name, 12
+        served = out.name
     engine = engine_of(args)
     try:
         with process(worker, ROOT, work / "worker.log") as alone:
-            while not (out / "serve.json").exists() or len(steps(out)) < warm_up:  # past warm-up
+            while not (out / "serve.json").exists() or len(steps(out)) < warm_up_steps(args):  # past warm-up
                 if proc.poll() is not None:
                     raise RuntimeError(f"the co-serving run exited; see {work / 'coserve.log'}")
                 time.sleep(0.5)
@@ -317,8 +322,7 @@ def service_phase(work: Path, traces: dict, args) -> dict:
             r = s.api("POST", "/api/jobs", {"recipe": str(write_recipe(work / "recipe-job", **job_train)),
                                             "name": "train"})
             assert r.status_code == 201, r.text
-            s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= (20 if args.model == "tiny" else 12),
-                   timeout=600)
+            s.wait(lambda j: j["train"]["state"] == "running" and j["train"]["step"] >= warm_up_steps(args), timeout=600)
             out = Path(s.jobs()["train"]["out"])
             tokens = llama_prompt_tokens(upstream, traces)
 
@@ -426,9 +430,10 @@ def row(trace: str, phase: str, arm: str, got: dict) -> str:
 
 
 def report(got: dict, traces: dict, phases: list[str], args, loads: list[float], seconds: float) -> None:
+    sections = recipe_sections(args)
     print(f"\n{len(traces)} traces x arms, --window {args.window:g} s, --drain {args.drain:g} s, "
-          f"model {args.model}, {json.dumps(recipe_sections(args)['train'])}, {json.dumps(recipe_sections(args)['serve'])}, "
-          f"seq_len {recipe_sections(args)['data']['seq_len']}, seed {args.seed}, "
+          f"model {args.model}, {json.dumps(sections['train'])}, {json.dumps(sections['serve'])}, "
+          f"seq_len {sections['data']['seq_len']}, seed {args.seed}, "
           f"idle gap {args.idle_gap:g} s; {seconds:.0f} s in all")
     print("| trace | arm | requests done | prompt / answer tokens | latency p50 | latency p99 | p50 / alone "
           "| p99 / alone | busy share | training tokens/s | kept (vs all (a)) |")

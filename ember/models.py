@@ -166,7 +166,7 @@ def _convert_model(gguf: Path, tmp: Path) -> None:
 
 
 _READING = threading.Lock()  # one_reader's windows: the first in installs the memo, the last out removes it
-_WINDOWS = {"depth": 0, "made": None, "readers": {}}
+_WINDOWS = {"depth": 0, "made": None}  # the windows open now; gguf-py's own class while they are
 
 
 @contextlib.contextmanager
@@ -189,7 +189,7 @@ def one_reader():
                         readers[key] = made(path, mode)
                     return readers[key]
 
-            _WINDOWS.update(made=made, readers=readers)
+            _WINDOWS["made"] = made
             gguf.GGUFReader = reader  # transformers imports it from the package at each load
         _WINDOWS["depth"] += 1
     try:
@@ -198,8 +198,7 @@ def one_reader():
         with _READING:
             _WINDOWS["depth"] -= 1
             if _WINDOWS["depth"] == 0:
-                gguf.GGUFReader = _WINDOWS["made"]
-                _WINDOWS.update(made=None, readers={})
+                gguf.GGUFReader, _WINDOWS["made"] = _WINDOWS["made"], None
 
 
 def reading(spec: str) -> contextlib.AbstractContextManager:
