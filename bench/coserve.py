@@ -85,6 +85,7 @@ import httpx  # noqa: E402
 from coserve_light import TRAIN  # noqa: E402
 from engine import process  # noqa: E402
 from ember import control  # noqa: E402
+from ember.proc import dies_with_us  # noqa: E402
 from serve_colocation import llama_engine, start_service, steps, stop_service, throughput, union  # noqa: E402
 from tests.helpers import GENESIS, ember_cmd, write_recipe  # noqa: E402
 
@@ -269,7 +270,8 @@ def coserve_phase(work: Path, traces: dict, args) -> dict:
     with open(work / "coserve.log", "wb") as log:
         proc = subprocess.Popen(ember_cmd("run", recipe, "--out", out, "--no-ledger"), cwd=ROOT,
                                 env={**os.environ, control.ENV: str(ctl)}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=log)
+                                stdout=subprocess.DEVNULL, stderr=log,
+                                preexec_fn=dies_with_us())  # a killed bench leaves no run training on
     if args.model == "tiny":  # the co-served model's weights differ (trained), its cost a token does not
         worker = [sys.executable, "-m", "ember.web.infer_worker", "--model", "builtin:tiny", "--seed", "7",
                   "--threads", "1"]

@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from ember.models import resolve_path  # noqa: E402
+from ember.proc import dies_with_us  # noqa: E402
 from tests.engines import SMOLLM2_GGUF, free_port  # noqa: E402
 from tests.helpers import GENESIS  # noqa: E402
 
@@ -57,7 +58,8 @@ def process(argv: list[str], cwd: Path, log: Path, url: str | None = None, ready
     """Run a server; yield its URL once /v1/models answers; stop it on exit."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE if url is None else out, stderr=out,
-                                text=True, start_new_session=True, env={**os.environ, **(env or {})})
+                                text=True, start_new_session=True, env={**os.environ, **(env or {})},
+                                preexec_fn=dies_with_us())  # a killed bench leaves no server behind
     try:
         if url is None:  # an ember worker says where it listens on its first line
             url = proc.stdout.readline().split()[-1]

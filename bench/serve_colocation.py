@@ -52,6 +52,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from ember.models import resolve_path  # noqa: E402
+from ember.proc import dies_with_us  # noqa: E402
 from ember.web.security import WORKER_TOKEN_ENV  # noqa: E402
 from tests.helpers import GENESIS, write_recipe  # noqa: E402
 from tests.serve_harness import Serve  # noqa: E402
@@ -203,7 +204,8 @@ def llama_engine(work: Path) -> Iterator[str]:
         proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_path(SMOLLM2_GGUF)),
                                  "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
                                  "--interrupt_requests", "False", "--n_threads", "1", "--n_threads_batch", "1"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=dies_with_us())  # a killed bench leaves no server behind
     try:
         deadline = time.monotonic() + 300
         while True:
