@@ -22,6 +22,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true",
                      help="run the soak tests at their full counts (`make soak`); without it they "
                           "run at the smaller counts of `make test`")
+    parser.addoption("--cpu-by-test", action="store_true",
+                     help="count the CPU seconds of each test, the processes it starts included, in "
+                          "control groups (root; tests/cpu_by_test.py), and print the most expensive")
 
 
 # How `make test` spreads the tests over its four workers (on two cores: two workers' waits on
@@ -96,7 +99,22 @@ def measure_peaks(folder: Path) -> Path:
 _peaks_key = pytest.StashKey[Path]()
 
 
+_per_test = None  # tests.cpu_by_test.PerTest, under --cpu-by-test
+_cpu_log = pytest.StashKey[Path]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _per_test
+    from tests import cpu_by_test
+    if config.getoption("--cpu-by-test") and not hasattr(config, "workerinput"):
+        log = Path(tempfile.mkdtemp(prefix="ember-test-cpu-"))
+        why = cpu_by_test.start(log)
+        if why is None:
+            config.stash[_cpu_log] = log
+        else:
+            print(f"--cpu-by-test: not counted: {why}", file=sys.stderr)
+    if cpu_by_test.ENV in os.environ and (hasattr(config, "workerinput") or not config.getoption("numprocesses", None)):
+        _per_test = cpu_by_test.PerTest(os.environ[cpu_by_test.ENV])
     if not hasattr(config, "workerinput"):  # the process that starts the workers, or runs the tests
         if not os.environ.get(PEAKS):
             folder = Path(tempfile.mkdtemp(prefix="ember-test-peaks-"))
@@ -184,6 +202,24 @@ def small_disk(tmp_path):
 # everything here (root, /dev/fuse) a skipped test fails the run: a green CI must mean the mount,
 # full-disk and power-cut tests ran. Skips for hardware this machine lacks (a GPU) are exempt.
 _skipped: list[tuple[str, str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    counted = _per_test
+    if counted is not None:
+        counted.begin()
+    yield
+    if counted is not None:
+        counted.end(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    log = config.stash.get(_cpu_log, None)
+    if log is not None:
+        from tests import cpu_by_test
+        for line in cpu_by_test.finish(log):
+            terminalreporter.write_line(line)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -103,6 +103,10 @@ def _helper(conn: socket.socket, folder: str) -> None:
         pid = os.fork()
         if pid == 0:
             conn.close()
+            if "EMBER_TEST_CPU_CGROUP" in request["env"]:  # pytest --cpu-by-test
+                sys.path.insert(0, str(ROOT))
+                from tests.cpu_by_test import join_the_clients
+                join_the_clients(struct.unpack("3i", creds)[0])
             _command(request, fds)
         for fd in fds:
             os.close(fd)
