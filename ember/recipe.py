@@ -444,9 +444,12 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     if not sep or not dot or not section or not key:
         raise EmberError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=200")
     try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
+        read = tomllib.loads(f"v = {text.strip()}")
     except tomllib.TOMLDecodeError:
-        value = text.strip()
+        read = {}
+    # One TOML value, or else the text: "1\ntrain.seed=2" reads as v = 1 and a second key, which
+    # would be dropped without a word (the key's check then says the text is not its kind).
+    value = read["v"] if set(read) == {"v"} else text.strip()
     return section, key, value
 
 

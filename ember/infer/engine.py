@@ -200,8 +200,14 @@ class Engine:
         hf = getattr(self.tokenizer, "tok", None)  # None: the byte tokenizer
         template = hf if isinstance(prompt, list) and hf is not None and hf.chat_template else None
         text = chat_text(prompt, template) if isinstance(prompt, list) else prompt
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800" escape decodes to a string no tokenizer can take
+            raise RequestError(f"{'messages' if isinstance(prompt, list) else 'prompt'}: holds "
+                               f"{text[e.start]!r}, half of a UTF-16 surrogate pair, which is not text; send "
+                               f"the character whole (or both halves of its escape)") from None
         if hf is None:
-            return [BYTE_EOS, *text.encode("utf-8")]  # the end of a document starts the next
+            return [BYTE_EOS, *data]  # the end of a document starts the next
         ids = hf(text, add_special_tokens=template is None)["input_ids"]  # a template has its own
         if not ids:
             raise RequestError("the prompt is empty and the tokenizer adds no start token; give a prompt")

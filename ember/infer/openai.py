@@ -73,7 +73,10 @@ def _request(body: dict[str, Any], chat: bool, prompt: Any, how: Sampling, defau
     model = body.get("model") or default
     if not isinstance(model, str):
         raise RequestError("model: a string")
-    stream = bool(body.get("stream"))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):  # "false" is truthy: it would stream
+        raise RequestError(f"stream: true or false, got {stream!r:.40}")
+    stream = bool(stream)
     options = (body.get("stream_options") or {}) if stream else {}
     if not isinstance(options, dict):
         raise RequestError(f"stream_options: an object such as {{\"include_usage\": true}}, got {options!r:.40}")
@@ -89,7 +92,10 @@ def sampling(body: dict[str, Any], default_max: int | None) -> Sampling:
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
             what = "a number" if kind is float else "an integer"
             raise RequestError(f"{key}: expected {what}, got {value!r:.40}")
-        return kind(value)
+        try:
+            return kind(value)
+        except OverflowError:  # an integer of hundreds of digits: valid JSON, and no float holds it
+            raise RequestError(f"{key}: {value!r:.40}... is too large for a number") from None
     if number("n", int, 1) != 1:
         raise RequestError("n: only 1 is supported")
     stop = body.get("stop") or ()

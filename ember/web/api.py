@@ -44,11 +44,12 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -71,7 +72,12 @@ from ember.web.views import Views
 # metrics, ...) is reachable through the service.
 V1_ROUTES = {("GET", "models"), ("POST", "completions"), ("POST", "chat/completions"), ("POST", "embeddings")}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-              "proxy-authorization", "proxy-authenticate", "host", "content-length", "authorization"}
+              "proxy-authorization", "proxy-authenticate", "host", "content-length"}
+# The service's own credentials stay here: its token and the dashboard's session cookie are keys to
+# the whole service, and the engine may be another program on another host ([inference] upstream);
+# nor may the engine set a cookie under the service's origin (it could replace the session).
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}
+NOT_RETURNED = HOP_BY_HOP | {"set-cookie"}
 
 
 def create_app(service: Service | None, token: str, loopback: bool, engine_url: str | None,
@@ -83,7 +89,9 @@ def create_app(service: Service | None, token: str, loopback: bool, engine_url: 
     built-in worker's own token, sent with every request forwarded to it (the caller's is not)."""
     open_reads = open_reads and loopback
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                               headers={"Authorization": f"Bearer {engine_token}"} if engine_token else None)
+                               headers={"Authorization": f"Bearer {engine_token}"} if engine_token else None,
+                               cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))  # keeps none:
+    # the client is every caller's, and an engine's cookie would go back with everyone's requests
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -144,7 +152,8 @@ class PurgeBody(BaseModel):
     jobs: list[str | int] = Field(default_factory=list, description="these finished jobs (names or ids); "
                                                                    "empty: every finished job")
     states: list[Literal["completed", "failed", "cancelled"]] | None = Field(
-        None, description="only jobs that ended so (default: all three)")
+        None, min_length=1, description="only jobs that ended so (default: all three; [] names none, and "
+                                        "is refused rather than read as all)")
     older_than_seconds: float | None = Field(None, ge=0, description="only jobs that ended this long ago or more")
     dry_run: bool = Field(False, description="say what would be removed, remove nothing")
 
@@ -236,7 +245,7 @@ async def purge(request: Request) -> Any:
     return {"removed": views, "dry_run": data.dry_run}
 
 
-async def logs(ref: str, request: Request, offset: int = 0) -> Any:
+async def logs(ref: str, request: Request, offset: int = Query(0, le=2**63 - 1)) -> Any:  # past it: no seek
     service = backend(request).service
     data, end = await run_in_threadpool(service.logs, ref, offset)
     return Response(data, media_type="text/plain", headers={"X-Ember-Offset": str(end)})
@@ -300,7 +309,7 @@ async def v1(path: str, request: Request) -> Response:
             return error_response(400, "the body must be a JSON object")
         if why := await run_in_threadpool(service.adapter_elsewhere, parsed.get("model")):
             return error_response(404, why, "model")
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
     await run_in_threadpool(service.inference_begin)
     try:
         upstream = await client.send(client.build_request(request.method, f"{engine_url}/v1/{path}",
@@ -314,7 +323,7 @@ async def v1(path: str, request: Request) -> Response:
         await upstream.aclose()
         service.inference_end()
 
-    out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_RETURNED}
     return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out_headers,
                              background=BackgroundTask(done))
 

@@ -134,7 +134,7 @@ async def read_json(request: Request) -> dict[str, Any]:
             raise too_big
     try:
         data = json.loads(body)
-    except ValueError as e:  # UnicodeDecodeError is one
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; deep nesting recurses
         raise RequestError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")

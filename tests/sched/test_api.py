@@ -183,18 +183,22 @@ class Recorder:
     """A real HTTP server on loopback standing in for the inference engine: it records every
     request that reaches it and answers 200 with a JSON body."""
 
-    def __init__(self):
+    def __init__(self, extra_headers: dict[str, str] | None = None):
         import http.server
         import threading
         seen = self.seen = []
+        headers = self.headers = []  # each request's headers, in seen's order
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def answer(self):
                 length = int(self.headers.get("content-length") or 0)
                 seen.append((self.command, self.path, self.rfile.read(length)))
+                headers.append({k.lower(): v for k, v in self.headers.items()})
                 body = b'{"ok": true}'
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
+                for k, v in (extra_headers or {}).items():
+                    self.send_header(k, v)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -254,6 +258,31 @@ def test_the_inference_proxy_forwards_only_the_openai_routes(service):
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.post("/v1/chat/completions", json={"messages": []}, headers=AUTH).status_code == 200
         assert [(m, p) for m, p, _ in engine.seen] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+    finally:
+        engine.close()
+
+
+def test_the_dashboards_session_cookie_never_crosses_the_inference_proxy(service):
+    """A browser signed in to the dashboard sends its session cookie with every request to the
+    service, /v1 included, and the proxy passed it on to the engine: with [inference] upstream,
+    another program, possibly on another host, then held the key to the whole service (the
+    proxy dropped the bearer token already). A Set-Cookie from the engine reached the browser
+    under the service's origin, where it could replace that session; and the proxy's one HTTP
+    client kept it, sending it with every later request, whoever made it. None of it crosses now."""
+    from ember.web.security import SESSION_COOKIE, session_value
+    engine = Recorder({"Set-Cookie": f"{SESSION_COOKIE}=forged; Path=/"})
+    try:
+        c = TestClient(create_app(service, "s3cret", True, engine.url), base_url="http://127.0.0.1")
+        c.cookies.set(SESSION_COOKIE, session_value("s3cret"))
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            r = c.request(method, path, json={"prompt": "In"} if method == "POST" else None)
+            assert r.status_code == 200, r.text  # the session is what let it in
+            assert "set-cookie" not in r.headers, r.headers
+            sent = engine.headers[-1]
+            assert "cookie" not in sent and "authorization" not in sent, sent
+            assert session_value("s3cret") not in str(sent)
+        assert engine.headers[0]["content-type"] == "application/json"  # what the engine needs still goes
+        assert c.cookies.get(SESSION_COOKIE) == session_value("s3cret")
     finally:
         engine.close()
 
