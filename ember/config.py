@@ -268,10 +268,13 @@ def type_label(hint: Any) -> str:
 def bounds(meta: Mapping[str, Any]) -> str:
     """A setting's allowed range in words, e.g. '0 to 1', '>= 1024'; '' when any value goes."""
     low, high = meta.get("min"), meta.get("max")
+
+    def shown(x: int | float) -> str:  # an integer whole (2**32 - 1 is not 4.29497e+09), a large one grouped
+        return (f"{x:,}" if abs(x) >= 10**6 else str(x)) if isinstance(x, int) else f"{x:g}"
     if low is not None and high is not None and not meta.get("exclusive_min"):
-        return f"{low:g} to {high:g}"
-    parts = [f"{'>' if meta.get('exclusive_min') else '>='} {low:g}"] if low is not None else []
-    return ", ".join(parts + ([f"<= {high:g}"] if high is not None else []))
+        return f"{shown(low)} to {shown(high)}"
+    parts = [f"{'>' if meta.get('exclusive_min') else '>='} {shown(low)}"] if low is not None else []
+    return ", ".join(parts + ([f"<= {shown(high)}"] if high is not None else []))
 
 
 def default_of(f: dataclasses.Field) -> Any:

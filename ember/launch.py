@@ -323,8 +323,9 @@ def repro(source: Path, out: Path, tolerance: float, ledger: Path | None) -> Com
     child process, then compare the two."""
     import subprocess
 
-    from ember.metrics.compare import compare_folders
+    from ember.metrics.compare import check_tolerance, compare_folders
     from ember.runfolder import read_record
+    check_tolerance(tolerance)  # before the re-run, not after it
     record = read_record(source)
     if out.exists():
         raise EmberError(f"--out {out}: exists; repro needs a new folder")

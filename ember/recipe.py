@@ -156,7 +156,8 @@ class TrainConfig:
     max_steps: int = setting(100, "Optimizer steps in the whole run.", min=1, max=10**12)
     micro_batch: int = setting(4, "Sequences per forward/backward pass.", min=1)
     grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.", min=1)
-    seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0)
+    seed: int = setting(0, "Seed for initialisation, data order and dropout.", min=0,
+                        max=2**32 - 1)  # NumPy's global seed (ember.ckpt.state.seed_all) takes 32 bits
     activation_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
     compile: bool | Literal["auto"] = setting(
         "auto", "torch.compile (inductor) the forward, loss and backward of the step: true, false, or "

@@ -94,9 +94,13 @@ def read_record(path: Path) -> dict[str, Any]:
     if not is_run_folder(path):
         raise NotFound(f"{path}: not an ember run folder (no {RUN_FILE})")
     try:
-        return json.loads((path / RUN_FILE).read_text())
+        record = json.loads((path / RUN_FILE).read_text())
     except (OSError, ValueError) as e:
         raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
+    if not isinstance(record, dict):
+        raise EmberError(f"{path / RUN_FILE}: not a run record (a JSON object); it was damaged or replaced: "
+                         f"restore it from a backup, or train into a new --out")
+    return record
 
 
 def completed(path: Path) -> int | None:

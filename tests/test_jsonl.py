@@ -27,3 +27,22 @@ def test_a_bad_line_in_the_middle_is_corruption(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(EmberError, match=r"m.jsonl:2: corrupted"):
         read_jsonl(path)
+
+
+def test_a_line_nested_too_deeply_is_corruption_not_a_crash(tmp_path):
+    """orjson refuses nesting past 1024 levels and the standard library's fallback recurses once
+    per level: such a line reads as any bad line, never as a RecursionError."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"step": 3}\n')
+    with pytest.raises(EmberError, match=r"m.jsonl:2: corrupted"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("line", ["null", "[1, 2]", "3", '"step"'])
+def test_a_line_that_is_json_but_not_an_object_is_corruption(tmp_path, line):
+    """Every line ember appends is an object: `ember report` once met a `null` line with a
+    TypeError traceback."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n' + line + '\n{"step": 3}\n')
+    with pytest.raises(EmberError, match=r"m.jsonl:2: corrupted \(not a JSON object\)"):
+        read_jsonl(path)

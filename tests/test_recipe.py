@@ -37,6 +37,7 @@ BAD = [
     ("[method]\ntarget_modules = [1]", [], ["target_modules[0] = 1", "must be a string"]),
     ("[method]\ndropout = 0.95", [], ["must be <= 0.9"]),
     ("[data]\nseq_len = 1", [], ["[data] seq_len = 1", "must be >= 2"]),
+    ("[train]\nseed = 4294967296", [], ["[train] seed = 4294967296", "must be <= 4294967295"]),
     ("[data]\nfiles = []", [], ["[data] files is empty"]),
     ("[checkpoint]\nkeep_last = 0", [], ["[checkpoint] keep_last = 0", "must be >= 1"]),
     ("[schedule]\nkind = 'step'", [], ["'cosine', 'linear', 'constant'"]),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import EmberError
+from ember.jsonl import TOO_DEEP
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -113,6 +114,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
                 raise EmberError(f"{where}[{j}].function.arguments is not valid JSON ({e.msg})") from None
+            except RecursionError:  # json's parser recurses once per nesting level
+                raise EmberError(f"{where}[{j}].function.arguments is not valid JSON ({TOO_DEEP})") from None
         if not isinstance(args, dict):
             raise EmberError(f"{where}[{j}].function.arguments must be a JSON object")
         out.append({**{k: v for k, v in call.items() if k != "function"}, "type": call.get("type", "function"),

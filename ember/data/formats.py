@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.jsonl import TOO_DEEP
 from ember.data.chat import conversation
 from ember.recipe import DataFormat
 
@@ -84,6 +85,8 @@ def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise EmberError(f"[data] files: {path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # json's parser recurses once per nesting level
+                raise EmberError(f"[data] files: {path}:{lineno}: not valid JSON ({TOO_DEEP})") from None
             if chosen is None:
                 chosen = detect(record, text_field)
                 if chosen is None:

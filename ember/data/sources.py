@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember.jsonl import TOO_DEEP
 from ember.paths import cached_sha256
 from ember.data.formats import detect, read_records
 from ember.recipe import DataFormat
@@ -259,6 +260,8 @@ def _jsonl(path: Path, start: int, stop: int, lineno: int, where: str) -> Iterat
                 record = EmberError(f"{where}{lineno}: not UTF-8 text ({e})")
             except json.JSONDecodeError as e:
                 record = EmberError(f"{where}{lineno}: not valid JSON ({e.msg})")
+            except RecursionError:  # json's parser recurses once per nesting level
+                record = EmberError(f"{where}{lineno}: not valid JSON ({TOO_DEEP})")
             if record is not _BLANK:
                 yield lineno, record
             lineno += 1

@@ -126,6 +126,11 @@ class Learning:
         """Why a run cannot train on this split (no learned token left), or None."""
         if self.learned > 0:
             return None
+        if self.before == 0:  # no row length would help: raising seq_len is not the remedy
+            return (f"[data] nothing to learn: none of the {self.records} training records has a learned token "
+                    f"at any seq_len: every assistant turn (completion) in them is context only (weight 0). "
+                    f"Give the turns to learn weight 1 (the default), or set [data] train_on = \"all\" to learn "
+                    f"every token. Nothing was trained.")
         return (f"[data] nothing to learn: none of the {self.records} training records keeps a learned token "
                 f"in rows of seq_len {self.seq_len} ({self.how()}; they held {self.before:,} learned tokens, "
                 f"{self.emptied or 0} records lost all of theirs). {self._remedy()}. Nothing was trained.")

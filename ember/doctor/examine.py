@@ -7,6 +7,7 @@ parsing its arguments), so loading the model and preparing the job count against
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,8 +60,8 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
     `startup`: seconds the calling process took to get to `started` (interpreter, imports): a
     fresh process, such as a DDP worker's, takes them again."""
     started = time.monotonic() if started is None else started
-    if budget <= 0:
-        raise EmberError(f"--budget {budget:g}: must be > 0 seconds")
+    if not 0 < budget < math.inf:  # nan too: it compares false with everything
+        raise EmberError(f"--budget {budget:g}: must be a finite number of seconds > 0")
     if ddp < 1:
         raise EmberError(f"--ddp {ddp}: must be >= 1")
     if not target.exists():

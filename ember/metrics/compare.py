@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ember.errors import EmberError
 from ember.metrics.heldout import HeldOutComparison
 from ember.metrics.heldout import compare as compare_held_out
 from ember.metrics.heldout import generations, history
@@ -123,10 +124,20 @@ def _same_bytes(f: BinaryIO, ra: tuple[int, int], g: BinaryIO, rb: tuple[int, in
     return True
 
 
+def check_tolerance(tolerance: float) -> None:
+    """Refuse a --tolerance no loss difference can be within (negative, nan): every verdict
+    would be 'diverged', whatever the runs did."""
+    if not tolerance >= 0:  # nan too: it compares false with everything
+        raise EmberError(f"--tolerance {tolerance:g}: must be a number >= 0 (the largest absolute loss "
+                         f"difference still called close; default 1e-3)")
+
+
 def compare_folders(a: Path, b: Path, tolerance: float) -> Comparison:
     """Compare two run folders: their records, per-step losses and final weights."""
     from ember.jsonl import read_jsonl
     from ember.runfolder import read_record
+
+    check_tolerance(tolerance)
 
     def losses(path: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in read_jsonl(path / "metrics.jsonl", [])}

@@ -177,8 +177,8 @@ def planned_devices(r: Recipe, device_memory_gib: float | None = None) -> list[D
     devices = for_run(r.train.device)
     if device_memory_gib is None:
         return devices
-    if not 0 < device_memory_gib < math.inf:  # NaN fails both comparisons
-        raise EmberError(f"--device-memory {device_memory_gib:g}: must be a finite number of GiB, > 0")
+    if not 0 < device_memory_gib < math.inf:  # nan too: it compares false with everything
+        raise EmberError(f"--device-memory {device_memory_gib:g}: must be a finite number of GiB > 0")
     return [d.capped(int(device_memory_gib * GiB)) for d in devices]
 
 

@@ -223,6 +223,9 @@ def test_plain_text_mixed_in_is_refused_with_advice_that_works(tmp_path):
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments is not valid JSON"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]},
+     "messages[1].tool_calls[0].function.arguments is not valid JSON (nested too deeply to read)"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": [{"type": "x"}]},
      "tools must be a list of"),
 ])
@@ -231,6 +234,15 @@ def test_bad_chat_records_name_file_line_and_field(tmp_path, record, fragment):
     f.write_text(json.dumps(CHAT) + "\n" + json.dumps(record) + "\n")
     with pytest.raises(EmberError, match=rf"c\.jsonl:2: .*{__import__('re').escape(fragment)}"):
         tokenize(DataConfig(files=[str(f)], format="chat"), TOK, data_fingerprint([str(f)], TOK))
+
+
+def test_a_record_nested_too_deeply_is_a_bad_record_not_a_crash(tmp_path):
+    """json's parser recurses once per nesting level: a line of 100,000 brackets is named like
+    any line that is not JSON, not a RecursionError's traceback."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "In the beginning"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(EmberError, match=r"d\.jsonl:2: not valid JSON \(nested too deeply to read\)"):
+        tokenize(DataConfig(files=[str(f)]), TOK, data_fingerprint([str(f)], TOK))
 
 
 def test_a_completion_record_missing_its_field_is_named(tmp_path):

@@ -110,6 +110,8 @@ def test_tokenize_packs_documents_with_eos_and_caches(tmp_path):
     ("a.jsonl", '{"text": "ok"}\n{"text": \n', "a.jsonl:2: not valid JSON"),
     ("b.jsonl", '{"body": "no text field"}\n', "b.jsonl:1: no string field 'text'"),
     ("c.csv", "x,y\n", "unsupported type '.csv'"),
+    ("d.jsonl", '{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+     r"d.jsonl:2: not valid JSON \(nested too deeply to read\)"),
 ])
 def test_bad_data_files_are_named_with_line_numbers(tmp_path, name, content, fragment):
     f = tmp_path / name

@@ -153,3 +153,19 @@ def test_the_run_refuses_before_training_when_nothing_is_left(tmp_path, rule):
     notes = data_notes(recipe, path, events)
     assert notes["learning"]["learned"] == notes["learning"]["before"] == sum(len(f"kept {i}\n") + 1 for i in range(6))
     assert notes["warnings"] == [] and "6 longer than seq_len 48: prompt's beginning cut" in seen[0].message
+
+
+def test_records_with_every_answer_masked_are_refused_without_advising_a_longer_seq_len(tmp_path):
+    """Every assistant turn of weight 0: no seq_len learns anything, so the refusal names the
+    weights and train_on, not a seq_len (which it once advised even when already longer)."""
+    masked = [{"messages": [{"role": "user", "content": f"question {i}"},
+                            {"role": "assistant", "content": f"answer {i}", "weight": 0}]} for i in range(6)]
+    path = store(tmp_path, masked)
+    recipe = Recipe()
+    recipe.data = DataConfig(files=[str(tmp_path / "chat.jsonl")], seq_len=4 * SEQ)
+    with pytest.raises(EmberError) as refused:
+        data_notes(recipe, path, Events())
+    message = str(refused.value)
+    assert "nothing to learn: none of the 6 training records" in message
+    assert "weight 0" in message and 'train_on = "all"' in message
+    assert "seq_len =" not in message and "Raise [data] seq_len" not in message

@@ -17,6 +17,7 @@ from ember.doctor.experiments import contention, sweep
 from ember.doctor.experiments.budget import SETTLE_ROUNDS, Budget, Stop
 from ember.doctor.experiments.protocol import Experiment, Lab, Result, interleave
 from ember.doctor.experiments.runner import AFTER_BASELINE
+from ember.errors import EmberError
 from ember.events import Events
 from ember.recipe import load_recipe
 from tests.helpers import write_recipe
@@ -144,3 +145,20 @@ def test_the_bf16_peak_is_measured_for_an_fp32_cpu_recipe_within_the_budget(tmp_
     short = Budget(PEAKS_SECONDS / 2, time.monotonic(), 0.0, 0.0)
     assert _cpu_peaks(fp32, cpu, 1, short, skipped) == {} and timed == ["fp32", "bf16"]
     assert [s.experiment for s in skipped] == ["precision"] and "s left" in skipped[0].reason
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_budget_that_is_not_a_finite_positive_number_is_refused_before_anything_runs(tmp_path, budget):
+    """`--budget nan` once ran and reported it "used up while loading the model"; `--budget inf`
+    ended in setitimer's OverflowError."""
+    from ember.doctor.examine import examine
+    with pytest.raises(EmberError, match=rf"--budget {budget:g}: must be a finite number of seconds > 0"):
+        examine(write_recipe(tmp_path), budget, 1, [], None, Events())
+
+
+def test_a_deadline_years_away_sets_an_alarm_the_platform_accepts():
+    """A large finite --budget (1e12 s) puts the deadline past what setitimer takes."""
+    from ember.doctor.experiments.budget import hard_deadline
+    budget = Budget(1e12, time.monotonic(), 0.0, 0.0)
+    with hard_deadline(budget.deadline, "loading the model", budget):
+        pass

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 
-from ember.metrics.compare import compare_runs
+import pytest
+
+from ember.errors import EmberError
+from ember.metrics.compare import compare_folders, compare_runs
 from ember.metrics.report import build_report, summary_line
 from ember.recipe import Recipe
 
@@ -69,6 +72,17 @@ def test_runs_with_the_same_empty_steps_compare_identical():
     assert compare_runs(record, record, same, dict(same), 0.0).verdict == "identical"
     other = compare_runs(record, record, same, {1: 2.0, 2: 3.0}, 1.0)
     assert other.verdict == "diverged" and other.first_differing_step == 1
+
+
+@pytest.mark.parametrize("tolerance", [math.nan, -1.0])
+def test_a_tolerance_no_difference_can_be_within_is_refused(tmp_path, tolerance):
+    """`ember compare A B --tolerance nan` (or -1) once called two runs 1e-6 apart 'diverged'
+    (exit 4): nothing is within nan, or within a negative tolerance."""
+    write_run(tmp_path / "a", [(100, 3.0, 1.0), (100, 2.5, 1.0)])
+    write_run(tmp_path / "b", [(100, 3.0, 1.0), (100, 2.5 + 1e-6, 1.0)])
+    assert compare_folders(tmp_path / "a", tmp_path / "b", 1e-3).verdict == "close"
+    with pytest.raises(EmberError, match=rf"--tolerance {tolerance:g}: must be a number >= 0"):
+        compare_folders(tmp_path / "a", tmp_path / "b", tolerance)
 
 
 def test_the_seconds_a_step_spent_compiling_are_no_part_of_tokens_per_second(tmp_path):

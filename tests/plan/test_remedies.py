@@ -13,7 +13,7 @@ from ember.parallel.registry import STRATEGIES
 from ember.parallel.strategy import Footprint
 from ember.plan.advisor import advise
 from ember.plan.memory import estimate
-from ember.plan.planner import plan_memory
+from ember.plan.planner import plan_memory, planned_devices
 from ember.plan.remedies import train_shape
 from ember.ranks import Topology
 from ember.recipe import load_recipe
@@ -99,3 +99,11 @@ def test_a_distributed_launch_is_checked_per_rank_with_the_strategys_arithmetic(
     assert plan_memory(fsdp, None, host(14_000_000)).fits  # one process fits there, two CPU ranks do not
     with pytest.raises(EmberError, match="2 ranks sharing host RAM"):
         check_ranks(fsdp, plan_memory(fsdp, None, host(14_000_000)), Topology(nproc=2))
+
+
+@pytest.mark.parametrize("gib", [float("nan"), float("inf"), 0.0, -1.0])
+def test_device_memory_that_is_not_a_finite_positive_number_is_refused(tmp_path, gib):
+    """`ember plan --device-memory nan` (or inf) once ended in int()'s ValueError (OverflowError)."""
+    r = load_recipe(write_recipe(tmp_path))
+    with pytest.raises(EmberError, match=rf"--device-memory {gib:g}: must be a finite number of GiB > 0"):
+        planned_devices(r, gib)

@@ -26,6 +26,7 @@ MIN_SAMPLES = 3  # per side of a comparison: fewer is no evidence (diagnose.diff
 # bootstrap over fewer rounds can look tight by chance.
 PRECISION = 0.04
 SETTLE_ROUNDS = 6
+MAX_ALARM_SECONDS = 1e8  # about three years: hard_deadline's longest alarm
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ def hard_deadline(deadline: float, what: str, budget: Budget) -> Iterator[None]:
                               f"start-up, then {used:.1f} s); nothing was measured. Give a larger --budget "
                               f"(at least {math.ceil(2 * (used + budget.startup) + 5)} s here)")
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(1e-3, deadline - time.monotonic()))
+    # setitimer refuses an interval past the platform's time_t (about 1e12 s here); a deadline
+    # further off than MAX_ALARM_SECONDS never comes, so the alarm is set no later than that.
+    signal.setitimer(signal.ITIMER_REAL, min(MAX_ALARM_SECONDS, max(1e-3, deadline - time.monotonic())))
     try:
         yield
     finally:
