@@ -30,7 +30,8 @@ Every request but /login and /static/ needs `Authorization: Bearer TOKEN` (the t
 dashboard's session, and a change also its CSRF value (ember.web.security). A page asked for
 without either is redirected to /login. Only the owner opens reading and /v1 on loopback, with
 owner.toml's `[service] open_on_loopback = true`; bound to loopback, only loopback host names are
-answered. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
+answered. A change (/v1 included) that a browser says comes from a page of another origin is
+refused with 403, whatever it carries. A path with a '.' or '..' segment or an encoded separator (%2F, %5C) is
 refused with 400 before routing (ember.web.guard). Bad requests get a 4xx and change nothing; every error answer,
 here, from the dashboard's routes and from /v1, has the one shape of ember.web.error_responses, which maps
 the library's errors to statuses. /openapi.json (ember.web.openapi) documents the bodies, the

@@ -13,7 +13,8 @@ request field at fault (or null), `code` is the HTTP status.
                                 own too: one status for a malformed request, whoever finds it);
                                 another EmberError (a bad recipe); ValueError (never a conflict)
     401 authentication_error    no token, or a wrong one (ember.web.api's guard)
-    403 permission_error        Refused: the owner's allowed folders, a link out of the runs folder
+    403 permission_error        Refused: the owner's allowed folders, a link out of the runs folder;
+                                a change from a page of another origin (ember.web.api's guard)
     404 not_found_error         NotFound; an unknown route
     405 method_not_allowed      a method the route does not take (the Allow header lists them)
     409 conflict_error          Conflict: the state forbids it now (a finished job paused, a name taken)

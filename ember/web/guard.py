@@ -2,6 +2,8 @@
 
     path        a '.' or '..' segment or an encoded separator (%2F, %5C): 400
     host        bound to loopback, a host name other than loopback's: 421 (DNS rebinding)
+    origin      a change (POST, /v1 and /login included) that a browser says comes from a page of
+                another origin: 403, whatever credential it carries (ember.web.security)
     who         a change (POST, but /v1) needs the token, or the dashboard's session and its CSRF
                 value; reading and /v1 need the token or the session, unless the owner opened
                 them on loopback (`[service] open_on_loopback`): 401, or a browser asking for a
@@ -88,6 +90,10 @@ def refusal(request: Request, token: str, loopback: bool, open_reads: bool, limi
     if loopback and not security.loopback_host(request):
         return error_response(421, "bound to loopback, this service answers only to localhost, 127.0.0.1 "
                                    "or [::1]")
+    if request.method in MUTATING and security.from_another_origin(request):
+        said = request.headers.get("origin") or f"Sec-Fetch-Site: {request.headers.get('sec-fetch-site')}"
+        return error_response(403, f"a change from a page of another origin ({said[:200]}) is refused: "
+                                   f"changes and inference come from the dashboard itself or from programs")
     # Changing anything needs the token (or the dashboard's session and its CSRF value);
     # reading and inference need the token or the session, unless the owner opened them on
     # loopback. Signing in checks the token itself.

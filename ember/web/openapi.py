@@ -31,7 +31,8 @@ COMMON = {400: "the request is malformed: a path with a '.' or '..' segment or a
           421: "bound to loopback, the service answers only to localhost, 127.0.0.1 or [::1]"}
 DESCRIPTION = """Every error answer, on /api/... and /v1/... alike, is
 `{"error": {"message", "type", "param", "code"}}` (the ErrorBody schema; OpenAI's shape) with
-`code` the HTTP status: 400 a malformed request, 401 no token, 403 refused by the owner's rules,
+`code` the HTTP status: 400 a malformed request, 401 no token, 403 refused by the owner's rules
+(or a change a browser says comes from a page of another origin),
 404 not found, 409 a state that forbids it now, 413 a body over the limit, 503 not available yet.
 Every request needs the token (`Authorization: Bearer`) or the dashboard's session; a change
 (POST) with the session needs its CSRF value too. The OpenAI-compatible /v1 routes (GET /v1/models,

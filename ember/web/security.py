@@ -8,6 +8,12 @@
                                     (the cookie stays home, the header needs CORS, which is off)
     Host                            bound to loopback, only loopback names are answered (a DNS
                                     rebinding page cannot read the dashboard under its own name)
+    Sec-Fetch-Site, Origin          a change a browser says comes from a page of another origin is
+                                    refused, whatever it carries: a page of any site can make the
+                                    browser POST a body (a form, fetch in no-cors mode) to
+                                    127.0.0.1, with no credential where the owner opened /v1 on
+                                    loopback, and with the session cookie from a page of the same
+                                    site (another port of localhost: SameSite does not count ports)
 
 Reading needs the token or the session too, on every interface, unless the owner set
 `[service] open_on_loopback = true` (ember.sched.owner_rules).
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
@@ -71,6 +78,17 @@ def may_change(request: Request, token: str) -> bool:
 def may_read(request: Request, token: str) -> bool:
     """Reading (pages, /api GETs, /metrics) and inference: the token or the session."""
     return bearer_ok(request, token) or session_ok(request, token)
+
+
+def from_another_origin(request: Request) -> bool:
+    """Whether a browser says `request` comes from a page of another origin than the service's:
+    Sec-Fetch-Site (every current browser sends it), else an Origin naming another host. Programs
+    (the commands, OpenAI clients, curl) send neither."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site not in ("same-origin", "none")  # "none": the user's own action, no page behind it
+    origin = request.headers.get("origin")
+    return origin is not None and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
 
 
 def wants_page(request: Request) -> bool:

@@ -287,6 +287,39 @@ def test_the_dashboards_session_cookie_never_crosses_the_inference_proxy(service
         engine.close()
 
 
+def test_a_page_of_another_origin_cannot_make_the_browser_use_inference(service):
+    """POST /v1 needs no CSRF value (inference is a read), and any content type is read as JSON: a
+    page of any site could make the owner's browser send `fetch("http://127.0.0.1:8765/v1/completions",
+    {method: "POST", mode: "no-cors", body: "{...}"})` (text/plain, no preflight). With
+    `[service] open_on_loopback` it reached the engine (200) with no credential at all, and with
+    the session cookie from a page of another port of localhost (SameSite does not count ports);
+    each such request soft-pauses the jobs on the inference device. Now a change a browser says
+    comes from another origin is refused (403) before anything, and programs are answered as before."""
+    from ember.web.security import CSRF_HEADER, SESSION_COOKIE, csrf_value, session_value
+    engine = Recorder()
+    body, plain = b'{"prompt": "In", "max_tokens": 512}', {"content-type": "text/plain;charset=UTF-8"}
+    try:
+        opened = TestClient(create_app(service, "s3cret", True, engine.url, open_reads=True),
+                            base_url="http://127.0.0.1:8765")
+        r = opened.post("/v1/completions", content=body, headers={
+            **plain, "origin": "https://evil.example", "sec-fetch-site": "cross-site", "sec-fetch-mode": "no-cors"})
+        assert r.status_code == 403 and "another origin" in r.json()["error"]["message"], (r.status_code, r.text)
+        signed = TestClient(create_app(service, "s3cret", True, engine.url), base_url="http://localhost:8765")
+        signed.cookies.set(SESSION_COOKIE, session_value("s3cret"))
+        for headers in ({"origin": "http://localhost:3000", "sec-fetch-site": "same-site"},
+                        {"origin": "http://localhost:3000"}):  # a browser without Sec-Fetch-*: its Origin
+            r = signed.post("/v1/chat/completions", content=body, headers={**plain, **headers})
+            assert r.status_code == 403, (headers, r.status_code, r.text)
+        assert engine.seen == [] and service.gate.stats()["requests"] == 0  # nothing reached the engine
+        assert opened.post("/v1/completions", content=body, headers=plain).status_code == 200  # a program
+        own = {"origin": "http://localhost:8765", "sec-fetch-site": "same-origin", CSRF_HEADER: csrf_value("s3cret")}
+        assert signed.post("/v1/completions", json={"prompt": "In"}, headers=own).status_code == 200
+        assert signed.post("/api/yield", json={"release": True}, headers=own).status_code == 200  # the dashboard
+        assert len(engine.seen) == 2
+    finally:
+        engine.close()
+
+
 def test_an_adapter_asked_of_the_upstream_engine_is_refused_not_answered_by_its_base(service, tmp_path):
     """With [inference] upstream, a request naming one of ember's LoRA runs went to llama.cpp, which
     answered with its base model as if it were the adapter (issue 24, item 9). Now it is a 404

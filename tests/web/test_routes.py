@@ -62,6 +62,15 @@ SESSION = {"cookie": f"ember_session={session_value(TOKEN)}"}
     (request("POST", **SESSION), True, False, 401),                              # the session alone: no CSRF
     (request("POST", **SESSION, x_ember_csrf=csrf_value(TOKEN)), True, False, None),
     (request("POST", "/v1/completions"), True, True, None),                      # inference is a read
+    # A page of another origin can make the browser POST a body (a form, fetch in no-cors mode):
+    (request("POST", "/v1/completions", origin="https://evil.example", sec_fetch_site="cross-site"),
+     True, True, 403),                                                           # any site, /v1 opened
+    (request("POST", "/v1/completions", origin="http://127.0.0.1:3000", sec_fetch_site="same-site", **SESSION),
+     True, False, 403),                                                          # another port: the cookie goes
+    (request("POST", "/v1/completions", origin="http://127.0.0.1:3000", **SESSION), True, False, 403),  # no Sec-Fetch
+    (request("POST", **SESSION, x_ember_csrf=csrf_value(TOKEN), origin="http://127.0.0.1:8765",
+             sec_fetch_site="same-origin"), True, False, None),                  # the dashboard's own
+    (request("POST", **SESSION, x_ember_csrf=csrf_value(TOKEN), origin="http://127.0.0.1:8765"), True, False, None),
     (request("GET", "/login"), True, False, None),
     (request("GET", "/static/ember.css"), True, False, None),
     (request("POST", content_length=str(LIMIT + 1), **BEARER), True, False, 413),
