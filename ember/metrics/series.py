@@ -173,4 +173,8 @@ def follow(run: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A figure of a step, or None: not a number, or not finite (a step the stability guard skipped
+    for a NaN loss; JSON has no NaN, and the live chart shows a gap there as the curves do)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return float(value)

@@ -28,7 +28,7 @@ from ember.metrics.series import curves
 from ember.web import security
 from ember.web.api import create_app
 from tests.web.conftest import AUTH, TOKEN
-from tests.web.runs import loss_at, metrics_line
+from tests.web.runs import loss_at, make_run, metrics_line
 
 
 def same(api: object, library: object) -> None:
@@ -191,6 +191,31 @@ def test_live_steps_arrive_as_server_sent_events_until_the_run_ends(client, ledg
     assert [(s["step"], s["loss"]) for s in steps] == [(11, 1.5), (12, 1.5)]
     assert events[-1]["event"] == "end"
     assert int([e for e in events if e.get("event") == "steps"][-1]["id"]) == (folder / "metrics.jsonl").stat().st_size
+
+
+def test_a_step_whose_loss_is_not_finite_reaches_the_live_chart_as_a_gap(client, ledger_dir):
+    """A step the stability guard skipped (loss NaN or inf, as json writes them into metrics.jsonl)
+    broke the live stream: its steps were encoded with allow_nan=False, the generator raised at
+    that step, and the browser, reconnecting from its last offset, met it again and again; the
+    chart stopped for the rest of the run. Such a value is a gap (null) now, as the curves have it."""
+    base, ledger, _ = ledger_dir
+    folder = base / "runs" / "diverging"
+    con = store.connect(ledger)
+    run = make_run(con, folder, 3, completed=False)
+    offset = (folder / "metrics.jsonl").stat().st_size
+    with open(folder / "metrics.jsonl", "a") as f:
+        for s, loss in ((4, float("nan")), (5, float("inf")), (6, 1.5)):
+            f.write(metrics_line(s, loss))
+    store.Ledger(con, run, 1, print).finish("completed")
+    con.close()
+    with client.stream("GET", f"/api/runs/{run}/live", params={"offset": offset}) as r:
+        text = "".join(r.iter_text())
+    events = [dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+              for block in text.split("\n\n") if block.strip()]
+    steps = [s for e in events if e.get("event") == "steps" for s in json.loads(e["data"])]
+    assert [(s["step"], s["loss"]) for s in steps] == [(4, None), (5, None), (6, 1.5)], text[-1000:]
+    assert events[-1]["event"] == "end", text[-1000:]
+    assert "NaN" not in text and "Infinity" not in text  # what JSON.parse in the page refuses
 
 
 def page_is_strict(html: str) -> None:
