@@ -309,10 +309,20 @@ def close_dead_attempts(con: sqlite3.Connection, run_id: str, last_step_time: di
     return len(rows)
 
 
+def _attempt_row(r: sqlite3.Row) -> AttemptRow:
+    return AttemptRow(r["attempt"], r["start"], r["end"], r["last_seen"], r["outcome"],
+                      r["resumed_from"], r["host"], r["devices"], r["pid"])
+
+
 def attempts(con: sqlite3.Connection, run_id: str) -> list[AttemptRow]:
-    return [AttemptRow(r["attempt"], r["start"], r["end"], r["last_seen"], r["outcome"],
-                       r["resumed_from"], r["host"], r["devices"], r["pid"])
-            for r in con.execute("SELECT * FROM attempts WHERE run_id = ? ORDER BY attempt", (run_id,))]
+    return [_attempt_row(r) for r in con.execute("SELECT * FROM attempts WHERE run_id = ? ORDER BY attempt", (run_id,))]
+
+
+def last_attempts(con: sqlite3.Connection) -> dict[str, AttemptRow]:
+    """Every run's newest attempt, by run id, in one query."""
+    return {r["run_id"]: _attempt_row(r) for r in con.execute(
+        "SELECT a.* FROM attempts a JOIN (SELECT run_id, max(attempt) AS n FROM attempts GROUP BY run_id) m "
+        "ON a.run_id = m.run_id AND a.attempt = m.n")}
 
 
 def events(con: sqlite3.Connection, run_id: str) -> list[sqlite3.Row]:
@@ -342,7 +352,8 @@ def find_run(con: sqlite3.Connection, ref: str) -> sqlite3.Row | None:
 
 
 def all_runs(con: sqlite3.Connection) -> list[sqlite3.Row]:
-    return con.execute("SELECT r.*, s.summary FROM runs r LEFT JOIN summaries s ON s.run_id = r.id "
+    return con.execute("SELECT r.*, s.summary, s.updated AS summary_updated FROM runs r "
+                       "LEFT JOIN summaries s ON s.run_id = r.id "
                        "ORDER BY r.created").fetchall()
 
 

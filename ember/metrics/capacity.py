@@ -13,7 +13,6 @@ reserved, or owned. Pure arithmetic; the decision is the duty cycle's, so the ar
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from ember.errors import EmberError
 from ember.ledger import database as ledger_store
+from ember.ledger.database import AttemptRow
 from ember.metrics.machine import MachinePrices, machine_file, read_machine
 
 HOURS_PER_YEAR = 365.25 * 24
@@ -112,8 +112,9 @@ def capacity_report(con: sqlite3.Connection, since_text: str | None, now: float 
     productive: dict[str, float] = {}
     starts = []
     for row in ledger_store.all_runs(con):
-        share = _goodput_share(row, con)
-        for a in ledger_store.attempts(con, row["id"]):
+        attempts = ledger_store.attempts(con, row["id"])
+        share = _goodput_share(row, con, attempts[-1] if attempts else None)
+        for a in attempts:
             end = min(a.end or a.last_seen or a.start, now)
             start = max(a.start, since) if since else a.start
             starts.append(a.start)
@@ -147,14 +148,13 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _goodput_share(row: sqlite3.Row, con: sqlite3.Connection) -> float:
-    """Productive share of a run's held time: from its stored summary, else from a fresh report
-    (a run whose last attempt died has no summary); 0 when its folder is gone."""
-    from ember.metrics.report import build_report
-    if row["summary"]:
-        g = json.loads(row["summary"]).get("goodput")
-        if g is not None:
-            return g
+def _goodput_share(row: sqlite3.Row, con: sqlite3.Connection, last: AttemptRow | None) -> float:
+    """Productive share of a run's held time: from the summary stored at its `last` attempt's
+    end, else from a fresh report (that attempt runs, died or crashed: no summary of its own);
+    0 when its folder is gone."""
+    from ember.metrics.report import build_report, stored_summary
+    if (stored := stored_summary(row, last)) is not None and stored.goodput is not None:
+        return stored.goodput
     try:
         report = build_report(Path(row["path"]), con)
     except EmberError:

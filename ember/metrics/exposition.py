@@ -3,8 +3,8 @@
 Everything is read at scrape time, from the ledger and the run folders, by `LedgerCollector`:
 
     ember_step_seconds{run}                       histogram of optimizer step times (metrics.jsonl)
-    ember_tokens_per_second_per_device{run}       the run's stored figure; a live run's, over its
-                                                  current attempt's steps
+    ember_tokens_per_second_per_device{run}       the run's figure as `ember runs` has it; a live
+                                                  run's, over its current attempt's learned steps
     ember_mfu_ratio{run}                          model FLOPs utilisation (the same, where known)
     ember_goodput_ratio{run}                      productive share of the run's wall-clock (a live
                                                   run: so far, its running attempt up to now)
@@ -18,7 +18,8 @@ Everything is read at scrape time, from the ledger and the run folders, by `Ledg
     ember_pause_seconds_total{cause}              their seconds
 
 A scrape costs a few SQL queries and one stat() per run: step times are read incrementally,
-only the bytes appended since the last scrape (`StepTimes`).
+only the bytes appended since the last scrape (`StepTimes`); a run whose last attempt stored no
+summary (killed, crashed) costs one `ember report`, once, until it changes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -35,9 +36,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from ember.errors import EmberError
 from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
+from ember.ledger.database import AttemptRow
 from ember.ledger.goodput import Bucket, Goodput, Step
 from ember.metrics.flops import mfu
-from ember.metrics.report import goodput_so_far
+from ember.metrics.report import build_report, goodput_so_far, pid_alive, stored_summary, summarize
 from ember.metrics.series import read_records
 from ember.runfolder import read_record
 
@@ -52,8 +54,8 @@ class Tail:
     counts: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     total: int = 0
     seconds: float = 0.0
-    attempt: int | None = None        # the newest attempt seen, and its steps' tokens and seconds
-    attempt_tokens: int = 0
+    attempt: int | None = None        # the newest attempt seen; its learned tokens, and the seconds of the
+    attempt_tokens: int = 0           # steps that learned them less their compile (tokens/s as `ember report`)
     attempt_seconds: float = 0.0
     by_attempt: dict[int, list[float]] = field(default_factory=dict)  # attempt -> [step seconds, data wait]
 
@@ -87,8 +89,9 @@ class StepTimes:
                     tail.counts[i] += 1
             if r.get("attempt") != tail.attempt:
                 tail.attempt, tail.attempt_tokens, tail.attempt_seconds = r.get("attempt"), 0, 0.0
-            tail.attempt_tokens += r.get("tokens", 0)
-            tail.attempt_seconds += s
+            if r.get("tokens"):  # a step with no learned token, and a step's compile, are no tokens/s
+                tail.attempt_tokens += r["tokens"]
+                tail.attempt_seconds += s - r.get("compile_seconds", 0.0)
             sums = tail.by_attempt.setdefault(r.get("attempt"), [0.0, 0.0])
             sums[0] += s
             sums[1] += r.get("data_wait_seconds", 0.0)
@@ -104,6 +107,7 @@ class LedgerCollector:
         self.connect, self.job_states = connect, job_states
         self.steps = StepTimes()
         self.performance: dict[str, dict] = {}  # run folder -> run.json's performance record
+        self.fresh: dict[str, tuple[tuple, dict]] = {}  # run -> (what it was made of, a fresh report's summary)
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration; every family is made at scrape time
@@ -121,14 +125,16 @@ class LedgerCollector:
         good = GaugeMetricFamily("ember_goodput_ratio", "Productive share of the run's wall-clock.", labels=["run"])
         bad = GaugeMetricFamily("ember_badput_seconds", "Wall-clock outside productive steps, by goodput bucket.",
                                 labels=["run", "bucket"])
-        live = {r["run_id"] for r in con.execute("SELECT DISTINCT run_id FROM attempts WHERE outcome IS NULL")}
+        last = ledger_store.last_attempts(con)
+        live = {run for run, a in last.items() if a.outcome is None and pid_alive(a.pid, a.host)}
         for row in ledger_store.all_runs(con):
             run, path = row["id"], Path(row["path"])
             tail = self.steps.read(path)
             if tail.total:
                 cumulative = [(str(b), float(c)) for b, c in zip(STEP_BUCKETS, tail.counts)]
                 step.add_metric([run], cumulative + [("+Inf", float(tail.total))], tail.seconds)
-            summary = json.loads(row["summary"]) if row["summary"] else {}
+            summary = self._summary(con, row, last.get(run), tail) if run not in live else \
+                json.loads(row["summary"]) if row["summary"] else {}
             per_device, ratio = summary.get("tokens_per_second_per_device"), summary.get("mfu")
             if run in live and tail.attempt_seconds > 0:
                 perf = self._performance(path)
@@ -150,6 +156,21 @@ class LedgerCollector:
         yield from (step, tps, util, good, bad)
         yield from self._checkpoints(con)
         yield from self._service(con)
+
+    def _summary(self, con: sqlite3.Connection, row: sqlite3.Row, last: AttemptRow | None, tail: Tail) -> dict:
+        """A run's figures as `ember runs` has them: the summary stored at its `last` attempt's end,
+        or a fresh report where that attempt stored none (killed, crashed), kept until the run changes."""
+        if (stored := stored_summary(row, last)) is not None:
+            return asdict(stored)
+        key = (last, row["summary_updated"], tail.inode, tail.offset)
+        cached = self.fresh.get(row["id"])
+        if cached is None or cached[0] != key:
+            try:
+                cached = key, asdict(summarize(build_report(Path(row["path"]), con)))
+            except EmberError:  # the run folder is gone: what was stored, if anything
+                cached = key, json.loads(row["summary"]) if row["summary"] else {}
+            self.fresh[row["id"]] = cached
+        return cached[1]
 
     def _goodput_so_far(self, con: sqlite3.Connection, run_id: str, run: Path, tail: Tail) -> Goodput | None:
         """A live run's goodput up to now: its surviving steps' sums from `tail`, and the steps

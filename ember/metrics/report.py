@@ -383,14 +383,25 @@ def summary_line(report: RunReport) -> str:
     return "; ".join(parts)
 
 
+def stored_summary(row: sqlite3.Row, last: AttemptRow | None) -> RunSummary | None:
+    """The summary stored for a ledger run (`all_runs`' row) if it was stored at the end of its
+    `last` attempt; None if there is none or it is an earlier attempt's: the last one runs, died
+    without an outcome (killed), or crashed (a crash stores no summary)."""
+    if not row["summary"] or last is None or last.outcome is None or last.end is None:
+        return None
+    stored = RunSummary(**json.loads(row["summary"]))
+    return stored if stored.status == last.outcome and row["summary_updated"] >= last.end else None
+
+
 def list_runs(con: sqlite3.Connection) -> list[tuple[sqlite3.Row, RunSummary]]:
     """Every run in the ledger with its figures: the summary stored at its last attempt's end,
-    or, for a run still running or whose last attempt died without one, a fresh report."""
+    or, where there is none for that attempt (see stored_summary), a fresh report."""
     out = []
     for row in ledger_store.all_runs(con):
         attempts = ledger_store.attempts(con, row["id"])
-        stored = RunSummary(**json.loads(row["summary"])) if row["summary"] else None
-        if stored is None or not attempts or attempts[-1].outcome is None:
+        stored = stored_summary(row, attempts[-1] if attempts else None)
+        if stored is None:
+            stored = RunSummary(**json.loads(row["summary"])) if row["summary"] else None
             try:
                 stored = summarize(build_report(Path(row["path"]), con))
             except EmberError:

@@ -47,6 +47,12 @@ class StepTimer:
         self.t = now
         self.mark = self._event()
 
+    def skip(self) -> None:
+        """The host time since the last mark belongs to no phase: a soft pause inside the step,
+        accounted as its own goodput bucket (ember.train.between)."""
+        self.t = time.perf_counter()
+        self.mark = self._event()
+
     def split(self, parts: dict[str, float], rest: str) -> None:
         """The host time since the last mark, the work before it synchronised (a pipeline's step):
         `parts`' seconds to their phases, what they leave to `rest`."""

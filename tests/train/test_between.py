@@ -69,6 +69,47 @@ def test_a_pause_lands_between_micro_batches_and_the_step_goes_on_unchanged(refe
     assert_same_result(tmp_path / "run", ref)
 
 
+def test_a_pause_inside_a_step_is_paused_time_and_no_part_of_the_step(reference, tmp_path, monkeypatch):
+    """A soft pause between two micro-batches is the bucket `paused`, once: the step's recorded
+    seconds (productive time, tokens/s, p99) leave it out, so the buckets still add up to the
+    wall-clock (the pause was once counted in the step too: `other` came out at -1.5 s, and
+    tokens/s a tenth of the truth). Asked before the run, the pause lands before step 1's first
+    micro-batch; it is held 1 s, so the step's own time cannot hide it."""
+    recipe, _ = reference
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    monkeypatch.setenv(control.ENV, str(ctl))
+    control.request(ctl, "user")
+
+    def service() -> None:
+        wait_until("the pause acknowledged", lambda: (control.acknowledged(ctl) or {}).get("state") == "paused",
+                   120, every=0.02)
+        threading.Event().wait(1.0)
+        control.request(ctl, None)
+    asking = threading.Thread(target=service, daemon=True)
+    asking.start()
+    job = prepare(recipe, tmp_path / "run", False, Events(lambda e: None), ledger_path=tmp_path / "ledger.db")
+    try:
+        assert train(job) == EXIT_OK
+    finally:
+        job.ledger.close()
+    asking.join(timeout=1)
+    from ember.ledger import database as store
+    from ember.metrics.report import build_report
+    con = store.connect(tmp_path / "ledger.db")
+    events = {e["kind"]: e for e in store.events(con, job.run.record["id"])}
+    pause = events["pause"]
+    assert (pause["step"], json.loads(pause["detail"])["micro_batch"]) == (0, 0)
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    # Step 1 began after the start-up event and was recorded at `time`: its own seconds and the
+    # pause inside it both fit between the two (the clocks agree to far better than 1 ms).
+    assert events["startup"]["end"] + first["step_seconds"] + (pause["end"] - pause["start"]) <= first["time"] + 1e-3
+    assert sum(first["phases"].values()) == pytest.approx(first["step_seconds"], abs=1e-3)
+    g = build_report(tmp_path / "run", con).goodput
+    assert g.buckets["paused"] == pytest.approx(pause["end"] - pause["start"])
+    assert g.buckets["other"] >= -1e-3 and sum(g.buckets.values()) == pytest.approx(g.wall_seconds)
+
+
 def test_a_stop_between_micro_batches_undoes_the_step_and_the_resumed_run_is_bit_identical(
         reference, tmp_path, monkeypatch):
     recipe, ref = reference
