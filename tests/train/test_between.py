@@ -35,6 +35,20 @@ def reference(tmp_path_factory):
     return recipe, root / "reference"
 
 
+
+def trained_beside(service, recipe, tmp_path):
+    """The run of `recipe` trained to its end in this process while `service` (the owner's side:
+    pause requests through the control folder) runs in a thread; the job."""
+    asking = threading.Thread(target=service, daemon=True)
+    asking.start()
+    job = prepare(recipe, tmp_path / "run", False, Events(lambda e: None), ledger_path=tmp_path / "ledger.db")
+    try:
+        assert train(job) == EXIT_OK
+    finally:
+        job.ledger.close()
+    asking.join(timeout=1)
+    return job
+
 def test_a_pause_lands_between_micro_batches_and_the_step_goes_on_unchanged(reference, tmp_path, monkeypatch):
     recipe, ref = reference
     ctl = tmp_path / "ctl"
@@ -51,14 +65,7 @@ def test_a_pause_lands_between_micro_batches_and_the_step_goes_on_unchanged(refe
         wait_until("the pause acknowledged", lambda: (control.acknowledged(ctl) or {}).get("state") == "paused",
                    120, every=0.02)
         control.request(ctl, None)
-    asking = threading.Thread(target=service, daemon=True)
-    asking.start()
-    job = prepare(recipe, tmp_path / "run", False, Events(lambda e: None), ledger_path=tmp_path / "ledger.db")
-    try:
-        assert train(job) == EXIT_OK
-    finally:
-        job.ledger.close()
-    asking.join(timeout=1)
+    trained_beside(service, recipe, tmp_path)
     con = sqlite3.connect(tmp_path / "ledger.db")
     pauses = [(step, json.loads(detail)) for step, detail in
               con.execute("SELECT step, detail FROM events WHERE kind = 'pause_inference'")]
@@ -86,14 +93,7 @@ def test_a_pause_inside_a_step_is_paused_time_and_no_part_of_the_step(reference,
                    120, every=0.02)
         threading.Event().wait(1.0)
         control.request(ctl, None)
-    asking = threading.Thread(target=service, daemon=True)
-    asking.start()
-    job = prepare(recipe, tmp_path / "run", False, Events(lambda e: None), ledger_path=tmp_path / "ledger.db")
-    try:
-        assert train(job) == EXIT_OK
-    finally:
-        job.ledger.close()
-    asking.join(timeout=1)
+    job = trained_beside(service, recipe, tmp_path)
     from ember.ledger import database as store
     from ember.metrics.report import build_report
     con = store.connect(tmp_path / "ledger.db")
