@@ -106,12 +106,14 @@ def transitions(con: sqlite3.Connection, job_id: int) -> list[tuple[float, str |
 
 
 def month_spend(con: sqlite3.Connection, target: str, since: float, final: tuple[str, ...]) -> float:
-    """What jobs submitted to `target` since `since` commit: a job in a `final` state its cost as
-    brought back, any other its cost limit (it may still spend that much) and, continued, what it
-    had spent before."""
+    """What jobs submitted to `target` since `since`, or continued since then (staged again under
+    new limits, which the gate let go against this month's cap), commit: a job in a `final` state
+    its cost as brought back, any other its cost limit (it may still spend that much) and,
+    continued, what it had spent before."""
     total = 0.0
-    for r in con.execute("SELECT state, cost, limits FROM remote_jobs WHERE target = ? AND submitted >= ?",
-                         (target, since)):
+    for r in con.execute("SELECT state, cost, limits FROM remote_jobs WHERE target = ? AND (submitted >= ? OR id IN "
+                         "(SELECT job_id FROM remote_transitions WHERE to_state = 'staging' AND time >= ?))",
+                         (target, since, since)):
         if r["state"] in final:
             total += r["cost"] or 0.0
         else:

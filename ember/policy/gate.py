@@ -8,15 +8,17 @@ and the tests are tables.
 
 A data file counts as every dataset that holds it (ember.policy.registry.holdings: by path after
 realpath, or by content): each one's allowed_targets and expiry apply, and its classification is
-the most restrictive of theirs. It is staged from the dataset that lists it most closely.
+the most restrictive of theirs. It is staged from the dataset that lists it most closely, and that
+dataset is staged whole: every path it lists counts so too, though the job reads only some of it.
 
     code                 violated when
     unknown-target       the target is not in targets.toml
     unregistered-file    a data file the recipe reads is listed by no registered dataset
-    dataset-target       the allowed_targets of a dataset holding a file the job reads do not name the target
+    dataset-target       the allowed_targets of a dataset holding a file the job reads or stages do not name
+                         the target
     classification       the target does not allow a file's classification (its most restrictive dataset's)
     fingerprint          a staged dataset's files changed since it was registered (or were not hashed)
-    expired              the permission of a dataset holding a file the job reads ended
+    expired              the permission of a dataset holding a file the job reads or stages ended
     recipe-changed       a continued job's recipe no longer resolves to the one it was submitted with
     missing-limit        max wall hours, device-hours, cost or nodes not stated
     invalid-limit        a limit (or --nodes) that is not a positive finite number
@@ -67,7 +69,8 @@ class Request:
     nodes: int
     prediction: Prediction
     now: float                            # seconds since the epoch, UTC
-    contents: Mapping[str, frozenset[str]] = field(default_factory=dict)    # data path -> its files' SHA-256
+    # data path (read, or listed by a staged dataset) -> its files' SHA-256
+    contents: Mapping[str, frozenset[str]] = field(default_factory=dict)
     registered: Mapping[str, frozenset[str]] = field(default_factory=dict)  # dataset -> its files' SHA-256
     continues: str = ""                   # a continued job: the recipe digest it was submitted with
 
@@ -137,19 +140,25 @@ def check(request: Request, registry: Registry, targets: Targets, ledger_view: L
 
 def _datasets(request: Request, registry: Registry, target: Target | None,
               out: list[Violation]) -> list[DatasetUse]:
-    held = holdings(list(request.files), registry, request.contents, request.registered)
-    for f, h in held.items():
+    read = holdings(list(request.files), registry, request.contents, request.registered)
+    for f, h in read.items():
         if h.source is None:
             out.append(Violation("unregistered-file", f"{f} is listed in no registered dataset: it may be used "
                                  f"locally, never remotely; `ember data register` it"))
-    staged = {h.source for h in held.values() if h.source is not None}
+    staged = {h.source for h in read.values() if h.source is not None}
+    # A staged dataset is sent whole, not only the files the job reads: every path it lists is
+    # held too (by path, or by content: `request.contents[path]`), and whoever holds one constrains the job.
+    sent = {p: name for name in sorted(staged) for p in registry[name].paths if p not in read}
+    held = read | holdings(list(sent), registry, request.contents, request.registered)
     uses = []
     for name in sorted({n for h in held.values() for n in h.holders}):
         ds = registry[name]
         observed = request.observed.get(name) if name in staged else None
         uses.append(DatasetUse(name, ds.fingerprint, observed, ds.classification, name in staged))
-        via = "" if name in staged else " (it holds " + ", ".join(
-            f for f, h in held.items() if name in h.holders) + ", which this job reads)"
+        reads = [f for f, h in read.items() if name in h.holders]
+        why = ([", ".join(reads) + ", which this job reads"] if reads else []) + [
+            f"a file of {p}, which this job stages with '{by}'" for p, by in sent.items() if name in held[p].holders]
+        via = "" if name in staged else f" (it holds {'; '.join(why)})"
         if request.target not in ds.allowed_targets:
             allowed = ", ".join(ds.allowed_targets) or "none (local only)"
             out.append(Violation("dataset-target", f"dataset '{name}'{via} may not go to '{request.target}'; its "

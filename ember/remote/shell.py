@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from ember.errors import EmberError
 
@@ -50,6 +52,26 @@ class Shell:
         """Copy the contents of local folder `local` into `remote` (created), symlinks followed."""
         self._pipe(["tar", "-C", str(local), "-chf", "-", "."], self.argv(["sh", "-c",
                    f"mkdir -p {shlex.quote(remote)} && tar -C {shlex.quote(remote)} -xf -"]), f"copying to {remote}")
+
+    def put_tar(self, remote: str, write: Callable[[IO[bytes]], None]) -> None:
+        """Unpack into `remote` (created) the tar stream that `write` writes; when `write` raises,
+        the copy is cut off there (nothing after that point is sent) and the error goes on."""
+        sink = subprocess.Popen(self.argv(["sh", "-c", f"mkdir -p {shlex.quote(remote)} && tar -C "
+                                           f"{shlex.quote(remote)} -xf -"]), stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            write(sink.stdin)
+            sink.stdin.close()
+        except BrokenPipeError:
+            pass  # the far side ended early: its exit status and stderr say why
+        except BaseException:
+            sink.kill()
+            sink.wait()
+            raise
+        err = sink.stderr.read()
+        sink.wait(timeout=3600)
+        if sink.returncode:
+            raise EmberError(f"copying to {remote} on {self.where()} failed: {err.decode(errors='replace').strip()}")
 
     def get(self, remote: str, local: Path, exclude: tuple[str, ...] = ()) -> None:
         """Copy the contents of folder `remote` into `local` (created), leaving out `exclude` patterns."""

@@ -11,26 +11,23 @@ its Shell reaches (Slurm's) stages with `new_folder`, `upload` and `put_files`.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shlex
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
+from ember.durable import sha256_file
 from ember.errors import Conflict, EmberError
 from ember.events import Events
-from ember.policy.registry import Dataset, fingerprint
+from ember.policy.registry import Dataset, fingerprint, members
 from ember.remote.shell import Shell
 
-
-def link_datasets(bundle: Path, datasets: list[Dataset]) -> None:
-    """Lay out `bundle/data/NAME/I/BASENAME` as symbolic links to the registered paths (tar
-    follows them while it copies)."""
-    for ds in datasets:
-        for i, p in enumerate(ds.paths):
-            place = bundle / "data" / ds.name / str(i)
-            place.mkdir(parents=True)
-            (place / Path(p).name).symlink_to(p)
+SPOOL_BYTES = 64 << 20  # a staged file is spooled in memory up to this size, on disk beyond
 
 
 def staged_path(file: str, datasets: list[Dataset]) -> str:
@@ -89,15 +86,46 @@ def new_folder(shell: Shell, folder: str) -> Iterator[None]:
 
 
 def upload(shell: Shell, folder: str, datasets: list[Dataset], events: Events) -> str:
-    """Copy the datasets into `folder` there and verify them on arrival; data.sha256's text."""
-    with tempfile.TemporaryDirectory(prefix="ember-stage-") as tmp:
-        bundle = Path(tmp)
-        link_datasets(bundle, datasets)
-        events.stage(f"staging {len(datasets)} dataset(s) to {shell.where()}:{folder}")
-        shell.put(bundle, folder)
+    """Copy the datasets into `folder` there and verify them on arrival; data.sha256's text.
+
+    What is sent is what was hashed. Each dataset's files (members: what its fingerprint covers,
+    nothing behind a link to a folder) are hashed here first, and a dataset that no longer has its
+    registered fingerprint is refused before a byte leaves. Then each file is read once more into
+    a spool and sent only if those bytes hash as they did: a file changed meanwhile cuts the copy
+    off before its bytes go."""
+    checked: list[tuple[str, Path, str]] = []
+    for ds in datasets:
+        files = [(place, f, sha256_file(f)) for place, f in members(ds.paths)]
+        got = fingerprint([(place, digest) for place, _, digest in files])
+        if got != ds.fingerprint:
+            raise EmberError(f"dataset '{ds.name}' changed since the gate checked it ({got[:19]}... now, "
+                             f"{ds.fingerprint[:19]}... registered): nothing was sent; check it, then `ember data "
+                             f"register` it again")
+        checked += [(f"data/{ds.name}/{place}", f, digest) for place, f, digest in files]
+    events.stage(f"staging {len(datasets)} dataset(s) to {shell.where()}:{folder}")
+    shell.put_tar(folder, lambda out: _write_checked(out, checked))
     sums = verify_arrival(shell, folder, datasets)
     events.info(f"verified on arrival: {', '.join(d.name for d in datasets)} (fingerprints match)")
     return sums
+
+
+def _write_checked(out: IO[bytes], checked: list[tuple[str, Path, str]]) -> None:
+    """A tar stream of `checked` (name in the stream, file, its SHA-256 as hashed): each file is
+    spooled while it is hashed and written only when the hash is still the one checked."""
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for name, f, digest in checked:
+            with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool, open(f, "rb") as src:
+                h = hashlib.sha256()
+                while chunk := src.read(1 << 20):
+                    h.update(chunk)
+                    spool.write(chunk)
+                if h.hexdigest() != digest:
+                    raise EmberError(f"{f} changed while it was staged: the copy was cut off before its bytes were "
+                                     f"sent; check it, then `ember data register` its dataset again")
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = spool.tell(), 0o644, int(os.stat(f).st_mtime)
+                spool.seek(0)
+                tar.addfile(info, spool)
 
 
 def put_files(shell: Shell, folder: str, files: dict[str, str]) -> None:

@@ -3,8 +3,9 @@ the target, the gate's decision, the audit row, and only for an allowed submissi
 backend (ember.remote.backends: Slurm's stages the data, writes the batch script and sbatch's it).
 
     decide     load the recipe, the registry and the targets; resolve the data paths (realpath) and
-               hash them, the datasets they are staged from (every byte) and every registered
-               dataset's files (the hash cache: content identity); predict device-hours, cost and
+               hash them, the datasets they are staged from (every byte: each is staged whole, so
+               each of its paths is checked too) and every registered dataset's files (the hash
+               cache: content identity); predict device-hours, cost and
                wall time (ember plan, for the target's device and price); the month's committed
                spend from the ledger; check(); append the audit row
     submit     decide; refused: stop here (nothing is staged, the backend is never asked)
@@ -96,9 +97,12 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
             read[path] = sha256_file(path)
         return read[path]
 
-    contents = {f: contents_of([f], digest) for f in files}
-    registered = {name: contents_of(ds.paths) for name, ds in registry.items()}
     staged = {h.source for h in holdings(list(files), registry).values() if h.source is not None}
+    contents = {f: contents_of([f], digest) for f in files}
+    # A staged dataset is sent whole: what each of its paths holds counts by content too.
+    contents |= {p: contents_of([p], digest) for name in sorted(staged) for p in registry[name].paths
+                 if p not in contents}
+    registered = {name: contents_of(ds.paths) for name, ds in registry.items()}
     observed = {}
     for name in sorted(staged):
         try:
@@ -146,6 +150,8 @@ def predict(req: RemoteRequest, target: Target, events: Events) -> Prediction:
         device_hours *= left / plan.time.steps
         how += f", of which {left} are left"
     devices = req.nodes * target.devices_per_node
+    if devices < 1:  # --nodes 0 or below: the gate refuses it (invalid-limit); no wall time to predict
+        return Prediction(device_hours, device_hours * target.price, None, f"{how}; --nodes {req.nodes}: no devices")
     return Prediction(device_hours, device_hours * target.price, device_hours / devices, how)
 
 

@@ -202,3 +202,25 @@ def test_a_folder_read_whole_holds_the_datasets_registered_inside_it():
     d = decide(change(REQUEST, files=("/data/chats",), observed={"all-chats": FP}),
                {"all-chats": folder, "alice": alice})
     assert sorted(d.codes) == ["classification", "dataset-target"]
+
+
+def test_a_staged_folder_holds_every_dataset_registered_inside_it_though_the_job_reads_one_file():
+    """The job reads one file of /data/chats, registered as a whole and allowed to 'hpc': the
+    whole folder is staged, so a file in it that a dataset not allowed there holds (by path, or
+    as a copy by content) leaves the machine too, and refuses the job."""
+    folder = dataset("all-chats", paths=["/data/chats"], allowed_targets=["hpc"])
+    alice = dataset("alice", paths=["/data/chats/alice.jsonl"], allowed_targets=[])
+    request = change(REQUEST, files=("/data/chats/bob.jsonl",), observed={"all-chats": FP})
+    d = decide(request, {"all-chats": folder, "alice": alice})
+    assert d.codes == ["dataset-target"]
+    assert "dataset 'alice' (it holds a file of /data/chats, which this job stages with 'all-chats') may not " \
+           "go to 'hpc'" in d.reasons[0].message
+    assert [(u.name, u.staged) for u in d.datasets] == [("alice", False), ("all-chats", True)]
+    personal = {"all-chats": folder, "alice": change(alice, classification="personal")}
+    assert sorted(decide(request, personal).codes) == ["classification", "dataset-target"]
+    copy = dataset("copy", paths=["/private/alice-copy.jsonl"], allowed_targets=[])
+    by_content = change(request, contents={"/data/chats/bob.jsonl": frozenset({"b0b"}),
+                                           "/data/chats": frozenset({"b0b", "c0ffee"})},
+                        registered={"all-chats": frozenset({"b0b", "c0ffee"}), "copy": frozenset({"c0ffee"})})
+    assert decide(by_content, {"all-chats": folder, "copy": copy}).codes == ["dataset-target"]
+    assert decide(by_content, {"all-chats": folder}).allowed

@@ -1,0 +1,148 @@
+"""The gate on the paths `ember policy check` and `ember submit --target` take before anything is
+sent (decide, the month's spend, staging), with no engine running: what is staged is what the
+gate checked, and a request it must refuse is refused and audited, never a crash."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ember.errors import EmberError
+from ember.events import Events
+from ember.ledger import audit, database as store, remote_rows
+from ember.ledger.job_states import REMOTE_FINAL
+from ember.policy.gate import Limits, month_of
+from ember.policy.registry import register
+from ember.remote import stage
+from ember.remote.shell import Shell
+from ember.remote.submit import RemoteRequest, decide
+from tests.helpers import GENESIS, write_recipe
+from tests.remote.targets import target_toml
+
+LIMITS = Limits(0.5, 0.5, 0.5, 1)
+
+
+def project(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
+    """A folder of two files, a.jsonl and b.jsonl, registered whole as public and allowed to 'lab';
+    the registry, targets and ledger files."""
+    monkeypatch.chdir(tmp_path)  # the default registries are not these
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(GENESIS.read_bytes())
+    (folder / "b.jsonl").write_text('{"text": "bob\'s words, never to leave this machine"}\n')
+    reg, targets = tmp_path / "datasets.toml", tmp_path / "targets.toml"
+    targets.write_text(target_toml("lab", "slurm", "/scratch/ember"))
+    register(reg, "corpus", [folder], "alice", "CC0-1.0", "public", ["lab"], "")
+    return folder, reg, targets
+
+
+def test_a_file_staged_with_the_folder_the_job_reads_from_is_checked_too(tmp_path, monkeypatch):
+    """The recipe reads corpus/a.jsonl; the whole 'corpus' folder is staged, b.jsonl with it. A
+    dataset that holds b.jsonl (by path, or a copy of it by content) and may not go to 'lab' refuses
+    the job, though the job never reads b.jsonl."""
+    folder, reg, targets = project(tmp_path, monkeypatch)
+    copy = tmp_path / "elsewhere" / "bob.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes((folder / "b.jsonl").read_bytes())
+    register(reg, "bob", [folder / "b.jsonl"], "bob", "private", "public", [], "")    # local only
+    register(reg, "bob-copy", [copy], "bob", "private", "public", [], "")              # local only
+    recipe = write_recipe(tmp_path / "project", data={"files": [str(folder / "a.jsonl")]})
+    req = RemoteRequest(recipe, "lab", LIMITS, registry=reg, targets=targets, ledger=tmp_path / "ledger.db")
+    decided = decide(req, "check", Events())
+    d = decided.decision
+    assert not d.allowed
+    assert d.codes == ["dataset-target", "dataset-target"], d.reasons
+    assert [u.name for u in d.datasets if u.staged] == ["corpus"]
+    assert {u.name for u in d.datasets if not u.staged} == {"bob", "bob-copy"}
+    assert decided.audit.decision == "refused"
+
+
+def test_zero_nodes_are_refused_and_audited_not_a_crash(tmp_path, monkeypatch):
+    folder, reg, targets = project(tmp_path, monkeypatch)
+    recipe = write_recipe(tmp_path / "project", data={"files": [str(folder / "a.jsonl")]})
+    ledger = tmp_path / "ledger.db"
+    req = RemoteRequest(recipe, "lab", LIMITS, nodes=0, registry=reg, targets=targets, ledger=ledger)
+    decided = decide(req, "check", Events())
+    assert not decided.decision.allowed and "invalid-limit" in decided.decision.codes
+    con = store.connect(ledger)
+    chain, problems = audit.check_log(con)
+    con.close()
+    assert problems == [] and [(r.action, r.decision) for r in chain] == [("check", "refused")]
+
+
+def test_only_the_files_the_gate_hashed_are_staged_not_a_linked_folder_inside_a_dataset(tmp_path, monkeypatch):
+    """A registered folder holds a link to a folder outside it. Its fingerprint (and the gate, and
+    the overlap check) never sees the files behind the link; staging must not send them either,
+    rather than send them and refuse the copy once it has arrived."""
+    folder, reg, _ = project(tmp_path, monkeypatch)
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "secret.jsonl").write_text('{"text": "not in any dataset"}\n')
+    (folder / "more").symlink_to(private, target_is_directory=True)
+    register(reg, "corpus", [folder], "alice", "CC0-1.0", "public", ["lab"], "")  # the link was there already
+    from ember.policy.registry import load_registry
+    ds = load_registry(reg)["corpus"]
+    job = tmp_path / "stage" / "job"
+    refused = None
+    try:
+        stage.upload(Shell(), str(job), [ds], Events())
+    except EmberError as e:
+        refused = str(e)
+    sent = sorted(p.relative_to(job).as_posix() for p in job.rglob("*") if p.is_file())
+    assert sent == ["data/corpus/0/corpus/a.jsonl", "data/corpus/0/corpus/b.jsonl"], refused
+    assert refused is None
+
+
+def test_a_job_continued_this_month_counts_in_this_months_spend(tmp_path):
+    """Submitted last month, failed, continued this month under a new cost limit: the gate let
+    that limit go against this month's cap, so the next job's monthly-budget check sees it too."""
+    con = store.connect(tmp_path / "ledger.db")
+    _, since = month_of(time.time())
+    job = remote_rows.insert(con, {"name": "j", "target": "hpc", "audit_id": 1, "audit_hash": "h", "host": "",
+                                   "ssh_options": [], "python": "python", "recipe": "/r.toml", "out": "/o",
+                                   "remote_dir": "/s/j", "limits": {"max_cost": 5.0, "nodes": 1},
+                                   "prediction": {}, "backend": "slurm"}, "staging")
+    last_month = since - 86400
+    con.execute("UPDATE remote_jobs SET submitted = ?, updated = ? WHERE id = ?", (last_month, last_month, job.id))
+    con.execute("UPDATE remote_transitions SET time = ? WHERE job_id = ?", (last_month, job.id))
+    assert remote_rows.set_state(con, job.id, "staging", "failed", "staging failed", {"cost": 1.0})
+    assert remote_rows.month_spend(con, "hpc", since, REMOTE_FINAL) == 0.0     # last month's job
+    assert remote_rows.set_state(con, job.id, "failed", "staging", "ember remote continue",
+                                 {"limits": {"max_cost": 40.0, "nodes": 1, "spent_before": 1.0}})
+    assert remote_rows.month_spend(con, "hpc", since, REMOTE_FINAL) == 41.0
+    con.close()
+
+
+def test_a_file_changed_after_the_check_is_not_sent(tmp_path, monkeypatch):
+    """What is staged is what was hashed: a dataset file changed after the gate's decision is
+    refused before its bytes leave the machine, not copied there and refused on arrival; one
+    changed while the copy runs (after staging hashed it) stops the copy before its bytes go."""
+    folder, reg, _ = project(tmp_path, monkeypatch)
+    from ember.policy.registry import load_registry
+    ds = load_registry(reg)["corpus"]
+    secret = b'{"text": "written after the check: never to leave"}\n'
+    (folder / "b.jsonl").write_bytes(secret)
+    job = tmp_path / "stage" / "job"
+    try:
+        stage.upload(Shell(), str(job), [ds], Events())
+    except EmberError as e:
+        refused = str(e)
+    else:
+        refused = None
+    arrived = [p for p in job.rglob("*") if p.is_file() and p.read_bytes() == secret]
+    assert arrived == [] and refused is not None and "nothing was sent" in refused
+    # Changed between staging's own hash and the copy: the hash it checked is the registered one.
+    (folder / "b.jsonl").write_text('{"text": "bob\'s words, never to leave this machine"}\n')
+    real = stage.sha256_file
+    before = {folder / "b.jsonl": real(folder / "b.jsonl")}
+    (folder / "b.jsonl").write_bytes(secret)
+    monkeypatch.setattr(stage, "sha256_file", lambda f: before.get(f) or real(f))
+    job2 = tmp_path / "stage" / "job2"
+    try:
+        stage.upload(Shell(), str(job2), [ds], Events())
+    except EmberError as e:
+        refused = str(e)
+    else:
+        refused = None
+    arrived = [p for p in job2.rglob("*") if p.is_file() and p.read_bytes() == secret]
+    assert arrived == [] and refused is not None and "changed while it was staged" in refused
