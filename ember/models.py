@@ -23,6 +23,9 @@ from ember.paths import cached_sha256, home
 BYTE_VOCAB = 257  # builtin:tiny's byte-level tokenizer: UTF-8 bytes 0-255, and 256 ends a document
 BYTE_EOS = 256
 GGUF_MAGIC = b"GGUF"
+# config.json's sizes that ember computes with (memory, FLOPs, context); None or a per-layer list pass
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 TINY = {"model_type": "llama", "vocab_size": BYTE_VOCAB, "hidden_size": 64, "intermediate_size": 176,
@@ -62,6 +65,11 @@ def config_fields(spec: str, events: Events | None = None) -> ConfigFields:
         raise EmberError(f"[model] path = {spec!r}: its config.json cannot be read: {e}") from None
     if not isinstance(fields, dict):
         raise EmberError(f"[model] path = {spec!r}: its config.json is not a JSON object")
+    for key in SHAPE_FIELDS:  # planning does arithmetic on them before transformers ever reads them
+        value = fields.get(key)
+        if isinstance(value, (bool, str, float)) or isinstance(value, int) and value < 1:
+            raise EmberError(f"[model] path = {spec!r}: its config.json has {key} = {value!r}: a model's "
+                             f"{key} is a positive whole number; fix config.json, or download the model again")
     return ConfigFields(spec, fields)
 
 
@@ -70,6 +78,9 @@ def resolve_path(spec: str) -> Path:
     if not spec.startswith("package:"):
         return Path(spec)
     _, dist, rel = (spec.split(":", 2) + ["", ""])[:3]
+    if not dist:  # importlib's own refusal of an empty name is a ValueError, with no word of where
+        raise EmberError(f"[model] path = {spec!r}: names no package; write 'package:DIST:FILE', DIST an "
+                         f"installed distribution and FILE a path inside it")
     try:
         return Path(str(metadata.distribution(dist).locate_file(rel)))
     except metadata.PackageNotFoundError:
@@ -131,15 +142,32 @@ def convert_gguf(gguf: Path, sha256: str, events: Events, spec: str = "") -> Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _convert(gguf, tmp)
-        os.rename(tmp, target)  # the converted folder appears whole, or not at all
-    except Exception as e:  # the gguf reader fails on damaged files with many types: name it once
-        raise EmberError(f"{where}: {gguf} could not be read as a GGUF model ({type(e).__name__}: "
-                         f"{e}); the file may be truncated or damaged: download it again") from None
+        try:
+            _convert(gguf, tmp)
+        except Exception as e:  # the gguf reader fails on damaged files with many types: name it once
+            raise EmberError(f"{where}: {gguf} could not be read as a GGUF model ({type(e).__name__}: "
+                             f"{e}); {unconverted_advice(e)}") from None
+        try:
+            os.rename(tmp, target)  # the converted folder appears whole, or not at all
+        except OSError as e:
+            if not (target / "config.json").is_file():
+                raise EmberError(f"{where}: cannot put the converted model at {target} ({e}); remove "
+                                 f"{target} and try again") from None
+            # another process (a second run, the inference worker) converted the same file meanwhile
+            # and renamed its folder into place first: the same content, by its hash; use that one
     finally:
         if tmp.exists():  # the rename did not happen: leave nothing half-written behind
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def unconverted_advice(e: Exception) -> str:
+    """What to do about a GGUF file transformers could not convert: an architecture it does not
+    read from GGUF (its ValueError says so) is no damage, so downloading it again is no help."""
+    if isinstance(e, ValueError) and "is not supported" in str(e):
+        return ("transformers does not convert this architecture from GGUF: give the model as a "
+                "Hugging Face folder instead")
+    return "the file may be truncated or damaged: download it again"
 
 
 def _convert(gguf: Path, tmp: Path) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ember.ckpt.state import seed_all
 from ember.ckpt.store import PREFIX, CheckpointStore, committed_in
@@ -119,6 +120,10 @@ def export_run(run: Path, fmt: str, out: Path | None = None, dtype: str = "f32",
         make_durable(tmp)
         os.rename(tmp, out)  # the commit point: --out appears whole, or not at all
         fsync_dir(out.parent)
+    except SafetensorError as e:  # final/ has no manifest to verify first (a checkpoint has, a base its hashes)
+        weights = trained.final if trained.checkpoint is None else trained.checkpoint
+        raise EmberError(f"{weights}: the run's weights there cannot be read ({e}); a file is truncated or "
+                         f"damaged: export one of its checkpoints (--checkpoint last), or train again") from None
     finally:
         remove(tmp)  # the rename did not happen: leave nothing half-written behind
     size = out.stat().st_size if out.is_file() else sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
@@ -165,10 +170,11 @@ def at_checkpoint(trained: TrainedRun, which: str, events: Events) -> TrainedRun
         step, path = committed[-1]
     elif which == "best":
         step, path = best_checkpoint(run, committed, steps)
-    elif which.isdigit() and int(which) in dict(committed):
+    elif which.isascii() and which.isdigit() and int(which) in dict(committed):  # not '²': int() refuses it
         step, path = int(which), dict(committed)[int(which)]
     else:
-        wrong = f"no committed checkpoint at step {int(which)}" if which.isdigit() else "not a step, 'best' or 'last'"
+        wrong = (f"no committed checkpoint at step {int(which)}" if which.isascii() and which.isdigit()
+                 else "not a step, 'best' or 'last'")
         raise EmberError(f"--checkpoint {which!r}: {wrong}; {run} has checkpoints at steps {steps} "
                          f"(or give 'best' or 'last')")
     try:

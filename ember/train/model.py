@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ember.errors import EmberError
@@ -59,6 +60,15 @@ def load_model(cfg: ModelConfig, method: MethodConfig, activation_checkpointing:
                     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             except (OSError, ValueError) as e:
                 raise EmberError(f"[model] path = {cfg.path!r}: transformers could not load it: {e}") from None
+            except RuntimeError as e:  # transformers' own words for it; anything else (out of memory) is not this
+                if "ignore_mismatched_sizes" not in str(e):
+                    raise
+                raise EmberError(f"[model] path = {cfg.path!r}: its config.json does not describe its weights "
+                                 f"(the tensors' shapes are not the sizes it gives: hidden_size, ...); config.json "
+                                 f"and the weights must come from the same model: download it again") from None
+            except SafetensorError as e:  # safetensors' own type, for a file cut short or overwritten
+                raise EmberError(f"[model] path = {cfg.path!r}: its weights in {path} cannot be read ({e}); "
+                                 f"a weights file is truncated or damaged: copy or download the model again") from None
             tokenizer = load_tokenizer(path)
         gguf = Path(source["path"]) if source.get("kind") == "gguf" else None
         model = prepare_model(model, method, activation_checkpointing, gguf=gguf, spec=cfg.path)

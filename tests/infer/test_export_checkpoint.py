@@ -91,13 +91,31 @@ def test_best_is_the_checkpoint_of_the_lowest_held_out_loss_and_last_the_newest(
 def test_a_checkpoint_that_is_not_there_is_refused_naming_those_that_are(evaluated, tmp_path):
     steps = "4, 8, 12, 16, 20, 24, 28"
     for which, why in (("10", "no committed checkpoint at step 10"), ("newest", "not a step, 'best' or 'last'"),
-                       ("-4", "not a step")):
+                       ("-4", "not a step"), ("²", "not a step, 'best' or 'last'")):
         with pytest.raises(EmberError, match=f"--checkpoint '{which}': {why}.*steps {steps}"):
             export_run(evaluated, "hf", tmp_path / "out", checkpoint=which)
     assert not (tmp_path / "out").exists()
     done = run_ember("export", evaluated, "--format", "hf", "--checkpoint", "10")
     assert done.returncode == 1 and f"steps {steps}" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_damaged_final_weights_are_refused_naming_them_and_the_way_out(tmp_path, method):
+    """final/ has no manifest to verify first: a weights file there cut short is refused by
+    name, without a traceback, writing nothing; its checkpoints still export."""
+    run = train(tmp_path, 10, **(LORA if method == "lora" else {}))
+    weights = next((run / "final").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    for fmt in ("hf", "peft") if method == "lora" else ("hf",):
+        with pytest.raises(EmberError, match=f"{run / 'final'}: the run's weights there cannot be read.*"
+                                             f"--checkpoint last"):
+            export_run(run, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists() and not list(tmp_path.glob(f".tmp-{fmt}*"))
+    done = run_ember("export", run, "--format", "hf", "--out", tmp_path / "hf")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "cannot be read" in done.stderr
+    assert export_run(run, "hf", tmp_path / "from-checkpoint", checkpoint="last").kind == method
 
 
 def test_best_without_evaluations_says_so(tmp_path):
