@@ -113,6 +113,18 @@ def test_a_job_continued_this_month_counts_in_this_months_spend(tmp_path):
     con.close()
 
 
+def staged(job: Path, ds, secret: bytes) -> tuple[list[Path], str | None]:
+    """Stage `ds` into `job` on this machine: the files that arrived holding `secret`, and the
+    refusal's message (None: staged)."""
+    try:
+        stage.upload(Shell(), str(job), [ds], Events())
+    except EmberError as e:
+        refused = str(e)
+    else:
+        refused = None
+    return [p for p in job.rglob("*") if p.is_file() and p.read_bytes() == secret], refused
+
+
 def test_a_file_changed_after_the_check_is_not_sent(tmp_path, monkeypatch):
     """What is staged is what was hashed: a dataset file changed after the gate's decision is
     refused before its bytes leave the machine, not copied there and refused on arrival; one
@@ -122,14 +134,7 @@ def test_a_file_changed_after_the_check_is_not_sent(tmp_path, monkeypatch):
     ds = load_registry(reg)["corpus"]
     secret = b'{"text": "written after the check: never to leave"}\n'
     (folder / "b.jsonl").write_bytes(secret)
-    job = tmp_path / "stage" / "job"
-    try:
-        stage.upload(Shell(), str(job), [ds], Events())
-    except EmberError as e:
-        refused = str(e)
-    else:
-        refused = None
-    arrived = [p for p in job.rglob("*") if p.is_file() and p.read_bytes() == secret]
+    arrived, refused = staged(tmp_path / "stage" / "job", ds, secret)
     assert arrived == [] and refused is not None and "nothing was sent" in refused
     # Changed between staging's own hash and the copy: the hash it checked is the registered one.
     (folder / "b.jsonl").write_text('{"text": "bob\'s words, never to leave this machine"}\n')
@@ -137,12 +142,5 @@ def test_a_file_changed_after_the_check_is_not_sent(tmp_path, monkeypatch):
     before = {folder / "b.jsonl": real(folder / "b.jsonl")}
     (folder / "b.jsonl").write_bytes(secret)
     monkeypatch.setattr(stage, "sha256_file", lambda f: before.get(f) or real(f))
-    job2 = tmp_path / "stage" / "job2"
-    try:
-        stage.upload(Shell(), str(job2), [ds], Events())
-    except EmberError as e:
-        refused = str(e)
-    else:
-        refused = None
-    arrived = [p for p in job2.rglob("*") if p.is_file() and p.read_bytes() == secret]
+    arrived, refused = staged(tmp_path / "stage" / "job2", ds, secret)
     assert arrived == [] and refused is not None and "changed while it was staged" in refused
