@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ def test_a_tests_own_children_and_warm_commands_are_counted_in_its_group(tmp_pat
     why = cpu_by_test.start(tmp_path / "log")
     if why is not None:
         pytest.skip(f"--cpu-by-test: {why}")
+    run = Path(json.loads(os.environ[cpu_by_test.ENV])["group"])
     try:
         counted = cpu_by_test.PerTest(os.environ[cpu_by_test.ENV])
         counted.begin()
@@ -36,10 +38,10 @@ def test_a_tests_own_children_and_warm_commands_are_counted_in_its_group(tmp_pat
         counted.end("warm")
         counted.begin()
         counted.end("nothing")
-        lines = cpu_by_test.finish(tmp_path / "log")
     finally:
-        if was is not None:
+        if was is not None:  # out of the run's group, as a worker is gone by the end of a run
             cpu_by_test.join(was, os.getpid())
+    lines = cpu_by_test.finish(tmp_path / "log")
     cpu = {r["id"]: r["cpu"] for r in json.loads((tmp_path / "cache" / "cpu-by-test.json").read_text())["tests"]}
     assert cpu["child"] >= 0.5, cpu
     # a run's step, checkpoint and exit, in the command the warm process forked: this worker's own
@@ -48,3 +50,4 @@ def test_a_tests_own_children_and_warm_commands_are_counted_in_its_group(tmp_pat
     assert cpu["nothing"] < 0.05, cpu
     assert lines[1].endswith("child") and "CPU seconds by test" in lines[0], lines
     assert not (tmp_path / "log").exists()
+    assert not run.exists(), f"{run} left behind"  # each `make test` left an empty group once
