@@ -16,7 +16,6 @@ import datetime as dt
 import sqlite3
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ember.errors import EmberError
 from ember.ledger import database as ledger_store
@@ -149,14 +148,8 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
 
 
 def _goodput_share(row: sqlite3.Row, con: sqlite3.Connection, last: AttemptRow | None) -> float:
-    """Productive share of a run's held time: from the summary stored at its `last` attempt's
-    end, else from a fresh report (that attempt runs, died or crashed: no summary of its own);
-    0 when its folder is gone."""
-    from ember.metrics.report import build_report, stored_summary
-    if (stored := stored_summary(row, last)) is not None and stored.goodput is not None:
-        return stored.goodput
-    try:
-        report = build_report(Path(row["path"]), con)
-    except EmberError:
-        return 0.0  # the run folder is gone: count its time as badput
-    return report.goodput.goodput if report.goodput else 0.0
+    """Productive share of a run's held time, as `ember runs` has it (report.run_summary); 0 when
+    its folder is gone: its time counts as badput."""
+    from ember.metrics.report import run_summary
+    summary = run_summary(con, row, last)
+    return summary.goodput if summary is not None and summary.goodput is not None else 0.0

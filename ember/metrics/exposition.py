@@ -39,7 +39,7 @@ from ember.ledger import database as ledger_store
 from ember.ledger.database import AttemptRow
 from ember.ledger.goodput import Bucket, Goodput, Step
 from ember.metrics.flops import mfu
-from ember.metrics.report import build_report, goodput_so_far, pid_alive, stored_summary, summarize
+from ember.metrics.report import goodput_so_far, pid_alive, run_summary
 from ember.metrics.series import read_records
 from ember.runfolder import read_record
 
@@ -158,17 +158,13 @@ class LedgerCollector:
         yield from self._service(con)
 
     def _summary(self, con: sqlite3.Connection, row: sqlite3.Row, last: AttemptRow | None, tail: Tail) -> dict:
-        """A run's figures as `ember runs` has them: the summary stored at its `last` attempt's end,
-        or a fresh report where that attempt stored none (killed, crashed), kept until the run changes."""
-        if (stored := stored_summary(row, last)) is not None:
-            return asdict(stored)
+        """A run's figures as `ember runs` has them (report.run_summary), kept until the run changes;
+        where its folder is gone, what was stored, if anything."""
         key = (last, row["summary_updated"], tail.inode, tail.offset)
         cached = self.fresh.get(row["id"])
         if cached is None or cached[0] != key:
-            try:
-                cached = key, asdict(summarize(build_report(Path(row["path"]), con)))
-            except EmberError:  # the run folder is gone: what was stored, if anything
-                cached = key, json.loads(row["summary"]) if row["summary"] else {}
+            summary = run_summary(con, row, last)
+            cached = key, asdict(summary) if summary is not None else json.loads(row["summary"]) if row["summary"] else {}
             self.fresh[row["id"]] = cached
         return cached[1]
 

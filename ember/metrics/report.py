@@ -393,18 +393,27 @@ def stored_summary(row: sqlite3.Row, last: AttemptRow | None) -> RunSummary | No
     return stored if stored.status == last.outcome and row["summary_updated"] >= last.end else None
 
 
+def run_summary(con: sqlite3.Connection, row: sqlite3.Row, last: AttemptRow | None) -> RunSummary | None:
+    """A ledger run's figures (`all_runs`' row, its `last` attempt), as `ember runs`, `/metrics`
+    and `ember capacity` count them: the summary stored at that attempt's end, or a fresh report
+    where it stored none (see stored_summary); None where neither is there (the folder is gone)."""
+    if (stored := stored_summary(row, last)) is not None:
+        return stored
+    try:
+        return summarize(build_report(Path(row["path"]), con))
+    except EmberError:
+        return None
+
+
 def list_runs(con: sqlite3.Connection) -> list[tuple[sqlite3.Row, RunSummary]]:
-    """Every run in the ledger with its figures: the summary stored at its last attempt's end,
-    or, where there is none for that attempt (see stored_summary), a fresh report."""
+    """Every run in the ledger with its figures (run_summary); one whose folder is gone, what was
+    stored for it, if anything."""
     out = []
     for row in ledger_store.all_runs(con):
         attempts = ledger_store.attempts(con, row["id"])
-        stored = stored_summary(row, attempts[-1] if attempts else None)
-        if stored is None:
-            stored = RunSummary(**json.loads(row["summary"])) if row["summary"] else None
-            try:
-                stored = summarize(build_report(Path(row["path"]), con))
-            except EmberError:
-                stored = stored or RunSummary("folder missing", 0, row["max_steps"])
-        out.append((row, stored))
+        summary = run_summary(con, row, attempts[-1] if attempts else None)
+        if summary is None:
+            summary = (RunSummary(**json.loads(row["summary"])) if row["summary"]
+                       else RunSummary("folder missing", 0, row["max_steps"]))
+        out.append((row, summary))
     return out
