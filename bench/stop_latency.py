@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ember.metrics.stats import percentile  # noqa: E402
+from ember.proc import dies_with_us  # noqa: E402
 from tests.helpers import write_recipe  # noqa: E402
 
 
@@ -58,7 +59,8 @@ def main() -> None:
     for trial in range(args.trials):
         out = work / f"run{trial}"
         proc = subprocess.Popen([sys.executable, "-m", "ember", "run", str(recipe), "--out", str(out)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=dies_with_us())  # a killed bench leaves no 10,000-step run behind
         said: list[tuple[float, str]] = []  # (perf_counter, line) of the run's stderr, as it comes
         reader = threading.Thread(target=lambda: said.extend((time.perf_counter(), x) for x in proc.stderr),
                                   daemon=True)
