@@ -79,6 +79,9 @@ def parse_size(text: str, where: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
+MAX_SIM_DEVICES = 1024  # declared devices of one kind: more is a typo (sim:80000x1GiB), not a machine
+
+
 def parse_devices(spec: str) -> tuple[Device, ...]:
     """`sim:2x8GiB` or `sim:8GiB,4GiB` -> simulated devices."""
     where = f"devices {spec!r}"
@@ -88,8 +91,9 @@ def parse_devices(spec: str) -> tuple[Device, ...]:
     out: list[Device] = []
     for part in spec[4:].split(","):
         count, _, size = part.strip().rpartition("x") if "x" in part else ("1", "", part)
-        if not count.strip().isdigit() or int(count) < 1:
-            raise EmberError(f"{where}: {part!r}: write COUNTxSIZE, e.g. 2x8GiB")
+        count = count.strip()
+        if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= MAX_SIM_DEVICES:  # not "²"
+            raise EmberError(f"{where}: {part!r}: write COUNTxSIZE, e.g. 2x8GiB (COUNT 1 to {MAX_SIM_DEVICES})")
         for _ in range(int(count)):
             n = parse_size(size, where)
             out.append(Device(len(out), f"sim:{len(out)}", Kind.SIM, n, n))

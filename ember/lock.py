@@ -119,9 +119,10 @@ def who_holds(path: Path, recorded: str) -> str:
     """Which live process holds the lock at `path`, whose file names `recorded` as its holder:
     that process while it lives; else that it has ended, and what still has the file open."""
     others = holders_of(path)
-    if recorded.isdigit() and int(recorded) in others and (holder := described(int(recorded))):
+    numeric = recorded.isascii() and recorded.isdigit()  # what the lock file says may be damaged: not "²"
+    if numeric and int(recorded) in others and (holder := described(int(recorded))):
         return f"in use by another ember process, {holder}"
-    ended = f"the ember process that locked it (PID {recorded}) has ended" if recorded.isdigit() \
+    ended = f"the ember process that locked it (PID {recorded}) has ended" if numeric \
         else "its lock file names no holder"
     still = [d for pid in others if (d := described(pid))]
     if still:

@@ -55,7 +55,7 @@ class Topology:
             raise EmberError(f"--nproc {self.nproc} --nnodes {self.nnodes}: both must be >= 1")
         if self.nnodes > 1:
             host, _, port = self.rdzv.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
                 raise EmberError(f"--rdzv {self.rdzv!r}: give node 0's address as HOST:PORT (every node the same)")
             if not 0 <= self.node_rank < self.nnodes:
                 raise EmberError(f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1}")

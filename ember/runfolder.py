@@ -31,7 +31,7 @@ from ember.ckpt.store import committed_in
 from ember.durable import append_durable, fsync_dir, fsync_file, open_append, write_durable
 from ember.errors import EmberError, NotFound
 from ember.events import Events
-from ember.jsonl import read_jsonl
+from ember.jsonl import Shape, read_jsonl
 from ember.launchspec import ENV as LAUNCH_ENV
 from ember.launchspec import LaunchSpec
 from ember.lock import Lock, acquire
@@ -97,8 +97,9 @@ def read_record(path: Path) -> dict[str, Any]:
         record = json.loads((path / RUN_FILE).read_text())
     except (OSError, ValueError) as e:
         raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
-    if not isinstance(record, dict):
-        raise EmberError(f"{path / RUN_FILE}: not a run record (a JSON object); it was damaged or replaced: "
+    if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
+        what = "a JSON object" if not isinstance(record, dict) else "its \"recipe\" is not an object"
+        raise EmberError(f"{path / RUN_FILE}: not a run record ({what}); it was damaged or replaced: "
                          f"restore it from a backup, or train into a new --out")
     return record
 
@@ -244,7 +245,7 @@ class RunDir:
 
     def rewind_metrics(self, step: int) -> int:
         """Keep metrics lines up to `step` (the resumed checkpoint); move later ones to the lost log."""
-        records = read_jsonl(self.metrics_path)  # a line torn by a kill mid-write is dropped
+        records = read_metrics(self.metrics_path)  # a line torn by a kill mid-write is dropped
         kept = [r for r in records if r["step"] <= step]
         lost = [r for r in records if r["step"] > step]
         if lost:
@@ -285,6 +286,17 @@ class RunDir:
         os.rename(tmp, final)
         fsync_dir(self.path)
         return final
+
+
+NUMBER = (int, float)
+METRIC_SHAPE: Shape = {"step": (int,), "attempt": (int,), "tokens": (int,), "loss": (*NUMBER, type(None)),
+                       "step_seconds": NUMBER, "data_wait_seconds": NUMBER}  # what every metrics line has
+
+
+def read_metrics(path: Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The lines of metrics.jsonl or metrics.lost.jsonl at `path`, each with the fields the
+    report and charts read (a line without them is named, as corruption is)."""
+    return read_jsonl(path, notes, METRIC_SHAPE)
 
 
 class MetricsLog:

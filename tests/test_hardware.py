@@ -45,3 +45,11 @@ def test_this_cpu_machine_is_host_ram_for_the_scheduler_and_the_planner(monkeypa
     assert for_run("cpu")[0].kind == Kind.CPU
     with pytest.raises(EmberError, match="no such device is available here"):
         for_run("cuda:1")
+
+
+@pytest.mark.parametrize("spec", ["sim:²x8GiB", "sim:80000000x1GiB", "sim:0x8GiB"])
+def test_a_declared_count_that_is_no_count_is_refused_by_name(spec):
+    """EMBER_DEVICES=sim:²x8GiB passed str.isdigit and int() raised a ValueError traceback;
+    sim:80000000x1GiB built eighty million devices (minutes, gigabytes) before anything ran."""
+    with pytest.raises(EmberError, match=r"write COUNTxSIZE, e\.g\. 2x8GiB \(COUNT 1 to 1024\)"):
+        parse_devices(spec)

@@ -134,13 +134,12 @@ def check_tolerance(tolerance: float) -> None:
 
 def compare_folders(a: Path, b: Path, tolerance: float) -> Comparison:
     """Compare two run folders: their records, per-step losses and final weights."""
-    from ember.jsonl import read_jsonl
-    from ember.runfolder import read_record
+    from ember.runfolder import read_metrics, read_record
 
     check_tolerance(tolerance)
 
     def losses(path: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in read_jsonl(path / "metrics.jsonl", [])}
+        return {r["step"]: r["loss"] for r in read_metrics(path / "metrics.jsonl", [])}
     diffs = weight_differences(a / "final", b / "final")
     c = compare_runs(read_record(a), read_record(b), losses(a), losses(b), tolerance,
                      None if diffs is None else not diffs)

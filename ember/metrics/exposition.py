@@ -34,14 +34,13 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ember.errors import EmberError
-from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.database import AttemptRow
 from ember.ledger.goodput import Bucket, Goodput, Step
 from ember.metrics.flops import mfu
 from ember.metrics.report import goodput_so_far, pid_alive, run_summary
 from ember.metrics.series import read_records
-from ember.runfolder import read_record
+from ember.runfolder import read_metrics, read_record
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -172,8 +171,11 @@ class LedgerCollector:
         """A live run's goodput up to now: its surviving steps' sums from `tail`, and the steps
         computed again after a resume (metrics.lost.jsonl, small: read whole)."""
         steps = [Step(attempt, 0, seconds, wait, False) for attempt, (seconds, wait) in tail.by_attempt.items()]
-        steps += [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"], True)
-                  for r in read_jsonl(run / "metrics.lost.jsonl")]
+        try:
+            lost = read_metrics(run / "metrics.lost.jsonl")
+        except EmberError:
+            return None  # a damaged log: no live goodput here; `ember report` names the line
+        steps += [Step(r["attempt"], r["step"], r["step_seconds"], r["data_wait_seconds"], True) for r in lost]
         return goodput_so_far(con, run_id, steps)
 
     def _performance(self, run: Path) -> dict:

@@ -15,7 +15,6 @@ from typing import Any
 
 from ember.ckpt.store import committed_in
 from ember.errors import EmberError, NotFound
-from ember.jsonl import read_jsonl
 from ember.ledger import database as ledger_store
 from ember.ledger.database import AttemptRow
 from ember.ledger.goodput import Bucket, Event, EventKind, Goodput, Span, Step, account
@@ -27,7 +26,7 @@ from ember.metrics.heldout import history as held_out_history
 from ember.metrics.rank_times import load as load_ranks
 from ember.metrics.machine import read_machine
 from ember.metrics.stats import Histogram, Spread, Stall, histogram, spread, stalls
-from ember.runfolder import read_record
+from ember.runfolder import read_metrics, read_record
 
 
 @dataclass
@@ -184,8 +183,8 @@ def build_report(run_path: Path, con: sqlite3.Connection | None) -> RunReport:
     """Everything `ember report` shows."""
     record = read_record(run_path)
     notes: list[str] = []
-    kept = read_jsonl(run_path / "metrics.jsonl", notes)
-    lost = read_jsonl(run_path / "metrics.lost.jsonl", notes)
+    kept = read_metrics(run_path / "metrics.jsonl", notes)
+    lost = read_metrics(run_path / "metrics.lost.jsonl", notes)
     recipe = record["recipe"]
     perf = record.get("performance", {})
     rows = ledger_store.attempts(con, record["id"]) if con is not None and "id" in record else []

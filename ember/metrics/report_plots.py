@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ember.jsonl import read_jsonl
+from ember.runfolder import read_metrics
 
 
 def write_plots(report: Any, run: Path, folder: Path) -> list[Path]:
@@ -15,7 +15,7 @@ def write_plots(report: Any, run: Path, folder: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    kept, lost = read_jsonl(run / "metrics.jsonl", []), read_jsonl(run / "metrics.lost.jsonl", [])
+    kept, lost = read_metrics(run / "metrics.jsonl", []), read_metrics(run / "metrics.lost.jsonl", [])
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     figures = (("loss.png", lambda: _loss(plt, report, kept, lost)), ("step_time.png", lambda: _step_time(plt, report)),

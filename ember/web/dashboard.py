@@ -279,8 +279,8 @@ def api_curves(request: Request, run_id: str, fields: str | None = None, start: 
 async def api_live(run_id: str, request: Request, offset: int = Query(0, ge=0)) -> StreamingResponse:
     v = views(request)
     folder = await run_in_threadpool(v.folder, run_id)
-    last = request.headers.get("last-event-id", "")
-    start = int(last) if last.isdigit() else offset
+    last = request.headers.get("last-event-id", "")  # what this stream sent as `id:`, or a client's own
+    start = int(last) if last.isascii() and last.isdigit() and len(last) <= 20 else offset
     return StreamingResponse(live_steps(request, v, run_id, folder, start), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store"})
 

@@ -125,7 +125,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     """The request's JSON object, refused past MAX_BODY bytes without reading the rest."""
     length = request.headers.get("content-length", "")
     too_big = RequestError(f"the request body is over {MAX_BODY} bytes; send a shorter prompt", 413)
-    if length.isdigit() and int(length) > MAX_BODY:
+    if length.isascii() and length.isdigit() and int(length) > MAX_BODY:
         raise too_big
     body = bytearray()
     async for chunk in request.stream():

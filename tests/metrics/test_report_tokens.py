@@ -94,3 +94,28 @@ def test_the_seconds_a_step_spent_compiling_are_no_part_of_tokens_per_second(tmp
     (tmp_path / "r" / "metrics.jsonl").write_text("\n".join([json.dumps(first), lines[1]]) + "\n")
     report = build_report(tmp_path / "r", None)
     assert report.throughput.tokens_per_second == 400 / 2.0
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"loss": None}, 'no "loss"'),  # None: the field removed
+    ({"step_seconds": "0.5"}, '"step_seconds" is "0.5", not int or float'),
+    ({"attempt": True}, '"attempt" is true, not int'),
+    ({"step": None}, 'no "step"')])
+def test_a_metrics_line_without_a_field_the_report_reads_is_named(tmp_path, change, why):
+    """A metrics line that is an object but lacks what `ember report`, `ember compare` and the
+    report's charts read once ended in a KeyError or TypeError traceback; it is named by its
+    line, as a corrupted line is, and the file is left as it was."""
+    folder = tmp_path / "r"
+    write_run(folder, [(100, 3.0, 0.5), (100, 2.5, 0.5), (100, 2.0, 0.5)])
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    line = {**json.loads(lines[1]), **change}
+    line = {k: v for k, v in line.items() if not (v is None and k in change)}
+    path.write_text("\n".join([lines[0], json.dumps(line), lines[2]]) + "\n")
+    before = path.read_bytes()
+    where = rf"metrics\.jsonl:2: not one of ember's lines \({why}\)"
+    with pytest.raises(EmberError, match=where):
+        build_report(folder, None)
+    with pytest.raises(EmberError, match=where):
+        compare_folders(folder, folder, 0.0)
+    assert path.read_bytes() == before

@@ -107,3 +107,11 @@ def test_device_memory_that_is_not_a_finite_positive_number_is_refused(tmp_path,
     r = load_recipe(write_recipe(tmp_path))
     with pytest.raises(EmberError, match=rf"--device-memory {gib:g}: must be a finite number of GiB > 0"):
         planned_devices(r, gib)
+
+
+@pytest.mark.parametrize("rdzv", ["node0:²", "node0:99999", "node0:0", "node0:٣٣"])
+def test_a_rendezvous_port_that_is_no_port_is_refused_before_torchrun(rdzv):
+    """--rdzv node0:² passed str.isdigit and reached torchrun's rendezvous, whose int() raised
+    there; 99999 and 0 are no TCP port either."""
+    with pytest.raises(EmberError, match=r"--rdzv .*: give node 0's address as HOST:PORT"):
+        Topology(nproc=1, nnodes=2, node_rank=0, rdzv=rdzv).check()

@@ -86,3 +86,20 @@ def test_a_purge_that_names_no_state_removes_nothing(client, service):
     assert sorted(j.name for j in rows.all_jobs(service.con)) == ["a", "b", "c"]
     r = client.post("/api/jobs/purge", json={"states": ["failed"]})
     assert (r.status_code, [j["name"] for j in r.json()["removed"]]) == (200, ["b"]), r.text
+
+
+@pytest.mark.parametrize("where", [{"headers": {"Last-Event-ID": "²".encode("latin-1")}}, {"headers": {"Last-Event-ID": "9" * 5000}},
+                                   {"headers": {"Last-Event-ID": str(2 ** 63)}}, {"params": {"offset": 2 ** 63}}])
+def test_a_live_chart_position_past_any_file_or_not_a_number_is_no_error(client, service, tmp_path, where):
+    """The live chart resumes from the browser's Last-Event-ID, read with str.isdigit alone:
+    5,000 digits passed it and int() refused them (past its limit), a 400 that quoted int()'s
+    words ('²', which str.isdigit takes too, does the same over a socket). An ID that is not a number the stream could have sent is ignored (the
+    offset asked for is used); a position past the file's end reads it from its start, as
+    after a rewind."""
+    con = store.connect(service.ledger_path)
+    run = make_run(con, tmp_path / "allowed" / "runs" / "a", 3)
+    con.close()
+    with client.stream("GET", f"/api/runs/{run}/live", **where) as r:
+        text = r.read().decode()
+    assert r.status_code == 200, (r.status_code, text[:300])
+    assert "event: end" in text and '"step": 3' in text, text[-500:]
