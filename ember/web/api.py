@@ -78,7 +78,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 # the whole service, and the engine may be another program on another host ([inference] upstream);
 # nor may the engine set a cookie under the service's origin (it could replace the session).
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}
-NOT_RETURNED = HOP_BY_HOP | {"set-cookie"}
+# Date and Server are the answering server's own: uvicorn sends them, and the engine's would be a second pair.
+NOT_RETURNED = HOP_BY_HOP | {"set-cookie", "date", "server"}
 
 
 def create_app(service: Service | None, token: str, loopback: bool, engine_url: str | None,

@@ -396,6 +396,44 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(service):
         engine.close()
 
 
+def test_an_answer_through_the_inference_proxy_has_one_date_and_one_server(service):
+    """The proxy returned the engine's Date and Server headers and uvicorn added its own: every
+    /v1 answer had two of each (RFC 9110 allows one Date; clients that keep the last saw the
+    engine's clock and name). Only the service's own are sent now."""
+    import http.client
+    import threading
+
+    import uvicorn
+    engine = Recorder()  # Python's http.server: it sends Server and Date as llama.cpp's does
+    app = create_app(service, "s3cret", True, engine.url)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):  # started within 60 s
+        if server.started:
+            break
+        threading.Event().wait(0.1)
+    assert server.started, "uvicorn did not start within 60 s"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+            con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            con.request(method, path, body=b'{"prompt": "In"}' if method == "POST" else None,
+                        headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"})
+            r = con.getresponse()
+            r.read()
+            con.close()
+            names = [k.lower() for k, _ in r.getheaders()]
+            assert r.status == 200 and names.count("date") == 1 and names.count("server") == 1, \
+                (method, path, r.status, r.getheaders())
+            assert "BaseHTTP" not in r.getheader("server"), r.getheaders()  # uvicorn's, not the engine's
+        assert len(engine.seen) == 2
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        engine.close()
+
+
 def test_ember_yield_outlives_a_restart_of_the_service(service, tmp_path):
     """A yielded job trained 591 steps in the 30 s after a SIGKILL and restart of the service:
     the yield lived in the service's memory. It is written (fsynced) before it is answered and a
