@@ -42,7 +42,7 @@ def test_the_run_folder_says_its_last_step_and_whether_it_completed(tmp_path):
     lines = [json.dumps({"step": s, "time": 100.0 + s}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 4, \"ti")  # a torn last line
     assert (last_step(tmp_path), last_step_time(tmp_path)) == (3, 103.0)
-    (tmp_path / "run.json").write_text(json.dumps({"completed_step": 3}))
+    (tmp_path / "run.json").write_text(json.dumps({"recipe": {}, "completed_step": 3}))  # as every run.json has one
     assert not completed(tmp_path)  # final/ is not there yet
     (tmp_path / "final").mkdir()
     assert completed(tmp_path)
