@@ -33,29 +33,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # test of those is a unit of its own (their expensive inputs are shared across workers:
 # tests/artifacts.py). The units are handed out in the order below, the longest first
 # (`--no-loadscope-reorder`), so that no long one is left for the end while the others idle: every
-# file of 10 s or more (the sum of its tests' durations, four workers; tests/README.md), the rest
-# after them in their collection order.
+# file of 8 s or more, by the sum of its tests' durations (four workers, a quiet run of 2026-12-05;
+# tests/README.md), the rest after them in their collection order. A file missing here runs late:
+# test_gguf_blocks.py (34 s) was the last unit to start, and the others idled 15-27 s at the end.
 SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tests/e2e/test_defects.py",
          "tests/e2e/test_distributed.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_cli.py",
          "tests/e2e/test_distributed_lora.py", "tests/e2e/test_distributed_tp_lora.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py",
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
-LONGEST_FIRST = ["tests/e2e/test_crash_consistency.py", "tests/remote/test_slurm.py", "tests/e2e/test_compile.py",
-                 "tests/e2e/test_serve.py", "tests/infer/test_export.py", "tests/plan/test_traced.py",
-                 "tests/web/test_browser.py", "tests/e2e/test_distributed_faults.py", "tests/e2e/test_two_nodes.py",
-                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_resume.py",
-                 "tests/e2e/test_group_signals.py", "tests/plan/test_memory.py", "tests/e2e/test_rerun.py",
-                 "tests/e2e/test_distributed.py", "tests/e2e/test_defects.py", "tests/e2e/test_pipeline_ddp.py",
-                 "tests/e2e/test_pipeline.py", "tests/e2e/test_orphans.py", "tests/bench/test_gpu_script.py",
-                 "tests/e2e/test_plan.py", "tests/e2e/test_coserve.py", "tests/data/test_tokenize.py",
-                 "tests/infer/test_engine.py", "tests/parallel/test_tp.py", "tests/web/test_dashboard_api.py",
-                 "tests/e2e/test_accounting.py", "tests/test_startup.py", "tests/plan/test_fit.py",
-                 "tests/e2e/test_distributed_lora.py", "tests/train/test_qlora.py", "tests/parallel/test_fsdp_tp.py",
-                 "tests/remote/test_second_backend.py", "tests/test_warm.py",
-                 "tests/infer/test_export_checkpoint.py", "tests/test_restart_path.py",
-                 "tests/e2e/test_chat_data.py", "tests/parallel/test_fsdp.py", "tests/test_launchspec.py",
-                 "tests/train/test_compiled.py", "tests/web/test_unit.py", "tests/data/test_formats.py",
-                 "tests/e2e/test_cli.py"]
+LONGEST_FIRST = ["tests/remote/test_slurm.py", "tests/e2e/test_serve.py", "tests/e2e/test_resume.py",
+                 "tests/e2e/test_compile.py", "tests/plan/test_traced.py", "tests/e2e/test_crash_consistency.py",
+                 "tests/e2e/test_rerun.py", "tests/e2e/test_distributed_faults.py", "tests/infer/test_export.py",
+                 "tests/web/test_browser.py", "tests/e2e/test_distributed.py", "tests/plan/test_memory.py",
+                 "tests/e2e/test_two_nodes.py", "tests/e2e/test_pipeline.py", "tests/e2e/test_group_signals.py",
+                 "tests/e2e/test_pipeline_ddp.py", "tests/bench/test_gpu_script.py",
+                 "tests/e2e/test_distributed_tp_lora.py", "tests/e2e/test_defects.py", "tests/e2e/test_coserve.py",
+                 "tests/e2e/test_orphans.py", "tests/web/test_dashboard_api.py", "tests/train/test_gguf_blocks.py",
+                 "tests/data/test_tokenize.py", "tests/e2e/test_plan.py", "tests/infer/test_engine.py",
+                 "tests/train/test_qlora.py", "tests/plan/test_fit.py", "tests/e2e/test_accounting.py",
+                 "tests/parallel/test_tp.py", "tests/test_startup.py", "tests/e2e/test_chat_data.py",
+                 "tests/test_restart_path.py", "tests/remote/test_second_backend.py", "tests/test_warm.py",
+                 "tests/train/test_compiled.py", "tests/parallel/test_fsdp_tp.py",
+                 "tests/infer/test_export_checkpoint.py", "tests/test_launchspec.py", "tests/train/test_schedule.py",
+                 "tests/sched/test_api.py", "tests/data/test_formats.py", "tests/parallel/test_ddp.py",
+                 "tests/e2e/test_distributed_lora.py"]
 
 
 PEAKS = "EMBER_TEST_PEAKS"  # the cpu_peak.json the pytest run's homes start with (measure_peaks)
