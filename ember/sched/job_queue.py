@@ -26,6 +26,8 @@ from ember.ledger import job_states as jobs
 from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL
 from ember.sched.plan_child import plan_json
 
+PLANS_KEPT = 256  # submitted recipes whose plans are remembered (a submit of one seen before is not re-planned)
+
 
 class JobQueue:
     """The jobs table of one ledger, read and changed for the service."""
@@ -89,6 +91,8 @@ class JobQueue:
                 "memory": int(plan["memory"]["with_margin"]), "count": 1, "verdict": plan["verdict"],
                 "reasons": plan["reasons"], "max_steps": plan["recipe"]["max_steps"],
                 "step_seconds": step if isinstance(step, (int, float)) and math.isfinite(step) else None}
+            while len(self.plans) > PLANS_KEPT:  # each `--set` tried is a recipe of its own
+                self.plans.pop(next(iter(self.plans)))
         return {**self.plans[key], "recipe": resolved.to_dict(), "recipe_digest": key}
 
     def name_for(self, name: str | None, recipe: Path) -> str:

@@ -28,6 +28,7 @@ from ember.sched.service import JobView, Service
 
 
 REPORTS_KEPT = 8
+PLANS_KEPT = 64  # plans remembered (a few kB each; every `?device_memory=` asked is another)
 
 
 def _stat(path: Path) -> tuple[int, int, int] | None:
@@ -161,7 +162,8 @@ class Views:
             except (OSError, UnicodeDecodeError) as e:
                 raise NotFound(f"job {job}: its recipe {row.recipe} cannot be read: {e}") from None
             key = ("job", row.recipe, text, tuple(overrides), device_memory, target_micro_batch)
-        # Planning is a child process of ~175 MB for seconds: one at a time, once per recipe and question.
+        # Planning is a child process of ~175 MB for seconds: one at a time, once per recipe and
+        # question, the newest PLANS_KEPT answers kept (each query string is a question of its own).
         with self.plan_lock:
             if key not in self.plans:
                 with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
@@ -169,4 +171,6 @@ class Views:
                     if run_id is not None:
                         path.write_text(text)
                     self.plans[key] = plan_json(path, overrides, self.ledger, device_memory, target_micro_batch)
-        return self.plans[key]
+                while len(self.plans) > PLANS_KEPT:
+                    self.plans.pop(next(iter(self.plans)))  # the oldest asked
+            return self.plans[key]

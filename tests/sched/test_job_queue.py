@@ -136,3 +136,14 @@ def test_a_recipe_is_planned_once_per_content_and_overrides(queue, tmp_path):
     assert changed["max_steps"] == 7 and len(queue.plans) == 2
     # What the job will train is the recipe as submitted, resolved, overrides applied.
     assert first["recipe"]["train"]["max_steps"] == 5 and changed["recipe"]["train"]["max_steps"] == 7
+
+
+def test_the_plans_remembered_are_the_newest_few(queue, tmp_path, monkeypatch):
+    """Every submit with another `--set` is a recipe of its own, and its plan was kept for the
+    service's life: a client trying values grew the service without bound."""
+    monkeypatch.setattr("ember.sched.job_queue.PLANS_KEPT", 2, raising=False)
+    recipe = write_recipe(tmp_path / "recipe", train={"max_steps": 5})
+    for steps in (6, 7, 8):
+        assert queue.request(recipe, [f"train.max_steps={steps}"])["max_steps"] == steps
+    assert len(queue.plans) == 2
+    assert queue.request(recipe, ["train.max_steps=8"])["max_steps"] == 8 and len(queue.plans) == 2

@@ -103,3 +103,19 @@ def test_a_live_chart_position_past_any_file_or_not_a_number_is_no_error(client,
         text = r.read().decode()
     assert r.status_code == 200, (r.status_code, text[:300])
     assert "event: end" in text and '"step": 3' in text, text[-500:]
+
+
+def test_the_plans_the_dashboard_remembers_are_the_newest_few(client, service, tmp_path, monkeypatch):
+    """Each `?device_memory=` or `?target_micro_batch=` asked of /api/plan is a question of its
+    own, and every answer was kept for the service's life: a page or client trying values grew
+    the service without bound. The newest PLANS_KEPT are kept."""
+    from ember.web import views as views_module
+    monkeypatch.setattr(views_module, "PLANS_KEPT", 2, raising=False)
+    con = store.connect(service.ledger_path)
+    run = make_run(con, tmp_path / "allowed" / "runs" / "p", 3)
+    con.close()
+    for batch in (1, 2, 3):
+        r = client.get("/api/plan", params={"run": run, "target_micro_batch": batch})
+        assert r.status_code == 200, r.text[:300]
+    kept = client.app.state.dashboard.views.plans
+    assert len(kept) == 2 and sorted(k[-1] for k in kept) == [2, 3], list(kept)
