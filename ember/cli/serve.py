@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.errors import EXIT_ERROR, EmberError
-from ember.paths import NAME_GRAMMAR, check_name
+from ember.paths import NAME_GRAMMAR, check_job_name
 
 COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "requeue", "logs", "yield")
 FINISHED = ("completed", "failed", "cancelled")
@@ -122,7 +122,7 @@ def parse_duration(text: str, option: str = "--for") -> float:
 def job_name(text: str) -> str:
     """argparse type of --name: a bad name is a usage error (exit 2) that shows the grammar."""
     try:
-        return check_name(text, "--name")
+        return check_job_name(text, "--name")
     except EmberError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -34,7 +34,7 @@ from ember.errors import BadInput, Conflict, EmberError
 from ember.events import Events
 from ember.ledger.job_rows import JobRow
 from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL
-from ember.paths import check_name, default_run_folder
+from ember.paths import check_job_name, default_run_folder
 from ember.sched.dispatch import Dispatcher
 from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
@@ -57,7 +57,7 @@ class JobControl:
                overrides: list[str]) -> JobRow:
         """Plan the recipe (in a child: no torch here), refuse what can never fit, queue the rest."""
         if name is not None:
-            check_name(name)
+            check_job_name(name)
         recipe_path = self.watch.allowed(recipe, "recipe")
         if not recipe_path.is_file():
             raise BadInput(f"recipe {recipe_path}: no such file")

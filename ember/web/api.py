@@ -126,7 +126,8 @@ class SubmitBody(BaseModel):
     """POST /api/jobs: a recipe to queue (what `ember submit` sends)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     recipe: str = Field(min_length=1, description="the recipe's path, under a folder of [service] allowed")
-    name: str | None = Field(None, description=f"the job's name, {NAME_GRAMMAR} (default RECIPE-ID)")
+    name: str | None = Field(None, description=f"the job's name, {NAME_GRAMMAR}, not digits alone "
+                                                "(default RECIPE-ID)")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first and may preempt lower")
     out: str | None = Field(None, description="the run folder, under [service] allowed (default "
                                               "$EMBER_HOME/runs/NAME)")

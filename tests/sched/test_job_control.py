@@ -254,3 +254,18 @@ def test_submit_refuses_before_planning_then_queues_once_planned(hand, tmp_path)
     refused(EmberError, "can never fit here: .* the largest device offers 0.00 GiB; `ember plan` says",
             tiny.control.submit, recipe, "third", 0, None, [])
     assert [j.name for j in hand.jobs.jobs()] == ["first", "second"] and len(hand.jobs.plans) == 1
+
+
+def test_a_job_name_of_digits_alone_is_refused_before_planning(hand, tmp_path):
+    """A job is named by its name or its id, and `--name 2` was queued: `ember cancel 2` then meant
+    two jobs (job 2 and the job named '2'), and whichever row came first was cancelled. A name of
+    digits alone is refused now, by the service and by `ember submit`'s parser alike."""
+    import argparse
+    from ember.cli.serve import job_name
+    recipe = str(write_recipe(tmp_path / "allowed" / "r", train={"max_steps": 5}))
+    refused(BadInput, "^job name '2': digits alone would be read as a job's id", hand.control.submit,
+            recipe, "2", 0, None, [])
+    assert hand.jobs.jobs() == [] and hand.jobs.plans == {}  # refused before the plan's child ran
+    with pytest.raises(argparse.ArgumentTypeError, match="digits alone"):
+        job_name("0042")
+    assert job_name("run2") == "run2" and job_name("2a") == "2a"

@@ -45,6 +45,15 @@ def test_a_job_is_found_by_name_or_number_and_a_name_or_folder_belongs_to_one(qu
     assert add(queue, tmp_path, "b", folder="a").out == a.out  # a finished job's folder is free again
 
 
+
+def test_a_number_finds_the_job_with_that_id_before_a_job_named_so(queue, tmp_path):
+    """A job named '2' (id 1) shadowed job 2: `ember cancel 2`, and the queue page's cancel button
+    on job 2's row (it posts the id), found the first row matching by name or id and cancelled
+    job 1 instead."""
+    named, other = add(queue, tmp_path, "2"), add(queue, tmp_path, "x")
+    assert (named.id, other.id) == (1, 2)
+    assert queue.find("2") == other and queue.find("1") == named and queue.find("x") == other
+
 def test_admission_sees_queued_jobs_without_a_hold_and_live_ones(queue, tmp_path):
     free, held, live = (add(queue, tmp_path, n) for n in ("free", "held", "live"))
     queue.move(held, "queued", "held by hand", hold="user")
