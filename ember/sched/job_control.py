@@ -59,6 +59,7 @@ class JobControl:
         if name is not None:
             check_job_name(name)
         recipe_path = self.watch.allowed(recipe, "recipe")
+        chosen = self.watch.allowed(out, "run folder") if out else None  # refused before the plan, too
         if not recipe_path.is_file():
             raise BadInput(f"recipe {recipe_path}: no such file")
         if not -1000 <= priority <= 1000:
@@ -72,7 +73,7 @@ class JobControl:
                              f"{request['verdict']} ({'; '.join(request['reasons'])})")
         with self.lock:
             name = self.jobs.name_for(name, recipe_path)
-            folder = self.watch.allowed(out, "run folder") if out else default_run_folder(name)
+            folder = chosen or default_run_folder(name)
             job = self.jobs.add(name, recipe_path, folder, overrides, priority, request)
         self.events.info(f"job {job.id} {job.name}: queued (priority {priority}, "
                          f"{request['memory'] / 2**20:.0f} MiB per device)")

@@ -203,7 +203,8 @@ async def submit(request: Request) -> Any:
     service = backend(request).service
     data = await read(request, SubmitBody)
     for key, path in (("recipe", data.recipe), ("out", data.out)):
-        if path is not None and not Path(path).expanduser().is_absolute():
+        # '~' and '~user' count as absolute; the library expands them (and refuses an unknown user's).
+        if path is not None and not (path.startswith("~") or Path(path).is_absolute()):
             raise BadInput(f"'{key}': {path!r} is relative, and the service cannot know the folder it is "
                            f"relative to; send an absolute path (`ember submit` resolves it against the "
                            f"folder you run it in)")

@@ -594,3 +594,19 @@ def test_a_path_too_long_for_the_file_system_is_400_not_500(service, tmp_path):
         r = c.post("/api/jobs", json={"recipe": recipe}, headers=AUTH)
         assert r.status_code == 400 and "File name too long" in r.json()["error"]["message"], r.text
     assert c.get("/api/jobs", headers=AUTH).json() == []
+
+
+def test_a_path_under_an_unknown_users_home_is_400_not_500(service, tmp_path):
+    """'~nosuchuser/r.toml' as the recipe or the run folder was answered 500: the check that a path
+    is absolute expanded '~user' first, and Path.expanduser raised RuntimeError ("Could not
+    determine home directory"). Now it is a 400 saying the path is not usable, and nothing is queued."""
+    c = TestClient(create_app(service, "s3cret", True, None), base_url="http://127.0.0.1",
+                   raise_server_exceptions=False)
+    recipe = tmp_path / "allowed" / "r.toml"
+    recipe.write_text("")
+    for body, key in (({"recipe": "~nosuchuser/r.toml"}, "recipe"),
+                      ({"recipe": str(recipe), "out": "~nosuchuser/run"}, "run folder")):
+        r = c.post("/api/jobs", json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert f"{key} '~nosuchuser/" in r.json()["error"]["message"] and "not a usable path" in r.text, r.text
+    assert c.get("/api/jobs", headers=AUTH).json() == []
