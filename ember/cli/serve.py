@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from rich.console import Console
 from rich.table import Table
@@ -125,6 +126,12 @@ def job_name(text: str) -> str:
         return check_job_name(text, "--name")
     except EmberError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def job_path(ref: str) -> str:
+    """A job's name or id as one segment of the API's path: any character quoted ('²', ' ', '?',
+    '#', '/'), so the service answers for that job, whatever it is called."""
+    return quote(ref, safe="")
 
 
 class Answer:
@@ -273,7 +280,7 @@ def run_line(j: dict) -> str:
 
 def cmd_purge(args: argparse.Namespace) -> int:
     body = {"jobs": args.jobs, "states": args.states, "dry_run": args.dry_run,
-            "older_than_seconds": parse_duration(args.older_than, "--older-than") if args.older_than else None}
+            "older_than_seconds": None if args.older_than is None else parse_duration(args.older_than, "--older-than")}
     removed = request("POST", "/api/jobs/purge", body).json()["removed"]
     if not removed:
         chosen = args.jobs or args.states or args.older_than
@@ -288,7 +295,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 def cmd_job(args: argparse.Namespace) -> int:
     body = {"hard": True} if getattr(args, "hard", False) else {}
-    j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
+    j = request("POST", f"/api/jobs/{job_path(args.job)}/{args.command}", body, timeout=120).json()
     extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
     if args.command == "requeue":
         extra += f"; its run resumes from its last checkpoint in {j['out']}"
@@ -300,13 +307,13 @@ def cmd_job(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     offset = 0
     while True:
-        r = request("GET", f"/api/jobs/{args.job}/logs?offset={offset}")
+        r = request("GET", f"/api/jobs/{job_path(args.job)}/logs?offset={offset}")
         sys.stdout.buffer.write(r.content)
         sys.stdout.flush()
         offset = int(r.headers.get("X-Ember-Offset", offset))
         if not args.follow:
             return 0
-        state = request("GET", f"/api/jobs/{args.job}").json()["state"]
+        state = request("GET", f"/api/jobs/{job_path(args.job)}").json()["state"]
         if state in FINISHED and not r.content:
             return 0
         time.sleep(0.5)
@@ -317,7 +324,7 @@ def cmd_yield(args: argparse.Namespace) -> int:
         request("POST", "/api/yield", {"release": True})
         print("yield released: jobs may start again")
         return 0
-    seconds = parse_duration(args.duration) if args.duration else None
+    seconds = None if args.duration is None else parse_duration(args.duration)
     r = request("POST", "/api/yield", {"seconds": seconds}, timeout=900).json()
     until = "until `ember yield --release`" if seconds is None else f"for {args.duration}"
     print(f"devices free after {r['freed_after_seconds']:.2f} s; training held {until}")

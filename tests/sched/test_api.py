@@ -610,3 +610,70 @@ def test_a_path_under_an_unknown_users_home_is_400_not_500(service, tmp_path):
         assert r.status_code == 400, r.text
         assert f"{key} '~nosuchuser/" in r.json()["error"]["message"] and "not a usable path" in r.text, r.text
     assert c.get("/api/jobs", headers=AUTH).json() == []
+
+
+@pytest.fixture
+def announced_stub(tmp_path, monkeypatch):
+    """A stand-in for a running service, announced in $EMBER_HOME/serve/serve.json as the commands
+    find one: it records each request and answers 404 in the service's error shape. The requests
+    it saw are returned (method, path, body)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from ember.sched.process import start_time
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            seen.append((self.command, self.path, body))
+            data = json.dumps({"error": {"message": "stub: no such job", "type": "not_found_error", "param": None,
+                                         "code": 404}}).encode()
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        do_GET = do_POST = answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "stub-home"))
+    serve = tmp_path / "stub-home" / "serve"
+    serve.mkdir(parents=True)
+    (serve / "serve.json").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid()),
+                                                  "url": f"http://127.0.0.1:{server.server_port}"}))
+    (serve / "token").write_text("s3cret\n")
+    yield seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("argv", [["cancel", "²"], ["pause", "sp ace", "--hard"], ["resume", "x?hard=1"],
+                                  ["cancel", "a#b"], ["logs", "é"]])
+def test_a_job_named_with_any_characters_reaches_the_service_quoted(announced_stub, capsys, argv):
+    """`ember cancel ²` and `ember logs é` ended in a UnicodeEncodeError traceback (the job was put
+    in the request's path as it was); `ember pause 'sp ace'` said the service did not answer ("is
+    `ember serve` running?"); '?' and '#' cut the path short. The job is quoted into the path now,
+    and the service's answer is printed."""
+    from urllib.parse import quote
+    from ember.cli.main import main
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stub: no such job (HTTP 404)" in err and "Traceback" not in err, err
+    assert [path for _, path, _ in announced_stub] == [f"/api/jobs/{quote(argv[1], safe='')}/"
+                                                       f"{'logs?offset=0' if argv[0] == 'logs' else argv[0]}"]
+
+
+@pytest.mark.parametrize("argv", [["queue", "purge", "--older-than", ""], ["yield", "--for", ""]])
+def test_an_empty_duration_is_refused_not_read_as_none(announced_stub, capsys, argv):
+    """`ember queue purge --older-than ""` (a script's unset variable) sent no age at all, and the
+    service removed every finished job; `ember yield --for ""` held training until released. An
+    empty duration is refused like any malformed one, before anything is sent."""
+    from ember.cli.main import main
+    assert main(argv) == 1
+    assert "write a duration like 90s, 30m, 2h or 1d" in capsys.readouterr().err
+    assert announced_stub == []
