@@ -16,7 +16,8 @@ the service's scheduler thread ticks under, so the two never interleave. A soft 
 resume are answered once the job's process acted on them (`settled`).
 
 Refused, changing nothing (the class says the meaning; the CLI and the API map it): any verb on
-a job that does not exist (NotFound); pause, resume and cancel of a finished job (Conflict); a
+a job that does not exist (NotFound); pause, resume and cancel of a finished job, and a pause of
+one being cancelled (Conflict); a
 requeue of anything but a failed or cancelled job, or one that cannot resume (JobQueue.requeue);
 a purge naming an unfinished job (Conflict) or asking for an unfinished state or a negative age
 (BadInput); at submit a bad name, priority or missing recipe (BadInput), a path outside the
@@ -96,6 +97,8 @@ class JobControl:
             job = self.find(ref)
             if job.state in FINAL:
                 raise Conflict(f"job {job.name} is {job.state}: nothing to pause")
+            if job.hold == "cancel":  # a pause would replace the cancel with a hold
+                raise Conflict(f"job {job.name} is being cancelled (it checkpoints and exits): nothing to pause")
             if job.state == "queued" or hard:
                 if job.state in LIVE:
                     self.dispatch.preempt(job, "paused by hand (hard)", hold="user")

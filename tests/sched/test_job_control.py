@@ -269,3 +269,17 @@ def test_a_job_name_of_digits_alone_is_refused_before_planning(hand, tmp_path):
     with pytest.raises(argparse.ArgumentTypeError, match="digits alone"):
         job_name("0042")
     assert job_name("run2") == "run2" and job_name("2a") == "2a"
+
+
+def test_a_job_being_cancelled_is_not_paused_so_the_cancel_holds(hand):
+    """`ember cancel a` then `ember pause a --hard` (or a soft pause) while it checkpointed turned the
+    cancel into a hand's hold: the job ended queued and held, and the next `ember resume` trained it
+    again. A pause of a job being cancelled is refused now, changing nothing, and it ends cancelled."""
+    job, sleeper = hand.running("a")
+    assert hand.control.cancel("a").hold == "cancel"
+    for hard in (True, False):
+        refused(Conflict, "^job a is being cancelled", hand.control.pause, "a", hard)
+    assert hand.control.find("a").hold == "cancel"
+    assert sleeper.popen.wait(timeout=30) == -signal.SIGTERM
+    hand.tick()
+    assert (hand.control.find("a").state, hand.whys(job)[-1]) == ("cancelled", "cancelled: checkpointed and exited")
