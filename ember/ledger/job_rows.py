@@ -21,7 +21,7 @@ class JobRow:
     overrides: list[str]
     priority: int
     state: str                       # a JobState of ember.ledger.job_states' LOCAL machine
-    submitted: float
+    submitted: float                 # when it joined the queue: submitted, or requeued by hand
     updated: float
     request: dict[str, Any]
     hold: str | None = None          # why a queued job may not start: "user", "yield"

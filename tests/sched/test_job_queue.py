@@ -105,6 +105,21 @@ def test_requeue_takes_back_failed_and_cancelled_jobs_only(queue, tmp_path):
     assert queue.requeue(cancelled, allowed).state == "queued"
 
 
+
+def test_a_requeued_job_ages_from_its_requeue_not_from_its_first_submit(queue, tmp_path):
+    """A job cancelled a day ago and requeued counted that day as waiting: one priority level per
+    ten minutes, +144, so it went before a job of priority 5 submitted now (and the queue turned
+    strict behind it, no backfill, at once). Ageing counts from the requeue now."""
+    import time
+    from ember.sched.admission import Room, Want, decide
+    (tmp_path / "r.toml").write_text("")
+    cancelled = queue.move(add(queue, tmp_path, "old"), "cancelled", "cancelled by hand",
+                           submitted=time.time() - 86400)
+    again = queue.requeue(cancelled, Path)
+    urgent = add(queue, tmp_path, "urgent", priority=5)
+    wants = [Want(j.id, j.priority, j.submitted, j.request["memory"]) for j in (again, urgent)]
+    assert decide(wants, [], [Room(0, REQUEST["memory"])], time.time()).start == {urgent.id: (0,)}
+
 def test_a_job_that_kept_its_admitted_recipe_is_requeued_without_the_file(queue, tmp_path):
     """The job trains the recipe as admitted (its request keeps it, ember.launchspec): a requeue
     does not need the file, which may since have been moved or edited."""
