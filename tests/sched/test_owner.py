@@ -165,3 +165,19 @@ def test_owner_check_prints_the_resolved_rules_or_exits_2_naming_the_key(tmp_pat
     (home / "owner.toml").write_text("[activty]\n")
     r = run_ember("owner", "check", env={"EMBER_HOME": str(home)})
     assert r.returncode == 2 and f"{home / 'owner.toml'}:1: unknown section [activty]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool", ["xprintidle", "loginctl"])
+def test_an_idle_reading_that_hangs_is_no_reading_not_the_end_of_scheduling(tmp_path, monkeypatch, tool):
+    """`loginctl` waits on logind over D-Bus (busy at boot, or restarting) and `xprintidle` on the
+    X server: one that took over 2 s raised subprocess.TimeoutExpired out of the service's
+    observation, which ended its scheduler thread for good (it retries only database and disk
+    errors). A reading that does not come in time is no reading: nobody is seen active."""
+    from ember.sched.observe import idle_seconds
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / tool).write_text("#!/bin/sh\nexec /bin/sleep 30\n")
+    (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("DISPLAY", ":0")
+    assert idle_seconds() == (None, "no graphical session")
