@@ -323,12 +323,29 @@ async def v1(path: str, request: Request) -> Response:
         service.inference_end()
         return error_response(502, f"the inference engine at {engine_url} failed: {e}")
 
+    ended = False
+
+    def end() -> None:  # once: a second end would take another request out of the gate's count
+        nonlocal ended
+        if not ended:
+            ended = True
+            service.inference_end()
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except BaseException:  # the engine failed mid-answer: the background task below never runs then
+            end()
+            await upstream.aclose()
+            raise
+
     async def done() -> None:
         await upstream.aclose()
-        service.inference_end()
+        end()
 
     out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_RETURNED}
-    return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out_headers,
+    return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers,
                              background=BackgroundTask(done))
 
 

@@ -677,3 +677,31 @@ def test_an_empty_duration_is_refused_not_read_as_none(announced_stub, capsys, a
     assert main(argv) == 1
     assert "write a duration like 90s, 30m, 2h or 1d" in capsys.readouterr().err
     assert announced_stub == []
+
+
+def test_an_engine_that_fails_mid_answer_leaves_no_request_in_flight(service):
+    """The engine died (or was restarted) half-way through an answer: the relay's error skipped the
+    response's background task, so the gate kept the request in flight for ever, and training on
+    the inference device stayed paused for inference (a lease the service renews) until the
+    service restarted. The request ends with the relay now, however it ends."""
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def engine() -> None:  # answers one request with half a chunked body, then hangs up
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n")
+    threading.Thread(target=engine, daemon=True).start()
+    try:
+        c = TestClient(create_app(service, "s3cret", True, f"http://127.0.0.1:{listener.getsockname()[1]}"),
+                       base_url="http://127.0.0.1", raise_server_exceptions=False)
+        try:
+            c.post("/v1/completions", json={"model": "base", "prompt": "hi"}, headers=AUTH)
+        except Exception:  # the client may see the cut answer as an error of its own
+            pass
+    finally:
+        listener.close()
+    assert service.gate.in_flight == 0 and service.gate.requests == 1
