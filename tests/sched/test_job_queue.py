@@ -2,6 +2,7 @@
 that belong to one job, what admission may start, state changes through the state machine,
 requeue and purge refusing what they cannot do; the plan's request, planned once per content."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,41 @@ def test_a_recipe_is_planned_once_per_content_and_overrides(queue, tmp_path):
     assert changed["max_steps"] == 7 and len(queue.plans) == 2
     # What the job will train is the recipe as submitted, resolved, overrides applied.
     assert first["recipe"]["train"]["max_steps"] == 5 and changed["recipe"]["train"]["max_steps"] == 7
+
+
+def test_two_submits_of_one_recipe_at_once_both_get_their_request(queue, tmp_path, monkeypatch):
+    """Two `ember submit r.toml` at once (the service answers each on its own thread) wrote the
+    recipe's snapshot through the same temporary file, named by the process alone: one thread's
+    rename took the other's file away, and that submit failed with FileNotFoundError (a 500).
+    Here both threads are held after writing their temporary file, before renaming it."""
+    import threading
+    from ember import durable
+    from ember.sched import job_queue
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    plan = {"memory": {"with_margin": 1 << 20}, "verdict": "local", "reasons": [],
+            "recipe": {"max_steps": 24}, "time": {"step_seconds": None}}
+    monkeypatch.setattr(job_queue, "plan_json", lambda *args: plan)  # no child: the race is in the snapshot
+    both_written = threading.Barrier(2, timeout=30)
+    real_fsync = durable.os.fsync
+
+    def fsync(fd: int) -> None:  # the file's fsync: each thread has written its temporary file
+        real_fsync(fd)
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            both_written.wait()
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    recipe = write_recipe(tmp_path / "recipe")
+    answers, errors = [], []
+
+    def submit() -> None:
+        try:
+            answers.append(queue.request(recipe, []))
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and len(answers) == 2 and answers[0] == answers[1]
+    (snapshot,) = (tmp_path / "home").glob("serve/recipes/*.toml")
+    assert "max_steps = 24" in snapshot.read_text()
