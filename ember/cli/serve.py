@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ember.errors import EXIT_ERROR, EmberError
@@ -262,9 +263,10 @@ def cmd_queue(args: argparse.Namespace) -> int:
             note = "; ".join(filter(None, [note, *j["held_by"]]))
         if j["state"] == "failed":
             note = f"{j['cause'] or 'no cause recorded'}; its output: ember logs {j['name']}"
-        table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
+        # Text, never markup: a cause names keys as '[train] max_steps', which rich would take for a style.
+        table.add_row(str(j["id"]), escape(j["name"]), j["state"], str(j["priority"]),
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
-                      "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
+                      "-" if j["goodput"] is None else f"{j['goodput']:.0%}", escape(note))
     out = Console(soft_wrap=True)
     out.print(table)
     if jobs:  # below the table, whole: a path in a column is cut to the terminal's width

@@ -1,6 +1,7 @@
 """The service's HTTP API in-process: the token, and bad requests answered with a 4xx that
 change nothing."""
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -612,24 +613,33 @@ def test_a_path_under_an_unknown_users_home_is_400_not_500(service, tmp_path):
     assert c.get("/api/jobs", headers=AUTH).json() == []
 
 
+class Stub:
+    """What the stand-in service saw (method, path, body) and what it answers, by path without the
+    query: (status, JSON body); any other path is a 404 in the service's error shape."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, bytes]] = []
+        self.answers: dict[str, tuple[int, object]] = {}
+
+
 @pytest.fixture
 def announced_stub(tmp_path, monkeypatch):
     """A stand-in for a running service, announced in $EMBER_HOME/serve/serve.json as the commands
-    find one: it records each request and answers 404 in the service's error shape. The requests
-    it saw are returned (method, path, body)."""
+    find one (a Stub: it records each request and answers as told)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from ember.sched.process import start_time
-    seen = []
+    stub = Stub()
 
     class Handler(BaseHTTPRequestHandler):
         def answer(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
-            seen.append((self.command, self.path, body))
-            data = json.dumps({"error": {"message": "stub: no such job", "type": "not_found_error", "param": None,
-                                         "code": 404}}).encode()
-            self.send_response(404)
+            stub.seen.append((self.command, self.path, body))
+            status, answer = stub.answers.get(self.path.split("?")[0], (404, {"error": {
+                "message": "stub: no such job", "type": "not_found_error", "param": None, "code": 404}}))
+            data = json.dumps(answer).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -647,7 +657,7 @@ def announced_stub(tmp_path, monkeypatch):
     (serve / "serve.json").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid()),
                                                   "url": f"http://127.0.0.1:{server.server_port}"}))
     (serve / "token").write_text("s3cret\n")
-    yield seen
+    yield stub
     server.shutdown()
     server.server_close()
 
@@ -664,7 +674,7 @@ def test_a_job_named_with_any_characters_reaches_the_service_quoted(announced_st
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "stub: no such job (HTTP 404)" in err and "Traceback" not in err, err
-    assert [path for _, path, _ in announced_stub] == [f"/api/jobs/{quote(argv[1], safe='')}/"
+    assert [path for _, path, _ in announced_stub.seen] == [f"/api/jobs/{quote(argv[1], safe='')}/"
                                                        f"{'logs?offset=0' if argv[0] == 'logs' else argv[0]}"]
 
 
@@ -676,7 +686,7 @@ def test_an_empty_duration_is_refused_not_read_as_none(announced_stub, capsys, a
     from ember.cli.main import main
     assert main(argv) == 1
     assert "write a duration like 90s, 30m, 2h or 1d" in capsys.readouterr().err
-    assert announced_stub == []
+    assert announced_stub.seen == []
 
 
 def test_an_engine_that_fails_mid_answer_leaves_no_request_in_flight(service):
@@ -705,3 +715,17 @@ def test_an_engine_that_fails_mid_answer_leaves_no_request_in_flight(service):
     finally:
         listener.close()
     assert service.gate.in_flight == 0 and service.gate.requests == 1
+
+
+def test_ember_queue_shows_a_cause_with_brackets_as_it_is(announced_stub, capsys, monkeypatch):
+    """A failed job's cause is ember's own error, which names keys as '[train] max_steps': `ember
+    queue` printed it as rich markup, so '[train]' and '[model]' vanished from the message (the
+    very key to fix), and a '[/...]' in it ended the command with a MarkupError traceback."""
+    from ember.cli.main import main
+    from ember.sched.job_view import JobView
+    cause = "error: /r.toml: [train] max_steps = -1: must be >= 1; [model] path; [/x] [bold]"
+    failed = JobView(3, "j", "failed", 0, [], 0, 4, None, None, 0, cause, "/runs/j")
+    announced_stub.answers = {"/api/jobs": (200, [dataclasses.asdict(failed)]), "/api/owner": (200, {"notes": []})}
+    monkeypatch.setenv("COLUMNS", "400")  # one line a row
+    assert main(["queue"]) == 0
+    assert cause in capsys.readouterr().out
