@@ -17,6 +17,7 @@ import ctypes.util
 import errno
 import hashlib
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -181,7 +182,9 @@ def _address(buf: memoryview) -> int:
 
 def write_durable(path: Path, text: str) -> None:
     """Replace a small file atomically and durably: temp file, fsync, rename, fsync folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Named by process and thread: two threads of one service writing the same file at once (two
+    # submits of one recipe) each rename their own.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()

@@ -166,6 +166,16 @@ def check_name(name: str, what: str = "job name") -> str:
     return name
 
 
+def check_job_name(name: str, what: str = "job name") -> str:
+    """A job's `name` (check_name), and not digits alone: a job is found by its name or its id, so
+    a job named '2' would be confused with job 2."""
+    check_name(name, what)
+    if name.isdigit():
+        raise BadInput(f"{what} {name!r}: digits alone would be read as a job's id (`ember cancel 2` is job "
+                       f"2); add a letter, e.g. 'job-{name}'")
+    return name
+
+
 def name_from(stem: str, suffix: str) -> str:
     """A valid name made of a file's stem (other characters become '-') and a unique suffix."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("._-")[: 63 - len(suffix)].rstrip("._-") or "job"

@@ -10,12 +10,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ember.errors import EXIT_ERROR, EmberError
-from ember.paths import NAME_GRAMMAR, check_name
+from ember.paths import NAME_GRAMMAR, check_job_name
 
 COMMANDS = ("serve", "ui", "submit", "queue", "pause", "resume", "cancel", "requeue", "logs", "yield")
 FINISHED = ("completed", "failed", "cancelled")
@@ -122,9 +124,15 @@ def parse_duration(text: str, option: str = "--for") -> float:
 def job_name(text: str) -> str:
     """argparse type of --name: a bad name is a usage error (exit 2) that shows the grammar."""
     try:
-        return check_name(text, "--name")
+        return check_job_name(text, "--name")
     except EmberError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def job_path(ref: str) -> str:
+    """A job's name or id as one segment of the API's path: any character quoted ('²', ' ', '?',
+    '#', '/'), so the service answers for that job, whatever it is called."""
+    return quote(ref, safe="")
 
 
 class Answer:
@@ -255,9 +263,10 @@ def cmd_queue(args: argparse.Namespace) -> int:
             note = "; ".join(filter(None, [note, *j["held_by"]]))
         if j["state"] == "failed":
             note = f"{j['cause'] or 'no cause recorded'}; its output: ember logs {j['name']}"
-        table.add_row(str(j["id"]), j["name"], j["state"], str(j["priority"]),
+        # Text, never markup: a cause names keys as '[train] max_steps', which rich would take for a style.
+        table.add_row(str(j["id"]), escape(j["name"]), j["state"], str(j["priority"]),
                       ",".join(map(str, j["devices"])) or "-", f"{j['step']}/{j['max_steps']}",
-                      "-" if j["goodput"] is None else f"{j['goodput']:.0%}", note)
+                      "-" if j["goodput"] is None else f"{j['goodput']:.0%}", escape(note))
     out = Console(soft_wrap=True)
     out.print(table)
     if jobs:  # below the table, whole: a path in a column is cut to the terminal's width
@@ -273,7 +282,7 @@ def run_line(j: dict) -> str:
 
 def cmd_purge(args: argparse.Namespace) -> int:
     body = {"jobs": args.jobs, "states": args.states, "dry_run": args.dry_run,
-            "older_than_seconds": parse_duration(args.older_than, "--older-than") if args.older_than else None}
+            "older_than_seconds": None if args.older_than is None else parse_duration(args.older_than, "--older-than")}
     removed = request("POST", "/api/jobs/purge", body).json()["removed"]
     if not removed:
         chosen = args.jobs or args.states or args.older_than
@@ -288,7 +297,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 def cmd_job(args: argparse.Namespace) -> int:
     body = {"hard": True} if getattr(args, "hard", False) else {}
-    j = request("POST", f"/api/jobs/{args.job}/{args.command}", body, timeout=120).json()
+    j = request("POST", f"/api/jobs/{job_path(args.job)}/{args.command}", body, timeout=120).json()
     extra = f", pause: {j['pause']}" if j["pause"] else f", held: {j['hold']}" if j["hold"] else ""
     if args.command == "requeue":
         extra += f"; its run resumes from its last checkpoint in {j['out']}"
@@ -300,13 +309,13 @@ def cmd_job(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     offset = 0
     while True:
-        r = request("GET", f"/api/jobs/{args.job}/logs?offset={offset}")
+        r = request("GET", f"/api/jobs/{job_path(args.job)}/logs?offset={offset}")
         sys.stdout.buffer.write(r.content)
         sys.stdout.flush()
         offset = int(r.headers.get("X-Ember-Offset", offset))
         if not args.follow:
             return 0
-        state = request("GET", f"/api/jobs/{args.job}").json()["state"]
+        state = request("GET", f"/api/jobs/{job_path(args.job)}").json()["state"]
         if state in FINISHED and not r.content:
             return 0
         time.sleep(0.5)
@@ -317,7 +326,7 @@ def cmd_yield(args: argparse.Namespace) -> int:
         request("POST", "/api/yield", {"release": True})
         print("yield released: jobs may start again")
         return 0
-    seconds = parse_duration(args.duration) if args.duration else None
+    seconds = None if args.duration is None else parse_duration(args.duration)
     r = request("POST", "/api/yield", {"seconds": seconds}, timeout=900).json()
     until = "until `ember yield --release`" if seconds is None else f"for {args.duration}"
     print(f"devices free after {r['freed_after_seconds']:.2f} s; training held {until}")

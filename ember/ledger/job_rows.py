@@ -21,7 +21,7 @@ class JobRow:
     overrides: list[str]
     priority: int
     state: str                       # a JobState of ember.ledger.job_states' LOCAL machine
-    submitted: float
+    submitted: float                 # when it joined the queue: submitted, or requeued by hand
     updated: float
     request: dict[str, Any]
     hold: str | None = None          # why a queued job may not start: "user", "yield"
@@ -65,8 +65,10 @@ def get(con: sqlite3.Connection, job_id: int) -> JobRow | None:
 
 
 def find(con: sqlite3.Connection, ref: str) -> JobRow | None:
-    """A job by id or by name."""
-    r = con.execute("SELECT * FROM jobs WHERE name = ? OR CAST(id AS TEXT) = ?", (ref, ref)).fetchone()
+    """A job by id or by name; the id first (a job named '2' from before such names were refused
+    never shadows job 2)."""
+    r = con.execute("SELECT * FROM jobs WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY CAST(id AS TEXT) = ? DESC",
+                    (ref, ref, ref)).fetchone()
     return _row(r) if r else None
 
 

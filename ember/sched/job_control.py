@@ -16,7 +16,8 @@ the service's scheduler thread ticks under, so the two never interleave. A soft 
 resume are answered once the job's process acted on them (`settled`).
 
 Refused, changing nothing (the class says the meaning; the CLI and the API map it): any verb on
-a job that does not exist (NotFound); pause, resume and cancel of a finished job (Conflict); a
+a job that does not exist (NotFound); pause, resume and cancel of a finished job, and a pause of
+one being cancelled (Conflict); a
 requeue of anything but a failed or cancelled job, or one that cannot resume (JobQueue.requeue);
 a purge naming an unfinished job (Conflict) or asking for an unfinished state or a negative age
 (BadInput); at submit a bad name, priority or missing recipe (BadInput), a path outside the
@@ -34,7 +35,7 @@ from ember.errors import BadInput, Conflict, EmberError
 from ember.events import Events
 from ember.ledger.job_rows import JobRow
 from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL
-from ember.paths import check_name, default_run_folder
+from ember.paths import check_job_name, default_run_folder
 from ember.sched.dispatch import Dispatcher
 from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
@@ -57,8 +58,9 @@ class JobControl:
                overrides: list[str]) -> JobRow:
         """Plan the recipe (in a child: no torch here), refuse what can never fit, queue the rest."""
         if name is not None:
-            check_name(name)
+            check_job_name(name)
         recipe_path = self.watch.allowed(recipe, "recipe")
+        chosen = self.watch.allowed(out, "run folder") if out else None  # refused before the plan, too
         if not recipe_path.is_file():
             raise BadInput(f"recipe {recipe_path}: no such file")
         if not -1000 <= priority <= 1000:
@@ -72,7 +74,7 @@ class JobControl:
                              f"{request['verdict']} ({'; '.join(request['reasons'])})")
         with self.lock:
             name = self.jobs.name_for(name, recipe_path)
-            folder = self.watch.allowed(out, "run folder") if out else default_run_folder(name)
+            folder = chosen or default_run_folder(name)
             job = self.jobs.add(name, recipe_path, folder, overrides, priority, request)
         self.events.info(f"job {job.id} {job.name}: queued (priority {priority}, "
                          f"{request['memory'] / 2**20:.0f} MiB per device)")
@@ -95,6 +97,8 @@ class JobControl:
             job = self.find(ref)
             if job.state in FINAL:
                 raise Conflict(f"job {job.name} is {job.state}: nothing to pause")
+            if job.hold == "cancel":  # a pause would replace the cancel with a hold
+                raise Conflict(f"job {job.name} is being cancelled (it checkpoints and exits): nothing to pause")
             if job.state == "queued" or hard:
                 if job.state in LIVE:
                     self.dispatch.preempt(job, "paused by hand (hard)", hold="user")

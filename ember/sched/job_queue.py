@@ -133,7 +133,9 @@ class JobQueue:
         if busy:
             raise Conflict(f"job {job.name}: its run folder {folder} belongs to job {busy.name} "
                            f"({busy.state}) now; cancel that job first")
-        return self.move(job, "queued", "requeued by hand", hold=None, pause=None, cause=None) or job
+        # It joins the queue now: ageing (ember.sched.admission) counts from here, not the days it sat ended.
+        return self.move(job, "queued", "requeued by hand", hold=None, pause=None, cause=None,
+                         submitted=time.time()) or job
 
     def finished(self, refs: list[str], states: list[str] | None, older_than: float | None) -> list[JobRow]:
         """The finished jobs a purge removes: `refs` (each must be finished), else every finished

@@ -5,6 +5,7 @@ ledger's runs: its last step, whether it completed, how its last attempt ended, 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 from dataclasses import dataclass, field
@@ -89,20 +90,29 @@ def _last_metrics(out: Path) -> dict:
         return {}
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            return record
     return {}
+
+
+def _number(value: object) -> float | None:
+    """`value` when it is a finite number (not a bool); None otherwise: a metrics file another tool
+    wrote (an ISO time, a step named 'train') is no step, never an error in the scheduler's pass."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
 
 
 def last_step(out: Path) -> int:
     """The step of the run folder's last metrics line (0 before the first)."""
-    return int(_last_metrics(out).get("step", 0))
+    return int(_number(_last_metrics(out).get("step")) or 0)
 
 
 def last_step_time(out: Path) -> float:
     """When the run folder's last metrics line was written (0 before the first)."""
-    return float(_last_metrics(out).get("time", 0.0))
+    return float(_number(_last_metrics(out).get("time")) or 0.0)
 
 
 def last_outcome(con: sqlite3.Connection, out: Path) -> str | None:

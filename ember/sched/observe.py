@@ -22,20 +22,32 @@ from ember.hardware import foreign_accelerator_pids
 from ember.sched.owner_rules import Observation, OwnerRules
 
 
+def _answer(argv: list[str]) -> str | None:
+    """What `argv` printed, or None when it failed, did not answer within 2 s (logind busy on
+    D-Bus, an X server that hangs) or could not run: a reading that does not come is no reading,
+    and the scheduler's pass goes on."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=2)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
 def idle_seconds() -> tuple[float | None, str]:
     """Seconds since the last input at the desktop, and where that came from."""
     if os.environ.get("DISPLAY") and shutil.which("xprintidle"):
-        r = subprocess.run(["xprintidle"], capture_output=True, text=True, timeout=2)
-        if r.returncode == 0 and r.stdout.strip().isdigit():
-            return int(r.stdout) / 1000, "X11 screensaver extension (xprintidle)"
+        out = _answer(["xprintidle"])
+        if out is not None and out.strip().isdigit():
+            return int(out) / 1000, "X11 screensaver extension (xprintidle)"
     if shutil.which("loginctl"):
-        r = subprocess.run(["loginctl", "list-sessions", "--no-legend"], capture_output=True, text=True, timeout=2)
+        sessions = _answer(["loginctl", "list-sessions", "--no-legend"])
         best: float | None = None
-        for line in r.stdout.splitlines() if r.returncode == 0 else []:
-            sid = line.split()[0]
-            s = subprocess.run(["loginctl", "show-session", sid, "-p", "Type", "-p", "IdleHint",
-                                "-p", "IdleSinceHint", "-p", "Active"], capture_output=True, text=True, timeout=2)
-            props = dict(p.split("=", 1) for p in s.stdout.splitlines() if "=" in p)
+        for line in (sessions or "").splitlines():
+            if not line.split():
+                continue
+            shown = _answer(["loginctl", "show-session", line.split()[0], "-p", "Type", "-p", "IdleHint",
+                             "-p", "IdleSinceHint", "-p", "Active"])
+            props = dict(p.split("=", 1) for p in (shown or "").splitlines() if "=" in p)
             if props.get("Type") not in ("x11", "wayland", "mir") or props.get("Active") != "yes":
                 continue
             idle = 0.0

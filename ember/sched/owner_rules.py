@@ -40,7 +40,7 @@ from ember.errors import EmberError
 from ember.paths import home
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
-WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
+WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-(([01]\d|2[0-3]):[0-5]\d|24:00)$")  # 24:00 ends a day
 
 
 @dataclass
@@ -205,6 +205,12 @@ def load_rules(path: Path | None = None) -> OwnerRules:
             if not WINDOW.match(w) or minutes(w.split("-")[0]) >= minutes(w.split("-")[1]):
                 raise EmberError(f"{source.where('schedule', day)}: window {w!r}: write HH:MM-HH:MM "
                                  f"with the start before the end, e.g. '18:00-24:00'")
+    for i, folder in enumerate(rules.service.allowed):
+        try:
+            Path(folder).expanduser()
+        except RuntimeError as e:  # '~nosuchuser/x': checked at each submit, where it would be a 500
+            raise EmberError(f"{source.where('service', 'allowed')}[{i}]: {folder!r}: {e} (no such user's "
+                             f"home); write the folder's absolute path") from None
     parse_size(rules.accelerators.foreign_memory_max, source.where("accelerators", "foreign_memory_max"))
     if rules.inference.upstream and not re.match(r"^https?://[^/\s]+", rules.inference.upstream):
         raise EmberError(f"{source.where('inference', 'upstream')} = {rules.inference.upstream!r}: "

@@ -126,7 +126,8 @@ class SubmitBody(BaseModel):
     """POST /api/jobs: a recipe to queue (what `ember submit` sends)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     recipe: str = Field(min_length=1, description="the recipe's path, under a folder of [service] allowed")
-    name: str | None = Field(None, description=f"the job's name, {NAME_GRAMMAR} (default RECIPE-ID)")
+    name: str | None = Field(None, description=f"the job's name, {NAME_GRAMMAR}, not digits alone "
+                                                "(default RECIPE-ID)")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first and may preempt lower")
     out: str | None = Field(None, description="the run folder, under [service] allowed (default "
                                               "$EMBER_HOME/runs/NAME)")
@@ -202,7 +203,8 @@ async def submit(request: Request) -> Any:
     service = backend(request).service
     data = await read(request, SubmitBody)
     for key, path in (("recipe", data.recipe), ("out", data.out)):
-        if path is not None and not Path(path).expanduser().is_absolute():
+        # '~' and '~user' count as absolute; the library expands them (and refuses an unknown user's).
+        if path is not None and not (path.startswith("~") or Path(path).is_absolute()):
             raise BadInput(f"'{key}': {path!r} is relative, and the service cannot know the folder it is "
                            f"relative to; send an absolute path (`ember submit` resolves it against the "
                            f"folder you run it in)")
@@ -321,12 +323,29 @@ async def v1(path: str, request: Request) -> Response:
         service.inference_end()
         return error_response(502, f"the inference engine at {engine_url} failed: {e}")
 
+    ended = False
+
+    def end() -> None:  # once: a second end would take another request out of the gate's count
+        nonlocal ended
+        if not ended:
+            ended = True
+            service.inference_end()
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except BaseException:  # the engine failed mid-answer: the background task below never runs then
+            end()
+            await upstream.aclose()
+            raise
+
     async def done() -> None:
         await upstream.aclose()
-        service.inference_end()
+        end()
 
     out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_RETURNED}
-    return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out_headers,
+    return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers,
                              background=BackgroundTask(done))
 
 

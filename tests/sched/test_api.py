@@ -1,6 +1,7 @@
 """The service's HTTP API in-process: the token, and bad requests answered with a 4xx that
 change nothing."""
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -594,3 +595,137 @@ def test_a_path_too_long_for_the_file_system_is_400_not_500(service, tmp_path):
         r = c.post("/api/jobs", json={"recipe": recipe}, headers=AUTH)
         assert r.status_code == 400 and "File name too long" in r.json()["error"]["message"], r.text
     assert c.get("/api/jobs", headers=AUTH).json() == []
+
+
+def test_a_path_under_an_unknown_users_home_is_400_not_500(service, tmp_path):
+    """'~nosuchuser/r.toml' as the recipe or the run folder was answered 500: the check that a path
+    is absolute expanded '~user' first, and Path.expanduser raised RuntimeError ("Could not
+    determine home directory"). Now it is a 400 saying the path is not usable, and nothing is queued."""
+    c = TestClient(create_app(service, "s3cret", True, None), base_url="http://127.0.0.1",
+                   raise_server_exceptions=False)
+    recipe = tmp_path / "allowed" / "r.toml"
+    recipe.write_text("")
+    for body, key in (({"recipe": "~nosuchuser/r.toml"}, "recipe"),
+                      ({"recipe": str(recipe), "out": "~nosuchuser/run"}, "run folder")):
+        r = c.post("/api/jobs", json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert f"{key} '~nosuchuser/" in r.json()["error"]["message"] and "not a usable path" in r.text, r.text
+    assert c.get("/api/jobs", headers=AUTH).json() == []
+
+
+class Stub:
+    """What the stand-in service saw (method, path, body) and what it answers, by path without the
+    query: (status, JSON body); any other path is a 404 in the service's error shape."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, bytes]] = []
+        self.answers: dict[str, tuple[int, object]] = {}
+
+
+@pytest.fixture
+def announced_stub(tmp_path, monkeypatch):
+    """A stand-in for a running service, announced in $EMBER_HOME/serve/serve.json as the commands
+    find one (a Stub: it records each request and answers as told)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from ember.sched.process import start_time
+    stub = Stub()
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            stub.seen.append((self.command, self.path, body))
+            status, answer = stub.answers.get(self.path.split("?")[0], (404, {"error": {
+                "message": "stub: no such job", "type": "not_found_error", "param": None, "code": 404}}))
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        do_GET = do_POST = answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "stub-home"))
+    serve = tmp_path / "stub-home" / "serve"
+    serve.mkdir(parents=True)
+    (serve / "serve.json").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid()),
+                                                  "url": f"http://127.0.0.1:{server.server_port}"}))
+    (serve / "token").write_text("s3cret\n")
+    yield stub
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("argv", [["cancel", "²"], ["pause", "sp ace", "--hard"], ["resume", "x?hard=1"],
+                                  ["cancel", "a#b"], ["logs", "é"]])
+def test_a_job_named_with_any_characters_reaches_the_service_quoted(announced_stub, capsys, argv):
+    """`ember cancel ²` and `ember logs é` ended in a UnicodeEncodeError traceback (the job was put
+    in the request's path as it was); `ember pause 'sp ace'` said the service did not answer ("is
+    `ember serve` running?"); '?' and '#' cut the path short. The job is quoted into the path now,
+    and the service's answer is printed."""
+    from urllib.parse import quote
+    from ember.cli.main import main
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stub: no such job (HTTP 404)" in err and "Traceback" not in err, err
+    assert [path for _, path, _ in announced_stub.seen] == [f"/api/jobs/{quote(argv[1], safe='')}/"
+                                                       f"{'logs?offset=0' if argv[0] == 'logs' else argv[0]}"]
+
+
+@pytest.mark.parametrize("argv", [["queue", "purge", "--older-than", ""], ["yield", "--for", ""]])
+def test_an_empty_duration_is_refused_not_read_as_none(announced_stub, capsys, argv):
+    """`ember queue purge --older-than ""` (a script's unset variable) sent no age at all, and the
+    service removed every finished job; `ember yield --for ""` held training until released. An
+    empty duration is refused like any malformed one, before anything is sent."""
+    from ember.cli.main import main
+    assert main(argv) == 1
+    assert "write a duration like 90s, 30m, 2h or 1d" in capsys.readouterr().err
+    assert announced_stub.seen == []
+
+
+def test_an_engine_that_fails_mid_answer_leaves_no_request_in_flight(service):
+    """The engine died (or was restarted) half-way through an answer: the relay's error skipped the
+    response's background task, so the gate kept the request in flight for ever, and training on
+    the inference device stayed paused for inference (a lease the service renews) until the
+    service restarted. The request ends with the relay now, however it ends."""
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def engine() -> None:  # answers one request with half a chunked body, then hangs up
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n")
+    threading.Thread(target=engine, daemon=True).start()
+    try:
+        c = TestClient(create_app(service, "s3cret", True, f"http://127.0.0.1:{listener.getsockname()[1]}"),
+                       base_url="http://127.0.0.1", raise_server_exceptions=False)
+        try:
+            c.post("/v1/completions", json={"model": "base", "prompt": "hi"}, headers=AUTH)
+        except Exception:  # the client may see the cut answer as an error of its own
+            pass
+    finally:
+        listener.close()
+    assert service.gate.in_flight == 0 and service.gate.requests == 1
+
+
+def test_ember_queue_shows_a_cause_with_brackets_as_it_is(announced_stub, capsys, monkeypatch):
+    """A failed job's cause is ember's own error, which names keys as '[train] max_steps': `ember
+    queue` printed it as rich markup, so '[train]' and '[model]' vanished from the message (the
+    very key to fix), and a '[/...]' in it ended the command with a MarkupError traceback."""
+    from ember.cli.main import main
+    from ember.sched.job_view import JobView
+    cause = "error: /r.toml: [train] max_steps = -1: must be >= 1; [model] path; [/x] [bold]"
+    failed = JobView(3, "j", "failed", 0, [], 0, 4, None, None, 0, cause, "/runs/j")
+    announced_stub.answers = {"/api/jobs": (200, [dataclasses.asdict(failed)]), "/api/owner": (200, {"notes": []})}
+    monkeypatch.setenv("COLUMNS", "400")  # one line a row
+    assert main(["queue"]) == 0
+    assert cause in capsys.readouterr().out

@@ -254,3 +254,32 @@ def test_submit_refuses_before_planning_then_queues_once_planned(hand, tmp_path)
     refused(EmberError, "can never fit here: .* the largest device offers 0.00 GiB; `ember plan` says",
             tiny.control.submit, recipe, "third", 0, None, [])
     assert [j.name for j in hand.jobs.jobs()] == ["first", "second"] and len(hand.jobs.plans) == 1
+
+
+def test_a_job_name_of_digits_alone_is_refused_before_planning(hand, tmp_path):
+    """A job is named by its name or its id, and `--name 2` was queued: `ember cancel 2` then meant
+    two jobs (job 2 and the job named '2'), and whichever row came first was cancelled. A name of
+    digits alone is refused now, by the service and by `ember submit`'s parser alike."""
+    import argparse
+    from ember.cli.serve import job_name
+    recipe = str(write_recipe(tmp_path / "allowed" / "r", train={"max_steps": 5}))
+    refused(BadInput, "^job name '2': digits alone would be read as a job's id", hand.control.submit,
+            recipe, "2", 0, None, [])
+    assert hand.jobs.jobs() == [] and hand.jobs.plans == {}  # refused before the plan's child ran
+    with pytest.raises(argparse.ArgumentTypeError, match="digits alone"):
+        job_name("0042")
+    assert job_name("run2") == "run2" and job_name("2a") == "2a"
+
+
+def test_a_job_being_cancelled_is_not_paused_so_the_cancel_holds(hand):
+    """`ember cancel a` then `ember pause a --hard` (or a soft pause) while it checkpointed turned the
+    cancel into a hand's hold: the job ended queued and held, and the next `ember resume` trained it
+    again. A pause of a job being cancelled is refused now, changing nothing, and it ends cancelled."""
+    job, sleeper = hand.running("a")
+    assert hand.control.cancel("a").hold == "cancel"
+    for hard in (True, False):
+        refused(Conflict, "^job a is being cancelled", hand.control.pause, "a", hard)
+    assert hand.control.find("a").hold == "cancel"
+    assert sleeper.popen.wait(timeout=30) == -signal.SIGTERM
+    hand.tick()
+    assert (hand.control.find("a").state, hand.whys(job)[-1]) == ("cancelled", "cancelled: checkpointed and exited")

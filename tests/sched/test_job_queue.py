@@ -2,6 +2,7 @@
 that belong to one job, what admission may start, state changes through the state machine,
 requeue and purge refusing what they cannot do; the plan's request, planned once per content."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,15 @@ def test_a_job_is_found_by_name_or_number_and_a_name_or_folder_belongs_to_one(qu
     finish(queue, a, "failed", cause="exit 1")
     assert add(queue, tmp_path, "b", folder="a").out == a.out  # a finished job's folder is free again
 
+
+
+def test_a_number_finds_the_job_with_that_id_before_a_job_named_so(queue, tmp_path):
+    """A job named '2' (id 1) shadowed job 2: `ember cancel 2`, and the queue page's cancel button
+    on job 2's row (it posts the id), found the first row matching by name or id and cancelled
+    job 1 instead."""
+    named, other = add(queue, tmp_path, "2"), add(queue, tmp_path, "x")
+    assert (named.id, other.id) == (1, 2)
+    assert queue.find("2") == other and queue.find("1") == named and queue.find("x") == other
 
 def test_admission_sees_queued_jobs_without_a_hold_and_live_ones(queue, tmp_path):
     free, held, live = (add(queue, tmp_path, n) for n in ("free", "held", "live"))
@@ -96,6 +106,21 @@ def test_requeue_takes_back_failed_and_cancelled_jobs_only(queue, tmp_path):
     assert queue.requeue(cancelled, allowed).state == "queued"
 
 
+
+def test_a_requeued_job_ages_from_its_requeue_not_from_its_first_submit(queue, tmp_path):
+    """A job cancelled a day ago and requeued counted that day as waiting: one priority level per
+    ten minutes, +144, so it went before a job of priority 5 submitted now (and the queue turned
+    strict behind it, no backfill, at once). Ageing counts from the requeue now."""
+    import time
+    from ember.sched.admission import Room, Want, decide
+    (tmp_path / "r.toml").write_text("")
+    cancelled = queue.move(add(queue, tmp_path, "old"), "cancelled", "cancelled by hand",
+                           submitted=time.time() - 86400)
+    again = queue.requeue(cancelled, Path)
+    urgent = add(queue, tmp_path, "urgent", priority=5)
+    wants = [Want(j.id, j.priority, j.submitted, j.request["memory"]) for j in (again, urgent)]
+    assert decide(wants, [], [Room(0, REQUEST["memory"])], time.time()).start == {urgent.id: (0,)}
+
 def test_a_job_that_kept_its_admitted_recipe_is_requeued_without_the_file(queue, tmp_path):
     """The job trains the recipe as admitted (its request keeps it, ember.launchspec): a requeue
     does not need the file, which may since have been moved or edited."""
@@ -147,3 +172,41 @@ def test_the_plans_remembered_are_the_newest_few(queue, tmp_path, monkeypatch):
         assert queue.request(recipe, [f"train.max_steps={steps}"])["max_steps"] == steps
     assert len(queue.plans) == 2
     assert queue.request(recipe, ["train.max_steps=8"])["max_steps"] == 8 and len(queue.plans) == 2
+
+
+def test_two_submits_of_one_recipe_at_once_both_get_their_request(queue, tmp_path, monkeypatch):
+    """Two `ember submit r.toml` at once (the service answers each on its own thread) wrote the
+    recipe's snapshot through the same temporary file, named by the process alone: one thread's
+    rename took the other's file away, and that submit failed with FileNotFoundError (a 500).
+    Here both threads are held after writing their temporary file, before renaming it."""
+    import threading
+    from ember import durable
+    from ember.sched import job_queue
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    plan = {"memory": {"with_margin": 1 << 20}, "verdict": "local", "reasons": [],
+            "recipe": {"max_steps": 24}, "time": {"step_seconds": None}}
+    monkeypatch.setattr(job_queue, "plan_json", lambda *args: plan)  # no child: the race is in the snapshot
+    both_written = threading.Barrier(2, timeout=30)
+    real_fsync = durable.os.fsync
+
+    def fsync(fd: int) -> None:  # the file's fsync: each thread has written its temporary file
+        real_fsync(fd)
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            both_written.wait()
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    recipe = write_recipe(tmp_path / "recipe")
+    answers, errors = [], []
+
+    def submit() -> None:
+        try:
+            answers.append(queue.request(recipe, []))
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and len(answers) == 2 and answers[0] == answers[1]
+    (snapshot,) = (tmp_path / "home").glob("serve/recipes/*.toml")
+    assert "max_steps = 24" in snapshot.read_text()

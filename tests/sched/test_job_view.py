@@ -46,3 +46,16 @@ def test_the_run_folder_says_its_last_step_and_whether_it_completed(tmp_path):
     assert not completed(tmp_path)  # final/ is not there yet
     (tmp_path / "final").mkdir()
     assert completed(tmp_path)
+
+
+def test_a_metrics_file_ember_did_not_write_reads_as_no_step(tmp_path):
+    """A job's --out pointed at a folder whose metrics.jsonl another tool wrote: a last line with an
+    ISO time, a step named 'train', a list or a null raised ValueError, AttributeError or
+    TypeError in the scheduler's pass (which then stopped for good: its thread retries only
+    database and disk errors) and in every GET /api/jobs (500). Such a line is no step now."""
+    for line, read in (('{"step": 3, "time": "2024-01-01T00:00:00"}', (3, 0.0)),
+                       ('{"step": "train", "time": 1.5}', (0, 1.5)), ("[1, 2]", (0, 0.0)), ("7", (0, 0.0)),
+                       ('{"step": null, "time": null}', (0, 0.0)), ('{"step": 1e400, "time": 1e400}', (0, 0.0)),
+                       ('{"step": true, "time": false}', (0, 0.0))):
+        (tmp_path / "metrics.jsonl").write_text(line + "\n")
+        assert (last_step(tmp_path), last_step_time(tmp_path)) == read, line

@@ -38,6 +38,25 @@ def test_bad_files_are_refused_with_where_and_what(tmp_path):
         assert "owner.toml" in str(e.value)
 
 
+
+def test_an_allowed_folder_under_an_unknown_users_home_is_refused_naming_the_key(tmp_path):
+    """`[service] allowed = ["~nosuchuser/x"]` validated (`ember owner check` said valid), and then
+    every submit was answered 500: expanding the folder raised RuntimeError ("Could not determine
+    home directory"). Refused now when the file is read, naming the file, line and key."""
+    with pytest.raises(EmberError, match=r"owner.toml:2: \[service\] allowed\[1\]: '~nosuchuser/x'") as e:
+        rules(tmp_path, '[service]\nallowed = ["~", "~nosuchuser/x"]\n')
+    assert "home" in str(e.value)
+    assert rules(tmp_path, '[service]\nallowed = ["~/x", "/srv"]\n').service.allowed == ["~/x", "/srv"]
+
+
+@pytest.mark.parametrize("window", ["00:00-24:30", "08:00-24:01", "08:00-24:59"])
+def test_a_window_that_ends_past_24_00_is_refused(tmp_path, window):
+    """The end of a window took any minute after 24 ('00:00-24:30'), a time no day has; it was
+    validated and read as 24:00. Only 24:00 itself ends a day now."""
+    with pytest.raises(EmberError, match=f"window '{window}': write HH:MM-HH:MM"):
+        rules(tmp_path, f"[schedule]\nmon = ['{window}']\n")
+    assert rules(tmp_path, "[schedule]\nmon = ['18:00-24:00', '00:00-23:59']\n").schedule.mon
+
 def test_weekday_windows(tmp_path):
     r = rules(tmp_path, "[schedule]\nmon = ['00:00-08:00', '18:00-24:00']\nsun = []\n")
     assert in_window(r.schedule, MONDAY_NOON)[0] is False
@@ -146,3 +165,19 @@ def test_owner_check_prints_the_resolved_rules_or_exits_2_naming_the_key(tmp_pat
     (home / "owner.toml").write_text("[activty]\n")
     r = run_ember("owner", "check", env={"EMBER_HOME": str(home)})
     assert r.returncode == 2 and f"{home / 'owner.toml'}:1: unknown section [activty]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool", ["xprintidle", "loginctl"])
+def test_an_idle_reading_that_hangs_is_no_reading_not_the_end_of_scheduling(tmp_path, monkeypatch, tool):
+    """`loginctl` waits on logind over D-Bus (busy at boot, or restarting) and `xprintidle` on the
+    X server: one that took over 2 s raised subprocess.TimeoutExpired out of the service's
+    observation, which ended its scheduler thread for good (it retries only database and disk
+    errors). A reading that does not come in time is no reading: nobody is seen active."""
+    from ember.sched.observe import idle_seconds
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / tool).write_text("#!/bin/sh\nexec /bin/sleep 30\n")
+    (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("DISPLAY", ":0")
+    assert idle_seconds() == (None, "no graphical session")
