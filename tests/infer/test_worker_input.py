@@ -1,7 +1,7 @@
 """Odd requests to the inference worker (what `ember serve` forwards to it as they are, and
 answers with the worker's status): an odd value is a 400 that names the field at fault, never a
 500, and changes nothing (the next request is answered as before); long stop strings, OpenAI's
-text parts and what a chat template refuses are served as they should be."""
+text parts and a client that leaves cost no more than they should."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ember.data.tokenizer import ByteTokenizer
-from ember.infer.engine import Engine
+from ember.infer.batching import Batcher
+from ember.infer.engine import Engine, Sampling
 from ember.web.infer_worker import create_app
+from tests.helpers import post_and_leave, wait_until
 
 HI = b'[{"role": "user", "content": "hi"}]'
 
@@ -160,3 +162,25 @@ def test_messages_the_chat_template_refuses_are_a_400_saying_why(strict_client, 
     assert error["message"].startswith("messages: ") and says in error["message"], error
     ok = strict_client.post("/v1/chat/completions", json={"messages": messages[1:], "max_tokens": 2})
     assert ok.status_code == 200, ok.text[:300]
+
+
+def test_a_client_that_leaves_before_the_whole_answer_frees_the_engine(engine, monkeypatch):
+    """Before: an answer not streamed was generated to its last token after its client had gone
+    (up to max_tokens, 4096: minutes on a CPU for a real model, its place in the batch taken).
+    The worker is the service's (it answers only with the token)."""
+    alone = engine.generate("base", "In the beginning", Sampling(max_tokens=100, temperature=0))
+    alone.text()
+    assert alone.usage.finish_reason == "length"  # alone, it makes all of its 100 tokens
+    made = []
+    emit = Batcher._emit
+
+    def lockstep(self, job, token):  # the loop waits for each token to be taken, or the job cancelled
+        emit(self, job, token)
+        made.append(token)
+        wait_until("the token taken or the job cancelled", lambda: job.cancelled.is_set() or job.out.empty(),
+                   60, 0.001)
+    monkeypatch.setattr(Batcher, "_emit", lockstep)
+    post_and_leave(create_app(engine, "the-token"), "/v1/completions",
+                   {"prompt": "In the beginning", "max_tokens": 100, "temperature": 0},
+                   {"authorization": "Bearer the-token"})
+    assert len(made) < 100, "the generation went on to its last token after its client had left"
