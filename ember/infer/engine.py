@@ -191,7 +191,10 @@ class Engine:
         ids = self._encode(prompt)
         room = self.max_positions - len(ids)
         wanted = sampling.max_tokens or min(MAX_TOKENS, room)
-        if room < 1 or wanted > room:
+        if room < 1:  # with max_tokens unset (a chat's default), `wanted` is no number to show
+            raise RequestError(f"the prompt's {len(ids)} tokens leave no room in the model's context of "
+                               f"{self.max_positions} tokens for one more; shorten the prompt")
+        if wanted > room:
             raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens = {wanted} are beyond "
                                f"the model's context of {self.max_positions} tokens; shorten the "
                                f"prompt or lower max_tokens")

@@ -91,6 +91,15 @@ def test_long_stop_strings_cost_what_the_text_costs(client):
     assert r.json()["choices"][0] == plain.json()["choices"][0]  # none of the stop strings in 100 bytes
 
 
+def test_a_chat_past_the_context_says_so_without_a_max_tokens_it_never_sent(client):
+    """Before: a chat request without max_tokens whose prompt filled the context was refused with
+    "the prompt's 1225 tokens plus max_tokens = -201 are beyond the model's context"."""
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 1200}]})
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert "leave no room in the model's context of 1024 tokens" in message and "max_tokens" not in message, message
+
+
 def test_chat_on_the_byte_model_is_rendered_as_training_renders_it(client):
     """Before: the engine rendered builtin:tiny's chats as 'user: hi' lines, while training and
     evaluation render them with ember's own template ('<|user|>' lines): a chat run was served
