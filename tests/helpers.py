@@ -108,6 +108,33 @@ def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: flo
         time.sleep(0.002)
 
 
+def post_and_leave(app, path: str, body: dict, headers: dict[str, str] | None = None,
+                   when=lambda: True) -> list[dict]:
+    """POST `body` as JSON to the ASGI app, in-process, as a client that leaves once it has sent
+    the request and `when()` is true: a receive() after the body waits for that, then says the
+    client disconnected. What the app sent (to nobody)."""
+    import asyncio
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        while not when():
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+    fields = {"host": "127.0.0.1", "content-type": "application/json", **(headers or {})}
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(k.lower().encode(), v.encode()) for k, v in fields.items()],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
 def wait_until(what: str, check, timeout: float, every: float = 0.5):
     """Poll `check()` until it returns something true, at most `timeout` seconds; on timeout, say
     what was waited for and what was seen last."""

@@ -62,7 +62,7 @@ def conversation(record: Any, where: str) -> Conversation:
         if role == "assistant" and m.get("tool_calls") is not None:
             out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}: messages[{i}].tool_calls")
         if m.get("content") is not None or "tool_calls" not in out:
-            out["content"] = _content(m.get("content"), f"{where}: messages[{i}].content")
+            out["content"] = content_text(m.get("content"), f"{where}: messages[{i}].content")
         if role == "tool":
             out.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
         if "weight" in m:
@@ -80,8 +80,9 @@ def conversation(record: Any, where: str) -> Conversation:
     return Conversation(messages, _tools(record.get("tools"), f"{where}: tools"), learned)
 
 
-def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or OpenAI's list of text parts joined."""
+def content_text(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of text parts joined (training's records and
+    the inference engine's requests alike)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -90,7 +91,7 @@ def _content(content: Any, where: str) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise EmberError(f"{where}[{j}] is a {kind!r} part; only text parts "
-                                 f"({{\"type\": \"text\", \"text\": ...}}) can be trained on")
+                                 f"({{\"type\": \"text\", \"text\": ...}}) are read")
             texts.append(part["text"])
         return "".join(texts)
     if content is None:

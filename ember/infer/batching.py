@@ -267,7 +267,11 @@ def pick(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
         if s.temperature == 0:
             out.append(best)
             continue
-        probs = torch.softmax(row.float().cpu() / s.temperature, -1)  # the generator is on the CPU
+        # Less the row's maximum and in float64, so that no temperature above 0 overflows: in
+        # float32, logits / 1e-300 are inf, softmax made nan of them and multinomial raised, which
+        # failed every request in the batch. Near 0 this is the argmax, as temperature 0 is.
+        row = row.double().cpu()  # the generator is on the CPU
+        probs = torch.softmax((row - row.max()) / s.temperature, -1)
         if s.top_p < 1:  # keep the most likely tokens whose mass reaches top_p
             ranked, order = probs.sort(descending=True)
             ranked[ranked.cumsum(0) - ranked > s.top_p] = 0

@@ -38,6 +38,7 @@ import torch
 
 from ember.ckpt.state import seed_all
 from ember.ckpt.store import committed_in
+from ember.data.chat import content_text
 from ember.device import pick_device
 from ember.errors import EmberError
 from ember.events import Events
@@ -190,7 +191,10 @@ class Engine:
         ids = self._encode(prompt)
         room = self.max_positions - len(ids)
         wanted = sampling.max_tokens or min(MAX_TOKENS, room)
-        if room < 1 or wanted > room:
+        if room < 1:  # with max_tokens unset (a chat's default), `wanted` is no number to show
+            raise RequestError(f"the prompt's {len(ids)} tokens leave no room in the model's context of "
+                               f"{self.max_positions} tokens for one more; shorten the prompt")
+        if wanted > room:
             raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens = {wanted} are beyond "
                                f"the model's context of {self.max_positions} tokens; shorten the "
                                f"prompt or lower max_tokens")
@@ -198,8 +202,8 @@ class Engine:
 
     def _encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         hf = getattr(self.tokenizer, "tok", None)  # None: the byte tokenizer
-        template = hf if isinstance(prompt, list) and hf is not None and hf.chat_template else None
-        text = chat_text(prompt, template) if isinstance(prompt, list) else prompt
+        templated = isinstance(prompt, list) and hf is not None and bool(hf.chat_template)
+        text = chat_text(prompt, self.tokenizer) if isinstance(prompt, list) else prompt
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON's "\ud800" escape decodes to a string no tokenizer can take
@@ -208,7 +212,7 @@ class Engine:
                                f"the character whole (or both halves of its escape)") from None
         if hf is None:
             return [BYTE_EOS, *data]  # the end of a document starts the next
-        ids = hf(text, add_special_tokens=template is None)["input_ids"]  # a template has its own
+        ids = hf(text, add_special_tokens=not templated)["input_ids"]  # a template has its own
         if not ids:
             raise RequestError("the prompt is empty and the tokenizer adds no start token; give a prompt")
         return ids
@@ -323,7 +327,7 @@ class Engine:
                 if cut > sent:
                     yield text[sent:cut]
                 return
-            safe = len(text) - _held_back(text, stops)
+            safe = len(text) - _held_back(text, stops, len(text) - sent)
             if safe > sent:
                 yield text[sent:safe]
                 sent = safe
@@ -378,14 +382,24 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return {tokenizer.eos_id, *eos}
 
 
-def chat_text(messages: list[dict[str, Any]], tok: Any = None) -> str:
-    """The prompt for chat messages: the tokenizer's chat template, else 'role: content' lines."""
-    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                               and isinstance(m.get("content"), str) for m in messages):
-        raise RequestError("messages: a non-empty list of {\"role\": str, \"content\": str}")
-    if tok is not None:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+def chat_text(messages: list[dict[str, Any]], tokenizer: Any) -> str:
+    """The prompt for chat messages as training and evaluation render a chat (the tokenizer's
+    `chat_prompt`: its chat template, the byte model's being ember's own); 'role: content' lines
+    for a Hugging Face tokenizer without a template."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise RequestError("messages: a non-empty list of {\"role\": str, \"content\": str or text parts}")
+    try:  # role and content only: the rest (tool calls, names) is the request's, unchecked
+        turns = [{"role": m["role"], "content": content_text(m.get("content"), f"messages[{i}].content")}
+                 for i, m in enumerate(messages)]
+    except EmberError as e:
+        raise RequestError(str(e)) from None
+    hf = getattr(tokenizer, "tok", None)
+    if hf is not None and not hf.chat_template:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"
+    try:
+        return tokenizer.chat_prompt(turns)
+    except EmberError as e:  # the template's own raise_exception: roles that must alternate, no system turn
+        raise RequestError(f"messages: {e}") from None
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
@@ -394,6 +408,8 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     return min(found) if found else None
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that begins a stop string."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+def _held_back(text: str, stops: tuple[str, ...], unsent: int) -> int:
+    """The length of the longest end of `text`, at most `unsent` characters long, that begins a
+    stop string. Bounded by what is unsent, not by the stop's length: a stop string of 250,000
+    characters cost 250,000 slices of it for every token (minutes of CPU a request)."""
+    return max((k for s in stops for k in range(1, min(len(s), unsent + 1)) if text.endswith(s[:k])), default=0)

@@ -64,6 +64,7 @@ from ember.paths import NAME_GRAMMAR
 from ember.sched.service import Service
 from ember.web import dashboard, error_responses as errors, security
 from ember.web.dashboard import Dashboard
+from ember.web.disconnect import unless_left
 from ember.web.error_responses import error_response, responses
 from ember.web.guard import BodyLimit, refusal
 from ember.web.openapi import document
@@ -316,36 +317,43 @@ async def v1(path: str, request: Request) -> Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
     await run_in_threadpool(service.inference_begin)
     try:
-        upstream = await client.send(client.build_request(request.method, f"{engine_url}/v1/{path}",
-                                                          content=raw, headers=headers,
-                                                          params=request.query_params), stream=True)
+        upstream, left = await unless_left(request, client.send(client.build_request(
+            request.method, f"{engine_url}/v1/{path}", content=raw, headers=headers,
+            params=request.query_params), stream=True))
     except httpx.HTTPError as e:
         service.inference_end()
         return error_response(502, f"the inference engine at {engine_url} failed: {e}")
+    if left:  # the engine's request is cancelled (its connection closed): the engine stops generating
+        if upstream is not None:  # it answered just as the client left
+            await upstream.aclose()
+        service.inference_end()
+        return error_response(499, "the client left before the inference engine answered")  # to nobody
 
     ended = False
 
-    def end() -> None:  # once: a second end would take another request out of the gate's count
+    async def done() -> None:  # once: after the last byte, or as the engine fails mid-answer
         nonlocal ended
         if not ended:
             ended = True
-            service.inference_end()
+            try:
+                await upstream.aclose()
+            finally:
+                service.inference_end()
 
-    async def relay() -> AsyncIterator[bytes]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
-        except BaseException:  # the engine failed mid-answer: the background task below never runs then
-            end()
-            await upstream.aclose()
+        except BaseException:
+            # The engine failed mid-answer (its process died), or the relay was cancelled: the
+            # status is sent, so the answer is cut. Starlette runs no background task after a
+            # failed body: without this the request stayed in flight for good, and training on
+            # the device stayed paused.
+            await done()
             raise
 
-    async def done() -> None:
-        await upstream.aclose()
-        end()
-
     out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_RETURNED}
-    return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers,
+    return StreamingResponse(body(), status_code=upstream.status_code, headers=out_headers,
                              background=BackgroundTask(done))
 
 

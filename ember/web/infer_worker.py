@@ -51,6 +51,7 @@ from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
 from ember.events import Event, Events
 from ember.infer.engine import Engine, Generation, RequestError
 from ember.infer.openai import OpenAIRequest, chat_request, chunks, completion_request, whole
+from ember.web.disconnect import unless_left
 from ember.web.error_responses import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
@@ -97,11 +98,11 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await respond(engine, completion_request(await read_json(request), engine.default_model))
+        return await respond(engine, completion_request(await read_json(request), engine.default_model), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await respond(engine, chat_request(await read_json(request), engine.default_model))
+        return await respond(engine, chat_request(await read_json(request), engine.default_model), request)
 
     return app
 
@@ -141,7 +142,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
-async def respond(engine: Engine, asked: OpenAIRequest) -> Any:
+async def respond(engine: Engine, asked: OpenAIRequest, request: Request) -> Any:
     """Run one generation and answer with it whole, or as server-sent events."""
     gen = engine.generate(asked.model, asked.prompt, asked.sampling)  # refuses a bad request before anything runs
     try:
@@ -151,10 +152,30 @@ async def respond(engine: Engine, asked: OpenAIRequest) -> Any:
         raise
     head = asked.head()
     if not asked.stream:
-        text = await anyio.to_thread.run_sync(gen.text)
+        text = await whole_text(request, gen)
+        if text is None:  # nginx's "client closed request": nobody reads it
+            return error_response(499, "the client left before the answer was complete")
         return whole(asked, head, text, gen.usage)
     return StreamingResponse(events(gen, chunks(asked, head, gen)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+async def whole_text(request: Request, gen: Generation) -> str | None:
+    """All of `gen`'s text, made a piece at a time in a thread; None if the client left meanwhile
+    (one that gave up, or the service's proxy that closed its connection): the generation ends
+    at the next piece, not after up to max_tokens more tokens for nobody (4096: minutes on a CPU,
+    its place in the batch taken all along)."""
+    pieces: list[str] = []
+    try:
+        while True:
+            piece, left = await unless_left(request, anyio.to_thread.run_sync(next, gen, _END))
+            if left:
+                return None
+            if piece is _END:
+                return "".join(pieces)
+            pieces.append(piece)
+    finally:
+        gen.close()  # only marks the job cancelled: the loop drops it before its next step
 
 
 async def events(gen: Generation, stream: Iterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -67,6 +67,16 @@ def test_a_seeded_sample_is_the_same_in_a_batch_as_alone(engine: Engine):
     assert len(set(alone)) == len(alone)
 
 
+def test_a_temperature_near_zero_samples_the_greedy_token_and_fails_no_one_in_its_batch(engine: Engine):
+    """Before: at temperature 1e-300 the logits divided by it were inf, softmax made nan of them
+    and torch.multinomial raised in the decode loop, which failed every request in the batch
+    (a 500 for each, whatever its own settings)."""
+    greedy = [Sampling(max_tokens=n, temperature=0) for n in LENGTHS]
+    alone = [engine.generate("base", p, s).text() for p, s in zip(PROMPTS, greedy)]
+    near_zero = [greedy[0], Sampling(max_tokens=LENGTHS[1], temperature=1e-300, seed=1), *greedy[2:]]
+    assert together(engine, near_zero) == alone
+
+
 def test_concurrent_http_requests_share_steps_and_each_get_their_solo_text(engine: Engine):
     """Through the worker's app: two plain completions and a streamed chat, sent at once."""
     import json

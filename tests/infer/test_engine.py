@@ -199,11 +199,12 @@ def test_streams_are_server_sent_events_of_the_same_text(client: TestClient):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == r.json()["usage"]
 
 
-def test_chat_without_a_template_is_role_and_content_lines(client: TestClient):
+def test_chat_on_the_byte_model_is_embers_own_template(client: TestClient):
+    """The template training and evaluation render builtin:tiny's chats with (ember.data.tokenizer)."""
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                   "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
-    assert r.json()["usage"]["prompt_tokens"] == len("user: hi\nassistant:") + 1
+    assert r.json()["usage"]["prompt_tokens"] == len("<|user|>\nhi\n<|assistant|>\n") + 1
 
 
 def test_a_stop_string_ends_the_text_before_it(client: TestClient):

@@ -15,7 +15,7 @@ from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
 from ember.web.server import ensure_token, is_loopback
-from tests.helpers import run_ember, write_recipe
+from tests.helpers import post_and_leave, run_ember, write_recipe
 
 
 @pytest.fixture
@@ -395,6 +395,72 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(service):
         server.should_exit = True
         thread.join(timeout=60)
         engine.close()
+
+
+def test_an_engine_that_breaks_off_its_answer_ends_the_request_for_the_pause_gate(service):
+    """Before: when the engine's answer broke off (its process died mid-stream), Starlette ran no
+    background task after the failed body, so the request was counted in flight for good: training
+    on the inference device stayed paused until the service restarted."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", "1000")  # and 10 bytes of it, then the connection closes
+            self.end_headers()
+            self.wfile.write(b"data: {}\n\n")
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        c = TestClient(create_app(service, "s3cret", True, f"http://127.0.0.1:{engine.server_address[1]}"),
+                       base_url="http://127.0.0.1", raise_server_exceptions=False)
+        r = c.post("/v1/completions", json={"prompt": "In", "stream": True}, headers=AUTH)
+        assert (r.status_code, r.content) == (200, b"data: {}\n\n")  # what the engine sent before it broke off
+        assert service.gate.requests == 1
+        assert service.gate.in_flight == 0 and service.gate.stats()["in_flight"] == 0
+    finally:
+        engine.shutdown()
+        engine.server_close()
+
+
+def test_a_client_that_leaves_before_the_engine_answers_closes_the_request_to_the_engine(service):
+    """Before: the proxy waited for the engine's answer whatever its client did: an answer not
+    streamed (sent whole at its end) was generated to the last of max_tokens for nobody, counted in
+    flight, and training on the inference device paused, all along."""
+    import http.server
+    import threading
+    arrived, closed = threading.Event(), threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):  # an engine that takes its time to answer
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            arrived.set()
+            if self.rfile.read(1) == b"":  # no more bytes, ever: the proxy closed the connection
+                closed.set()
+
+        def log_message(self, *args):
+            pass
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        app = create_app(service, "s3cret", True, f"http://127.0.0.1:{engine.server_address[1]}")
+        leaving = threading.Thread(target=post_and_leave, args=(app, "/v1/completions", {"prompt": "In"}, AUTH,
+                                                                arrived.is_set), daemon=True)
+        leaving.start()
+        leaving.join(60)
+        assert not leaving.is_alive(), "the proxy still waited for the engine 60 s after its client left"
+        assert closed.wait(60), "the engine's connection stayed open"
+        assert (service.gate.requests, service.gate.in_flight) == (1, 0)
+    finally:
+        engine.shutdown()
+        engine.server_close()
 
 
 def test_an_answer_through_the_inference_proxy_has_one_date_and_one_server(service):
