@@ -226,14 +226,21 @@ def check_value(where: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> A
 
 
 def to_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """{table: {key: value}} as TOML. JSON's literals for strings, numbers, booleans and lists
-    of strings are valid TOML, and validation admits no other values (None: the key is left out)."""
+    """{table: {key: value}} as TOML (None: the key is left out)."""
     lines = []
     for table, values in tables.items():
         lines.append(f"[{table}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None]
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML: JSON's literals for strings, numbers, booleans and lists of them are
+    valid TOML (validation admits no other values), written with the characters themselves, not
+    JSON's \\u escapes (TOML refuses the surrogate pairs JSON writes beyond U+FFFF), and DEL
+    escaped (TOML refuses it raw)."""
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 # The reference: one row per key, generated from the same fields the validator reads.

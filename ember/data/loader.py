@@ -73,7 +73,8 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
     ev = ev or EvalConfig()
     eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
     key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
-                         f"{ev.holdout}\0{ev.seed}\0{eval_ids}".encode()).hexdigest()[:32]
+                         f"{ev.holdout}\0{ev.seed}\0{eval_ids}\0{tokenizer.fingerprint(rendering=True)}"
+                         .encode()).hexdigest()[:32]
     store = home().token_cache(key)
     if (store / "info.json").is_file():
         return store / "train" / "tokens.npy"
@@ -161,7 +162,12 @@ class PackedBatches(Dataset):
             self.notes = dict(notes)
             self.num_sequences = len(self.pack_start) - 1
         if self.num_sequences == 0:
-            raise EmberError(f"[data] the files hold {len(self.tokens)} tokens, fewer than one "
+            if folder.name == "eval":  # the store's held-out split (ember.data.loader.tokenize)
+                raise EmberError(f"[eval] the held-out documents hold {len(self.tokens)} tokens, fewer than one "
+                                 f"sequence of seq_len = {seq_len}; hold out more ([eval] holdout), add [eval] "
+                                 f"files, or lower [data] seq_len")
+            held = " for training (the others are held out for evaluation)" if (folder.parent / "eval").is_dir() else ""
+            raise EmberError(f"[data] the files hold {len(self.tokens)} tokens{held}, fewer than one "
                              f"sequence of seq_len = {seq_len}; add data or lower [data] seq_len")
         self.start = start.epoch * self.num_sequences + start.offset
         self.first_ordinal = self.start // micro_batch  # cursors always sit between micro-batches
