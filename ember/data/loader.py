@@ -76,14 +76,21 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
                          f"{ev.holdout}\0{ev.seed}\0{eval_ids}\0{tokenizer.fingerprint(rendering=True)}"
                          .encode()).hexdigest()[:32]
     store = home().token_cache(key)
-    if (store / "info.json").is_file():
-        return store / "train" / "tokens.npy"
-    if events is not None:
-        events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",
-                     files=len(cfg.files))
-    workers = cfg.tokenize_workers or len(os.sched_getaffinity(0))
-    build([(f, ev.holdout) for f in cfg.files] + [(f, 1.0) for f in ev.files], cfg, tokenizer, ev.seed,
-          store, events or Events(), workers)
+    if not (store / "info.json").is_file():
+        if events is not None:
+            events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",
+                         files=len(cfg.files))
+        workers = cfg.tokenize_workers or len(os.sched_getaffinity(0))
+        build([(f, ev.holdout) for f in cfg.files] + [(f, 1.0) for f in ev.files], cfg, tokenizer, ev.seed,
+              store, events or Events(), workers)
+    if ev.holdout and not ev.files and not (store / "eval").is_dir():
+        # Refused like a .txt file too short to share out (ember.data.sources): the run would
+        # evaluate nothing, and [eval] patience and prompts would do nothing, without a word.
+        n = json.loads((store / "info.json").read_text())["train"]["documents"]
+        raise EmberError(f"[eval] holdout = {ev.holdout:g} held out none of the {n} records (each is held out by a "
+                         f"seeded hash of its content: about {ev.holdout * n:.1f} expected), so there is nothing to "
+                         f"evaluate on; add records, raise [eval] holdout, or name held-out files in [eval] files "
+                         f"and set [eval] holdout = 0")
     return store / "train" / "tokens.npy"
 
 

@@ -211,3 +211,17 @@ def test_a_file_in_both_data_and_eval_files_still_trains_on_its_share(tmp_path, 
     assert 0 < len(held) < 30
     assert documents(store, "train") == [r["text"] for r in records if r["text"] not in held]
     assert sorted(documents(store, "eval")) == sorted(held + [r["text"] for r in records])
+
+
+def test_a_held_out_share_that_holds_out_no_record_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """10 records at [eval] holdout = 0.05 (0.5 expected) held out none: the run trained with no
+    evaluation at all, not a word said, and [eval] patience and prompts silently did nothing
+    (a .txt file too short to share out is refused: so are these)."""
+    records = [{"text": f"note {i}"} for i in range(10)]
+    assert not any(sources.held_out(r, 0, 0.05) for r in records)
+    f = tmp_path / "few.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for attempt in ("built", "cached"):  # the same answer when the store is found built
+        with pytest.raises(EmberError, match=r"\[eval\] holdout = 0.05 held out none of the 10 records .*about 0.5 "
+                                             r"expected.*\[eval\] files"):
+            build(tmp_path / "h", monkeypatch, [f], holdout=0.05)
