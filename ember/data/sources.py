@@ -419,6 +419,7 @@ def source_sha256(path: Path) -> str:
     """A file's SHA-256; a `datasets` folder's: over its files' names and hashes."""
     if not path.is_dir():
         return cached_sha256(path)
+    _arrow_parts(path)  # a folder that is not a saved dataset is refused before its files are read
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         h.update(f"{f.relative_to(path)}\0{cached_sha256(f)}\0".encode())

@@ -225,3 +225,16 @@ def test_a_held_out_share_that_holds_out_no_record_is_refused_with_the_reason(tm
         with pytest.raises(EmberError, match=r"\[eval\] holdout = 0.05 held out none of the 10 records .*about 0.5 "
                                              r"expected.*\[eval\] files"):
             build(tmp_path / "h", monkeypatch, [f], holdout=0.05)
+
+
+def test_a_folder_that_is_not_a_saved_dataset_is_refused_before_its_files_are_hashed(tmp_path, monkeypatch):
+    """A folder of .jsonl files (a natural guess) was hashed whole for the data fingerprint,
+    every byte of every file under it, before the refusal: minutes for a large corpus."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-0.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+
+    def hashed(path):
+        raise AssertionError(f"{path} was hashed")
+    monkeypatch.setattr(sources, "cached_sha256", hashed)
+    with pytest.raises(EmberError, match=r"shards: a folder, but not a Hugging Face dataset saved with save_to_disk"):
+        data_fingerprint([str(tmp_path / "shards")], TOK)
