@@ -68,7 +68,9 @@ def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple
         if fmt not in (DataFormat.AUTO, DataFormat.TEXT):
             raise EmberError(f"[data] files: {path}: a .txt file is plain text, not [data] format = '{fmt}'")
         try:
-            text = path.read_text(encoding="utf-8-sig")  # (a byte order mark is not text)
+            # Its bytes as written (no newline translation: a file read in blocks keeps its CRLF
+            # too, ember.data.sources.text_blocks); a byte order mark is not text.
+            text = path.read_bytes().decode("utf-8-sig")
         except UnicodeDecodeError as e:
             raise EmberError(f"[data] files: {path} is not UTF-8 text ({e})") from None
         if text.strip():

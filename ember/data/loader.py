@@ -41,8 +41,8 @@ from ember.data.tokenize import build
 from ember.data.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
-STORE_VERSION = 4  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
-#                   4: a .txt file's held-out share in blocks)
+STORE_VERSION = 5  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
+#                   4: a .txt file's held-out share in blocks; 5: a .txt file's line ends as written, no BOM)
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:

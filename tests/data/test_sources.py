@@ -238,3 +238,15 @@ def test_a_folder_that_is_not_a_saved_dataset_is_refused_before_its_files_are_ha
     monkeypatch.setattr(sources, "cached_sha256", hashed)
     with pytest.raises(EmberError, match=r"shards: a folder, but not a Hugging Face dataset saved with save_to_disk"):
         data_fingerprint([str(tmp_path / "shards")], TOK)
+
+
+def test_a_txt_file_trains_on_its_line_ends_as_written_whatever_its_size_or_held_out_share(tmp_path, monkeypatch):
+    """A .txt file read whole went through Python's newline translation (CRLF and a lone CR
+    became LF) while one read in blocks (above 64 MB, or under [eval] holdout) kept its bytes: the
+    same text trained on other tokens when it grew or when a share of it was held out."""
+    text = "".join(f"line {i}\r\n" if i % 3 else f"line {i}\r" for i in range(300))
+    (tmp_path / "w.txt").write_bytes(text.encode())
+    whole = build(tmp_path / "h1", monkeypatch, [tmp_path / "w.txt"])
+    assert documents(whole, "train") == [text]
+    monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 100)
+    assert documents(build(tmp_path / "h2", monkeypatch, [tmp_path / "w.txt"]), "train") == [text]
