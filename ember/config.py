@@ -236,11 +236,17 @@ def to_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def toml_value(v: Any) -> str:
-    """A value as TOML: JSON's literals for strings, numbers, booleans and lists of them are
-    valid TOML (validation admits no other values), written with the characters themselves, not
-    JSON's \\u escapes (TOML refuses the surrogate pairs JSON writes beyond U+FFFF), and DEL
-    escaped (TOML refuses it raw)."""
-    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    """A value as TOML, in ASCII whatever the locale: strings, numbers, booleans and lists of them
+    (validation admits no other values). JSON's literals, but for characters beyond U+FFFF: JSON
+    writes them as surrogate pairs (\\ud83d\\ude00), which TOML refuses; TOML has \\U0001f600."""
+    if isinstance(v, str):
+        return '"' + "".join(c if " " <= c <= "~" and c not in '"\\' else
+                             {'"': '\\"', "\\": "\\\\"}.get(c) or (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF
+                                                                  else f"\\U{ord(c):08x}")
+                             for c in v) + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
 
 
 # The reference: one row per key, generated from the same fields the validator reads.

@@ -122,8 +122,8 @@ def test_to_toml_reads_back_to_the_same_recipe(tmp_path):
 
 
 def test_to_toml_reads_back_text_beyond_the_basic_multilingual_plane(tmp_path):
-    """A data file named with an emoji, or an eval prompt holding one (or a DEL character), was
-    written as JSON's surrogate escapes ("\\ud83d\\ude00"), which TOML refuses: the service's
+    """A data file named with an emoji, or an eval prompt holding one, was written as JSON's
+    surrogate escapes ("\\ud83d\\ude00"), which TOML refuses: the service's
     recipe snapshot, preflight's and repro's recipes could not be read back ("not a Unicode
     scalar value")."""
     path = tmp_path / "r.toml"
