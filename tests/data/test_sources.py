@@ -211,6 +211,15 @@ def test_a_file_in_both_data_and_eval_files_still_trains_on_its_share(tmp_path, 
     assert 0 < len(held) < 30
     assert documents(store, "train") == [r["text"] for r in records if r["text"] not in held]
     assert sorted(documents(store, "eval")) == sorted(held + [r["text"] for r in records])
+    # A .txt file so named: its blocks train and are held out as alone, and [eval] reads it whole
+    # (its [eval] listing took the blocks too: both splits doubled, the whole text nowhere).
+    text = "".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000))
+    (tmp_path / "book.txt").write_text(text)
+    alone = build(tmp_path / "h2", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
+    cfg = DataConfig(files=[str(tmp_path / "book.txt")])
+    both = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.05, files=cfg.files)).parent.parent
+    assert documents(both, "train") == documents(alone, "train")
+    assert sorted(documents(both, "eval")) == sorted(documents(alone, "eval") + [text])
 
 
 def test_a_held_out_share_that_holds_out_no_record_is_refused_with_the_reason(tmp_path, monkeypatch):
