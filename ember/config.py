@@ -226,14 +226,27 @@ def check_value(where: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> A
 
 
 def to_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """{table: {key: value}} as TOML. JSON's literals for strings, numbers, booleans and lists
-    of strings are valid TOML, and validation admits no other values (None: the key is left out)."""
+    """{table: {key: value}} as TOML (None: the key is left out)."""
     lines = []
     for table, values in tables.items():
         lines.append(f"[{table}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None]
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML, in ASCII whatever the locale: strings, numbers, booleans and lists of them
+    (validation admits no other values). JSON's literals, but for characters beyond U+FFFF: JSON
+    writes them as surrogate pairs (\\ud83d\\ude00), which TOML refuses; TOML has \\U0001f600."""
+    if isinstance(v, str):
+        return '"' + "".join(c if " " <= c <= "~" and c not in '"\\' else
+                             {'"': '\\"', "\\": "\\\\"}.get(c) or (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF
+                                                                  else f"\\U{ord(c):08x}")
+                             for c in v) + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
 
 
 # The reference: one row per key, generated from the same fields the validator reads.

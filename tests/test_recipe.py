@@ -121,6 +121,20 @@ def test_to_toml_reads_back_to_the_same_recipe(tmp_path):
     assert load_recipe(again).digest() == r.digest()
 
 
+def test_to_toml_reads_back_text_beyond_the_basic_multilingual_plane(tmp_path):
+    """A data file named with an emoji, or an eval prompt holding one, was written as JSON's
+    surrogate escapes ("\\ud83d\\ude00"), which TOML refuses: the service's
+    recipe snapshot, preflight's and repro's recipes could not be read back ("not a Unicode
+    scalar value")."""
+    path = tmp_path / "r.toml"
+    path.write_text('[data]\nfiles = ["😀 data.jsonl"]\n[eval]\nholdout = 0.1\nprompts = ["Say 👋", "a\\u007fb"]\n')
+    r = load_recipe(path)
+    again = tmp_path / "again.toml"
+    again.write_text(r.to_toml())
+    assert load_recipe(again).to_dict() == r.to_dict()
+    assert r.eval.prompts == ["Say 👋", "a\x7fb"] and r.data.files[0].endswith("😀 data.jsonl")
+
+
 def test_with_changes_validates_like_a_recipe_file(tmp_path):
     r = load_recipe(write_recipe_file(tmp_path))
     changed = r.with_changes({"train.micro_batch": 2, "checkpoint.async": False})

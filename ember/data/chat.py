@@ -12,7 +12,7 @@ A chat record follows OpenAI's chat and fine-tuning format:
                 "arguments": ...}}]; arguments are a JSON object, or a string holding one, as
                 OpenAI writes them (parsed: chat templates render a mapping)
     tool_call_id, name   kept on a tool turn, for the templates that render them
-    weight      (assistant) 1, the default: the turn is learned; 0: the turn is context only
+    weight      (assistant) 1, the default (also null): the turn is learned; 0: the turn is context only
     tools       the functions the model may call (JSON schemas), passed to the chat template
 
 A completion record ({"prompt", "completion"}) in a chat run is the conversation of one user
@@ -65,7 +65,7 @@ def conversation(record: Any, where: str) -> Conversation:
             out["content"] = content_text(m.get("content"), f"{where}: messages[{i}].content")
         if role == "tool":
             out.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
-        if "weight" in m:
+        if m.get("weight") is not None:  # (null: none, as Arrow gives the turns of a column that has one)
             if role != "assistant":
                 raise EmberError(f"{where}: messages[{i}].weight on a {role} turn; a weight (0 or 1) says "
                                  f"whether an assistant turn is learned: remove it from this turn")
@@ -73,7 +73,7 @@ def conversation(record: Any, where: str) -> Conversation:
                 raise EmberError(f"{where}: messages[{i}].weight = {m['weight']!r}; use 1 (learned) or 0 "
                                  f"(context only)")
         if role == "assistant":
-            learned.append(m.get("weight", 1) == 1)
+            learned.append(m.get("weight") in (None, 1))
         messages.append(out)
     if not learned:
         raise EmberError(f"{where}: no assistant message: nothing to learn from this conversation")

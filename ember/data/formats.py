@@ -23,6 +23,7 @@ when the text before it is.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ from ember.data.chat import conversation
 from ember.recipe import DataFormat
 
 FORMATS = (DataFormat.TEXT, DataFormat.CHAT, DataFormat.COMPLETION)  # AUTO is a recipe's choice, not a format
+BOM = b"\xef\xbb\xbf"  # a byte order mark, as Windows editors begin a UTF-8 file: not part of its text
+BLANK = object()  # a blank JSONL line: skipped, but counted
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate: text only in pairs
 
 
 @dataclass
@@ -64,7 +68,9 @@ def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple
         if fmt not in (DataFormat.AUTO, DataFormat.TEXT):
             raise EmberError(f"[data] files: {path}: a .txt file is plain text, not [data] format = '{fmt}'")
         try:
-            text = path.read_text(encoding="utf-8")
+            # Its bytes as written (no newline translation: a file read in blocks keeps its CRLF
+            # too, ember.data.sources.text_blocks); a byte order mark is not text.
+            text = path.read_bytes().decode("utf-8-sig")
         except UnicodeDecodeError as e:
             raise EmberError(f"[data] files: {path} is not UTF-8 text ({e})") from None
         if text.strip():
@@ -75,18 +81,9 @@ def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple
     chosen = None if fmt == DataFormat.AUTO else fmt
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise EmberError(f"[data] files: {path}:{lineno}: not UTF-8 text ({e})") from None
-            if not line.strip():
+            record = parse_line(raw.removeprefix(BOM) if lineno == 1 else raw, f"[data] files: {path}:{lineno}")
+            if record is BLANK:
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EmberError(f"[data] files: {path}:{lineno}: not valid JSON ({e.msg})") from None
-            except RecursionError:  # json's parser recurses once per nesting level
-                raise EmberError(f"[data] files: {path}:{lineno}: not valid JSON ({TOO_DEEP})") from None
             if chosen is None:
                 chosen = detect(record, text_field)
                 if chosen is None:
@@ -94,6 +91,34 @@ def read_records(path: Path, fmt: DataFormat, text_field: str) -> Iterator[tuple
                                      f"'completion', or '{text_field}' (text) field; set [data] format and "
                                      f"[data] text_field to match the records")
             yield lineno, chosen, record
+
+
+def parse_line(raw: bytes, where: str) -> Any:
+    """The record of one JSONL line, or BLANK; an EmberError naming `where` (file:line) when
+    the line is not one: not UTF-8, not JSON, or holding half of a character (an unpaired
+    surrogate escape, which Python's json reads but no tokenizer can encode)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EmberError(f"{where}: not UTF-8 text ({e})") from None
+    if not text.strip():
+        return BLANK
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EmberError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise EmberError(f"{where}: not valid JSON ({TOO_DEEP})") from None
+    except ValueError as e:  # beyond json's limits: an integer of more than 4,300 digits
+        raise EmberError(f"{where}: not valid JSON ({str(e).split(':')[0]})") from None
+    if _SURROGATE.search(text):  # rare: only such lines pay for the check
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            half = e.object[e.start:e.end].encode("unicode_escape").decode()
+            raise EmberError(f"{where}: holds an unpaired surrogate ({half}: half of a character, as a string "
+                             f"cut inside an emoji leaves it), which is not text; fix or remove the line") from None
+    return record
 
 
 def _field(record: Any, name: str, where: str) -> str:

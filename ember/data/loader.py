@@ -41,8 +41,8 @@ from ember.data.tokenize import build
 from ember.data.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
-STORE_VERSION = 4  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
-#                   4: a .txt file's held-out share in blocks)
+STORE_VERSION = 5  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
+#                   4: a .txt file's held-out share in blocks; 5: a .txt file's line ends as written, no BOM)
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:
@@ -73,16 +73,24 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
     ev = ev or EvalConfig()
     eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
     key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
-                         f"{ev.holdout}\0{ev.seed}\0{eval_ids}".encode()).hexdigest()[:32]
+                         f"{ev.holdout}\0{ev.seed}\0{eval_ids}\0{tokenizer.fingerprint(rendering=True)}"
+                         .encode()).hexdigest()[:32]
     store = home().token_cache(key)
-    if (store / "info.json").is_file():
-        return store / "train" / "tokens.npy"
-    if events is not None:
-        events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",
-                     files=len(cfg.files))
-    workers = cfg.tokenize_workers or len(os.sched_getaffinity(0))
-    build([(f, ev.holdout) for f in cfg.files] + [(f, 1.0) for f in ev.files], cfg, tokenizer, ev.seed,
-          store, events or Events(), workers)
+    if not (store / "info.json").is_file():
+        if events is not None:
+            events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",
+                         files=len(cfg.files))
+        workers = cfg.tokenize_workers or len(os.sched_getaffinity(0))
+        build([(f, ev.holdout) for f in cfg.files] + [(f, 1.0) for f in ev.files], cfg, tokenizer, ev.seed,
+              store, events or Events(), workers)
+    if ev.holdout and not ev.files and not (store / "eval").is_dir():
+        # Refused like a .txt file too short to share out (ember.data.sources): the run would
+        # evaluate nothing, and [eval] patience and prompts would do nothing, without a word.
+        n = json.loads((store / "info.json").read_text())["train"]["documents"]
+        raise EmberError(f"[eval] holdout = {ev.holdout:g} held out none of the {n} records (each is held out by a "
+                         f"seeded hash of its content: about {ev.holdout * n:.1f} expected), so there is nothing to "
+                         f"evaluate on; add records, raise [eval] holdout, or name held-out files in [eval] files "
+                         f"and set [eval] holdout = 0")
     return store / "train" / "tokens.npy"
 
 
@@ -161,7 +169,12 @@ class PackedBatches(Dataset):
             self.notes = dict(notes)
             self.num_sequences = len(self.pack_start) - 1
         if self.num_sequences == 0:
-            raise EmberError(f"[data] the files hold {len(self.tokens)} tokens, fewer than one "
+            if folder.name == "eval":  # the store's held-out split (ember.data.loader.tokenize)
+                raise EmberError(f"[eval] the held-out documents hold {len(self.tokens)} tokens, fewer than one "
+                                 f"sequence of seq_len = {seq_len}; hold out more ([eval] holdout), add [eval] "
+                                 f"files, or lower [data] seq_len")
+            held = " for training (the others are held out for evaluation)" if (folder.parent / "eval").is_dir() else ""
+            raise EmberError(f"[data] the files hold {len(self.tokens)} tokens{held}, fewer than one "
                              f"sequence of seq_len = {seq_len}; add data or lower [data] seq_len")
         self.start = start.epoch * self.num_sequences + start.offset
         self.first_ordinal = self.start // micro_batch  # cursors always sit between micro-batches

@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
-from ember.jsonl import TOO_DEEP
 from ember.paths import cached_sha256
-from ember.data.formats import detect, read_records
+from ember.data.formats import BLANK, BOM, detect, parse_line, read_records
 from ember.recipe import DataFormat
 
 SHARD_BYTES = 4 << 20         # a shard (a 1 GB file: 256 shards to share out)
@@ -106,7 +105,7 @@ def plan(files: list[tuple[str, float]], fmt: DataFormat, text_field: str, seed:
             raise EmberError(f"{section} files: {path} does not exist")
         if path.suffix == ".txt" and fmt not in (DataFormat.AUTO, DataFormat.TEXT):
             raise EmberError(f"{section} files: {path}: a .txt file is plain text, not [data] format = '{fmt}'")
-        if f in texts:
+        if f in texts and 0 < share < 1:  # (the same file in [eval] files is read whole there)
             found, new = DataFormat.TEXT, texts[f]
         elif path.is_dir():
             found, new = _arrow_plan(path, f, fmt, text_field, split)
@@ -190,7 +189,8 @@ def _held_out_texts(files: list[tuple[str, float]], fmt: DataFormat, seed: int) 
     """The shards of the .txt files of each held-out share between 0 and 1 (module docstring)."""
     out: dict[str, list[Shard]] = {}
     for share in sorted({s for _, s in files if 0 < s < 1}):
-        texts = [f for f, s in files if s == share and f.endswith(".txt") and Path(f).is_file()]
+        # A file listed twice is cut once (each listing then reads the same blocks), not as two copies in a row.
+        texts = list(dict.fromkeys(f for f, s in files if s == share and f.endswith(".txt") and Path(f).is_file()))
         if not texts or fmt not in (DataFormat.AUTO, DataFormat.TEXT):
             continue  # (plan refuses a .txt file under another format)
         out.update({f: [] for f in texts})
@@ -242,9 +242,6 @@ def records(shard: Shard, text_field: str) -> Iterator[tuple[int, Any]]:
         yield from _rows(_open_stream(path / shard.part), 0, shard.start, shard.stop, shard.first)
 
 
-_BLANK = object()  # a blank JSONL line: skipped, but counted
-
-
 def _jsonl(path: Path, start: int, stop: int, lineno: int, where: str) -> Iterator[tuple[int, Any]]:
     with open(path, "rb") as fh:
         fh.seek(start)
@@ -252,17 +249,12 @@ def _jsonl(path: Path, start: int, stop: int, lineno: int, where: str) -> Iterat
         for raw in fh:
             if at >= stop:
                 return
-            at += len(raw)
             try:
-                text = raw.decode("utf-8")
-                record = json.loads(text) if text.strip() else _BLANK
-            except UnicodeDecodeError as e:
-                record = EmberError(f"{where}{lineno}: not UTF-8 text ({e})")
-            except json.JSONDecodeError as e:
-                record = EmberError(f"{where}{lineno}: not valid JSON ({e.msg})")
-            except RecursionError:  # json's parser recurses once per nesting level
-                record = EmberError(f"{where}{lineno}: not valid JSON ({TOO_DEEP})")
-            if record is not _BLANK:
+                record = parse_line(raw.removeprefix(BOM) if at == 0 else raw, f"{where}{lineno}")
+            except EmberError as e:
+                record = e
+            at += len(raw)
+            if record is not BLANK:
                 yield lineno, record
             lineno += 1
 
@@ -273,6 +265,9 @@ def text_blocks(path: Path, start: int, stop: int, block: int) -> Iterator[str]:
     with open(path, "rb") as fh:
         fh.seek(start)
         left, carry = stop - start, b""
+        if start == 0 and fh.read(len(BOM)) != BOM:  # a byte order mark is not text
+            fh.seek(0)
+        left -= fh.tell() - start
         while left > 0 or carry:
             chunk = fh.read(min(block, left))
             left -= len(chunk)
@@ -424,6 +419,7 @@ def source_sha256(path: Path) -> str:
     """A file's SHA-256; a `datasets` folder's: over its files' names and hashes."""
     if not path.is_dir():
         return cached_sha256(path)
+    _arrow_parts(path)  # a folder that is not a saved dataset is refused before its files are read
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         h.update(f"{f.relative_to(path)}\0{cached_sha256(f)}\0".encode())

@@ -96,7 +96,9 @@ def _build(files: list[tuple[str, float]], cfg: Any, tokenizer: Any, seed: int, 
                  shards=len(shards), todo=len(todo), done=len(shards) - len(todo), workers=procs)
     if fmt == DataFormat.TEXT and hasattr(tokenizer, "text_encoder"):
         tokenizer = tokenizer.text_encoder()  # plain text needs the ids and the EOS alone
-    args = (tokenizer, cfg.text_field, cfg.train_on, seed, dict(files))
+    # The held-out share of each file whose records are split one by one (a file may also be in
+    # [eval] files, read whole there: its share there is not this one).
+    args = (tokenizer, cfg.text_field, cfg.train_on, seed, {f: s for f, s in files if 0 < s < 1})
     progress = Progress(events, sum(shards[i].nbytes for i in todo))
     try:
         found = _run(shards, todo, work, args, procs, progress)
@@ -281,7 +283,7 @@ def tokenize_shard(shard: Shard, out: Path | None, tokenizer: Any, text_field: s
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     writers = {name: SplitWriter(tmp / name) for name in SPLITS} if tmp is not None else {}
-    share = shares[shard.file]
+    share = shares.get(shard.file, 0.0)  # (used where the shard's split is decided per record)
     if shard.kind == "textpart":  # a piece of a document: joined to the one before, its EOS if it is the last
         w = writers[shard.split]
         for _, block in records(shard, text_field):

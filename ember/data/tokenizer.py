@@ -26,7 +26,7 @@ class Tokenizer(Protocol):
                     ) -> tuple[str, list[tuple[int, int]]]: ...
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str: ...
     def decode(self, ids: list[int]) -> str: ...
-    def fingerprint(self) -> str: ...
+    def fingerprint(self, rendering: bool = False) -> str: ...
     def save(self, folder: Path) -> None: ...
 
 
@@ -90,7 +90,8 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, rendering: bool = False) -> str:
+        """Its identity (its EOS and template are ember's own, versioned with the token store)."""
         return hashlib.sha256(b"ember-byte-tokenizer/1").hexdigest()
 
     def save(self, folder: Path) -> None:
@@ -176,9 +177,15 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, rendering: bool = False) -> str:
+        """The identity of its vocabulary and rules; with `rendering`, also of what else makes a
+        record's tokens (the end-of-sequence id, the chat template), which a model folder's
+        tokenizer_config.json may change over the same tokenizer.json: the token store's key.
+        (Without it: the data fingerprint a run records, as runs begun before recorded it.)"""
         backend = getattr(self.tok, "backend_tokenizer", None)
         text = backend.to_str() if backend is not None else json.dumps(self.tok.get_vocab(), sort_keys=True)
+        if rendering:
+            text += f"\0{self.eos_id}\0{getattr(self.tok, 'chat_template', None) or ''}"
         return hashlib.sha256(text.encode()).hexdigest()
 
     def save(self, folder: Path) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.config import NAME, build_entries, derived, did_you_mean, read_toml, reference, rows, setting
+from ember.config import NAME, build_entries, derived, did_you_mean, read_toml, reference, rows, setting, toml_value
 from ember.durable import sha256_file
 from ember.errors import EmberError
 from ember.ledger import audit
@@ -341,7 +341,7 @@ def _entry(ds: Dataset) -> dict:
 
 def _toml(name: str, ds: Dataset) -> str:
     keys = ("paths", "fingerprint", "owner", "licence", "classification", "allowed_targets", "expires")
-    lines = [f"[datasets.{json.dumps(name)}]"] + [f"{k} = {json.dumps(getattr(ds, k))}" for k in keys
+    lines = [f"[datasets.{json.dumps(name)}]"] + [f"{k} = {toml_value(getattr(ds, k))}" for k in keys
                                                   if getattr(ds, k) or k == "allowed_targets"]
     return "\n".join(lines) + "\n\n"
 

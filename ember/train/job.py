@@ -339,13 +339,21 @@ def _record_inputs(run: RunDir, bundle: ModelBundle, fingerprint: str, threads: 
     """Record model and data identity, and the manifest (`manifest()`, built only then), when
     the run begins or its data changed; refuse a resume over changed data."""
     old = run.record.get("data_fingerprint")
-    if old is not None and old != fingerprint:
+    # [eval] files are the held-out losses' data (the best checkpoint, [eval] patience): hashed
+    # beside the fingerprint (a run that began before they were recorded takes them as they are).
+    evals = data_file_hashes(run.record["recipe"].get("eval", {}).get("files", []))
+    old_evals = run.record.setdefault("eval_files", evals)
+    if old is not None and (old != fingerprint or old_evals != evals):
         if not allow_change and run.has_checkpoints():
+            edited = sorted(f for f in old_evals.keys() | evals.keys() if old_evals.get(f) != evals.get(f))
+            what = (f"fingerprint {old[:12]} -> {fingerprint[:12]}" if old != fingerprint else
+                    f"[eval] files: {', '.join(edited)}")
             raise EmberError(f"--out {run.path}: the data or tokenizer changed since this run began "
-                             f"(fingerprint {old[:12]} -> {fingerprint[:12]}); restore them, use "
-                             f"another --out, or pass --allow-recipe-change")
+                             f"({what}); restore them, use another --out, or pass --allow-recipe-change")
         events.warn("continuing over changed data (recorded in run.json)")
-        run.record["recipe_changes"].append({"time": time.time(), "data_fingerprint": [old, fingerprint]})
+        run.record["recipe_changes"].append({"time": time.time(), "data_fingerprint": [old, fingerprint],
+                                             **({"eval_files": [old_evals, evals]} if old_evals != evals else {})})
+        run.record["eval_files"] = evals
     if old != fingerprint or "manifest" not in run.record:
         run.record.update(data_fingerprint=fingerprint, model=bundle.source, threads=threads,
                           manifest=manifest(), data_files=data_file_hashes(run.record["recipe"]["data"]["files"]))

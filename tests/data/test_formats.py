@@ -353,3 +353,33 @@ def test_formats_are_a_strenum_that_keeps_the_token_cache_and_its_info(tmp_path)
     path = tokenize(by_enum, TOK, data_fingerprint(by_enum.files, TOK))
     assert tokenize(by_string, TOK, data_fingerprint(by_string.files, TOK)) == path
     assert json.loads((path.parent.parent / "info.json").read_text())["format"] == "chat"
+
+
+def test_parquet_chat_rows_whose_turns_lack_a_weight_read_as_the_jsonl_records(tmp_path):
+    """Arrow gives every message of a column the fields of all (a weight on one assistant turn
+    makes `weight: null` on every other turn): such a Parquet file was refused ("messages[0].weight
+    on a user turn"), and an assistant turn's null weight was "not 0 or 1"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0},
+                             {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    (tmp_path / "c.jsonl").write_text(json.dumps(records[0]) + "\n")
+    stores = []
+    for name in ("c.parquet", "c.jsonl"):
+        cfg = DataConfig(files=[str(tmp_path / name)])
+        path = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK))
+        stores.append((np.load(path).tolist(), np.load(path.parent / "targets.npy").tolist()))
+    assert stores[0] == stores[1]
+    ids, targets = stores[0]
+    assert bytes(t for t, m in zip(ids, targets) if m and t < 256).decode() == "ok\n"  # weight 0: "yo" not learned
+
+
+def test_a_held_out_split_shorter_than_a_row_is_named_as_the_held_out_split(tmp_path):
+    """Two records held out (5% of 40) hold fewer tokens than one row of 512: the run stopped
+    with "[data] the files hold 359 tokens ... add data", though the training files held 2,031."""
+    path, _ = store(tmp_path, [{"text": f"document number {i} " + "w " * 20} for i in range(40)], holdout=0.05)
+    assert len(np.load(path)) >= 512
+    with pytest.raises(EmberError, match=r"^\[eval\] the held-out documents hold \d+ tokens, fewer than one "
+                                         r"sequence of seq_len = 512; .*\[eval\] holdout.*\[eval\] files"):
+        PackedBatches(eval_tokens(path), 512, 4, 0, DataCursor())

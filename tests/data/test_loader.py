@@ -125,3 +125,32 @@ def test_empty_dataset_is_refused(tmp_path):
     np.save(path, np.zeros(3, dtype=np.uint32))
     with pytest.raises(EmberError, match="fewer than one sequence of seq_len = 8"):
         PackedBatches(path, 8, 1, 0, DataCursor())
+
+
+def test_tokenizers_differing_in_eos_or_chat_template_do_not_share_a_token_store(tmp_path):
+    """The store was keyed by the tokenizer's vocabulary alone: a model with the same
+    tokenizer.json but another end-of-sequence token or chat template (a base model and its
+    instruct version) was given the first one's tokens ([3, 4, 1] where its own are [3, 4, 2])."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from ember.data.formats import encode
+    from ember.data.tokenizer import HFTokenizer
+
+    def tokenizer(eos: str, template: str) -> HFTokenizer:
+        backend = Backend(WordLevel({"?": 0, "</s>": 1, "<e>": 2, "hi": 3, "yo": 4}, unk_token="?"))
+        backend.pre_tokenizer = Whitespace()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["</s>", "<e>"], eos_token=eos)
+        tok.chat_template = template
+        return HFTokenizer(tok)
+    plain = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    roles = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(record) + "\n")
+    cfg = DataConfig(files=[str(f)])
+    for tok in (tokenizer("</s>", plain), tokenizer("<e>", plain), tokenizer("</s>", roles)):
+        path = tokenize(cfg, tok, data_fingerprint(cfg.files, tok))
+        assert np.load(path).tolist() == encode(record, "chat", tok, "text", "assistant", "c.jsonl:1").ids

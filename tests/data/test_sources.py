@@ -160,3 +160,102 @@ def test_parquet_shards_read_in_any_order_give_their_rows_and_in_order_continue_
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     assert list(sources.records(shards[5], "text")) == list(enumerate(rows[::-1]))[shards[5].start:shards[5].stop]
     sources.forget_readers()
+
+
+def test_a_lone_surrogate_or_an_overlong_number_is_a_bad_record_not_a_crash(tmp_path, monkeypatch):
+    """A line holding half of an emoji (`"\\ud83d"`, as a cut string leaves it) or an integer of
+    5,000 digits parses in Python's json; both were tracebacks (the tokenizer's UnicodeEncodeError,
+    json's ValueError) instead of bad records named by line."""
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"text": "fine"}\n{"text": "cut \\ud83d here"}\n{"text": "x", "id": ' + "1" * 5000 + '}\n'
+                 '{"text": "a whole emoji \\ud83d\\ude00 is fine"}\n')
+    with pytest.raises(EmberError, match=r"(?s)2 bad records.*s\.jsonl:2: .*unpaired surrogate.*\\ud83d.*"
+                                         r"s\.jsonl:3: not valid JSON \(.*4300 digits"):
+        build(tmp_path / "h", monkeypatch, [f])
+
+
+def test_a_byte_order_mark_starts_no_record(tmp_path, monkeypatch):
+    """Windows editors begin a UTF-8 file with a byte order mark: a .jsonl file's first line was
+    refused ("not valid JSON (Unexpected UTF-8 BOM ...)") and a .txt file's was trained on."""
+    for name, text in [("a.jsonl", json.dumps({"text": "first"}) + "\r\n" + json.dumps({"text": "second"}) + "\r\n"),
+                       ("b.txt", "In the beginning\n")]:
+        plain, marked = tmp_path / "plain" / name, tmp_path / "marked" / name
+        for path, prefix in ((plain, b""), (marked, b"\xef\xbb\xbf")):
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(prefix + text.encode())
+        assert documents(build(tmp_path / f"h-{name}-bom", monkeypatch, [marked]), "train") == \
+            documents(build(tmp_path / f"h-{name}", monkeypatch, [plain]), "train")
+
+
+def test_a_txt_file_listed_twice_with_a_held_out_share_is_two_whole_copies(tmp_path, monkeypatch):
+    """Listed twice (to weigh it double), a .txt file's blocks were cut as one stream across the
+    two copies: 378,038 tokens stored for 213,802 of text, runs of blocks spanning both copies."""
+    text = "".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000))
+    (tmp_path / "book.txt").write_text(text)
+    once = build(tmp_path / "h1", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
+    twice = build(tmp_path / "h2", monkeypatch, [tmp_path / "book.txt"] * 2, holdout=0.05)
+    for split in ("train", "eval"):
+        assert documents(twice, split) == documents(once, split) * 2
+
+
+def test_a_file_in_both_data_and_eval_files_still_trains_on_its_share(tmp_path, monkeypatch):
+    """A file named in [eval] files too took the eval files' share (all) for its [data] listing:
+    with [eval] holdout = 0.1, every record was held out and training had 0 tokens."""
+    records = [{"text": f"document {i}"} for i in range(100)]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
+    cfg = DataConfig(files=[str(f)])
+    store = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.1, files=[str(f)])).parent.parent
+    held = [r["text"] for r in records if sources.held_out(r, 0, 0.1)]
+    assert 0 < len(held) < 30
+    assert documents(store, "train") == [r["text"] for r in records if r["text"] not in held]
+    assert sorted(documents(store, "eval")) == sorted(held + [r["text"] for r in records])
+    # A .txt file so named: its blocks train and are held out as alone, and [eval] reads it whole
+    # (its [eval] listing took the blocks too: both splits doubled, the whole text nowhere).
+    text = "".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000))
+    (tmp_path / "book.txt").write_text(text)
+    alone = build(tmp_path / "h2", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
+    cfg = DataConfig(files=[str(tmp_path / "book.txt")])
+    both = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.05, files=cfg.files)).parent.parent
+    assert documents(both, "train") == documents(alone, "train")
+    assert sorted(documents(both, "eval")) == sorted(documents(alone, "eval") + [text])
+
+
+def test_a_held_out_share_that_holds_out_no_record_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """10 records at [eval] holdout = 0.05 (0.5 expected) held out none: the run trained with no
+    evaluation at all, not a word said, and [eval] patience and prompts silently did nothing
+    (a .txt file too short to share out is refused: so are these)."""
+    records = [{"text": f"note {i}"} for i in range(10)]
+    assert not any(sources.held_out(r, 0, 0.05) for r in records)
+    f = tmp_path / "few.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for attempt in ("built", "cached"):  # the same answer when the store is found built
+        with pytest.raises(EmberError, match=r"\[eval\] holdout = 0.05 held out none of the 10 records .*about 0.5 "
+                                             r"expected.*\[eval\] files"):
+            build(tmp_path / "h", monkeypatch, [f], holdout=0.05)
+
+
+def test_a_folder_that_is_not_a_saved_dataset_is_refused_before_its_files_are_hashed(tmp_path, monkeypatch):
+    """A folder of .jsonl files (a natural guess) was hashed whole for the data fingerprint,
+    every byte of every file under it, before the refusal: minutes for a large corpus."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-0.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+
+    def hashed(path):
+        raise AssertionError(f"{path} was hashed")
+    monkeypatch.setattr(sources, "cached_sha256", hashed)
+    with pytest.raises(EmberError, match=r"shards: a folder, but not a Hugging Face dataset saved with save_to_disk"):
+        data_fingerprint([str(tmp_path / "shards")], TOK)
+
+
+def test_a_txt_file_trains_on_its_line_ends_as_written_whatever_its_size_or_held_out_share(tmp_path, monkeypatch):
+    """A .txt file read whole went through Python's newline translation (CRLF and a lone CR
+    became LF) while one read in blocks (above 64 MB, or under [eval] holdout) kept its bytes: the
+    same text trained on other tokens when it grew or when a share of it was held out."""
+    text = "".join(f"line {i}\r\n" if i % 3 else f"line {i}\r" for i in range(300))
+    (tmp_path / "w.txt").write_bytes(text.encode())
+    whole = build(tmp_path / "h1", monkeypatch, [tmp_path / "w.txt"])
+    assert documents(whole, "train") == [text]
+    monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 100)
+    assert documents(build(tmp_path / "h2", monkeypatch, [tmp_path / "w.txt"]), "train") == [text]

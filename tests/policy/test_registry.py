@@ -55,6 +55,15 @@ def test_register_then_read_back_verify_and_cover_files(tmp_path):
     assert covering([str(folder) + "-2/x.jsonl"], loaded)[1] == [str(folder) + "-2/x.jsonl"]
 
 
+def test_an_entry_with_text_beyond_the_basic_multilingual_plane_reads_back(tmp_path):
+    """An owner (or a path) with an emoji was written as JSON's surrogate escapes, which TOML
+    refuses: every later `ember data list`, `verify` and gate check failed on the registry."""
+    folder, one = corpus(tmp_path)
+    reg = tmp_path / "datasets.toml"
+    register(reg, "mixed", [one], "Zoë 🐍", "CC0-1.0", "public", [], "")
+    assert load_registry(reg)["mixed"].owner == "Zoë 🐍"
+
+
 def test_a_changed_byte_changes_the_fingerprint_and_verify_says_so(tmp_path):
     folder, one = corpus(tmp_path)
     reg = tmp_path / "datasets.toml"
