@@ -17,6 +17,7 @@ everything else asks it: is the run complete, at what step, which attempt. Torch
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -52,6 +53,13 @@ def new_run_id(path: Path) -> str:
 
 def make_folder(path: Path) -> None:
     """Create the run folder durably, or check that an existing folder is one (or empty)."""
+    if path.is_symlink() and not path.exists():  # a link to nothing: mkdir would say only "File exists"
+        try:
+            os.stat(path)
+        except OSError as e:
+            why = "which loops back on itself" if e.errno == errno.ELOOP else "which is not there"
+            raise EmberError(f"--out {path}: a symbolic link to {os.readlink(path)}, {why}; mount or "
+                             f"create what it points to, or choose another --out") from None
     if path.exists() and not path.is_dir():
         raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
     if path.is_dir():
@@ -95,7 +103,7 @@ def read_record(path: Path) -> dict[str, Any]:
         raise NotFound(f"{path}: not an ember run folder (no {RUN_FILE})")
     try:
         record = json.loads((path / RUN_FILE).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
     if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
         what = "a JSON object" if not isinstance(record, dict) else "its \"recipe\" is not an object"
