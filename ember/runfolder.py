@@ -17,6 +17,7 @@ everything else asks it: is the run complete, at what step, which attempt. Torch
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -149,6 +150,7 @@ class RunDir:
         self.record: dict[str, Any] = {}
         self.attempt = 0
         self.lock: Lock | None = None
+        self.found: dict[str, Any] | None = None  # the record as open() found it (a reopened run)
 
     @classmethod
     def open(cls, path: Path, recipe: Recipe, allow_change: bool, events: Events) -> RunDir:
@@ -160,6 +162,7 @@ class RunDir:
         record_path = path / RUN_FILE
         if record_path.is_file():
             run.record = read_record(path)  # unreadable: an EmberError naming it, nothing written
+            run.found = copy.deepcopy(run.record)
             run._check_identity(events)
             run._check_recipe(recipe, allow_change, events)
         else:
@@ -231,6 +234,15 @@ class RunDir:
             self.record["recipe_changes"].append(
                 {"time": time.time(), "keys": {k: [_get(old, k), _get(new, k)] for k in changed}})
             self.record["recipe"], self.record["recipe_digest"] = new, recipe.digest()
+            self.save_record()
+
+    def undo_changes(self) -> None:
+        """Put the record back as open() found it, if this process recorded a change of recipe or
+        data: its attempt never trained (the checkpoint does not load into the changed model, or
+        none verifies), so the run's recipe is still the one its checkpoints were trained with."""
+        changes = len(self.record.get("recipe_changes", []))
+        if self.found is not None and changes > len(self.found.get("recipe_changes", [])):
+            self.record = copy.deepcopy(self.found)
             self.save_record()
 
     def has_checkpoints(self) -> bool:
