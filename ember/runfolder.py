@@ -300,11 +300,12 @@ class RunDir:
                 fsync_dir(p)
         fsync_dir(tmp)
         if final.exists():
-            old = self.path / f".del-final.{os.getpid()}"
+            old = self.path / f".del-final.{os.getpid()}.{time.time_ns()}"  # a PID comes again (PID 1)
             os.rename(final, old)
-            shutil.rmtree(old)
         os.rename(tmp, final)
         fsync_dir(self.path)
+        for old in self.path.glob(".del-final.*"):  # this one, and any a killed process left
+            shutil.rmtree(old)
         return final
 
 

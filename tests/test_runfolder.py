@@ -3,6 +3,8 @@ by name, and nothing in the folder is rewritten."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ember.errors import EmberError
@@ -49,3 +51,21 @@ def test_a_run_json_nested_past_the_recursion_limit_is_refused_by_name(tmp_path)
     with pytest.raises(EmberError, match=r"run\.json: unreadable"):
         read_record(out)
     assert completed(out) is None
+
+
+def test_final_weights_are_replaced_whatever_an_earlier_killed_replacement_left(tmp_path):
+    """A process killed while deleting the replaced final/ leaves .del-final.PID; a later completion
+    under the same PID (a container's entrypoint is PID 1 each time) failed with '[Errno 39]
+    Directory not empty' renaming final/ onto it, after the whole run had trained, at every rerun."""
+    out = tmp_path / "o"
+    run = RunDir.open(out, load_recipe(write_recipe(tmp_path)), False, Events())
+    try:
+        run.write_final(lambda folder: (folder.mkdir(), (folder / "w").write_text("1")))
+        left = out / f".del-final.{os.getpid()}"
+        left.mkdir()
+        (left / "w").write_text("0")  # what the killed deletion did not get to
+        final = run.write_final(lambda folder: (folder.mkdir(), (folder / "w").write_text("2")))
+    finally:
+        run.lock.release()
+    assert (final / "w").read_text() == "2"
+    assert not list(out.glob(".del-final*")) and not list(out.glob(".tmp-final*"))
