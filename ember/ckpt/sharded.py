@@ -164,6 +164,9 @@ def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     weights = load_file(folder / MODEL_FILE)
     osd = read_optimizer(folder)
+    held = 1 + max([*osd["state"], *(i for g in osd["param_groups"] for i in g["params"])], default=-1)
+    if held > len(names):  # a recipe changed to train fewer parameters than the checkpoint's
+        raise ValueError(f"{folder.name}: its optimizer state holds {held} parameters; this model trains {len(names)}")
     by_name = {"state": {names[i]: s for i, s in osd["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
     _load(model, optimizer, weights, by_name, StateDictOptions(full_state_dict=True, ignore_frozen_params=True,

@@ -55,3 +55,20 @@ def test_a_sharded_checkpoint_on_a_full_disk_is_not_written_and_says_to_free_spa
     message = str(info.value)
     assert info.value.disk_full and "MB free there" in message and "free disk space" in message, message
     assert store.committed() == []
+
+
+def test_a_one_process_checkpoint_for_more_parameters_than_the_ranks_train_is_a_value_error(tmp_path):
+    """Resuming a one-process checkpoint on several ranks (read_full) after a recipe change that
+    trains fewer parameters (LoRA on fewer modules) ended each rank in an IndexError traceback
+    ('list index out of range' mapping the optimizer's state to names), not 'does not load'."""
+    from ember.ckpt import contents
+    from ember.ckpt.sharded import read_full
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer, scheduler, scaler = parts(model)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    snap = contents.snapshot(model, optimizer, scheduler, scaler, RunState(step=1), copy=False)
+    contents.write_snapshot(tmp_path, snap)
+    fewer = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="optimizer state holds 4 parameters; this model trains 2"):
+        read_full(tmp_path, fewer, ["0.weight", "0.bias"], *parts(fewer))
