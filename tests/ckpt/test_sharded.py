@@ -43,8 +43,8 @@ def test_a_sharded_checkpoint_of_other_shapes_is_a_value_error_not_a_traceback(t
 
 def test_a_sharded_checkpoint_on_a_full_disk_is_not_written_and_says_to_free_space(small_disk):
     """A distributed run's checkpoint on a full disk raised DCP's CheckpointException, which the
-    store's `except Exception` let through: a traceback instead of 'could not be written ... free
-    disk space' (and no [checkpoint] loss_budget_seconds, which needs CheckpointNotWritten)."""
+    store's `except Exception` let through: every rank ended in a traceback instead of 'could not
+    be written ... free disk space' (torch.save says only 'unexpected pos': the disk is asked)."""
     store = CheckpointStore(small_disk("128k") / "ck", keep_last=2)
     torch.manual_seed(0)
     model, world = LlamaForCausalLM(tiny_config()), World()
