@@ -21,6 +21,7 @@ held.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -79,7 +80,14 @@ def acquire(path: Path, what: str, wait: Callable[[str], None] | None = None) ->
     inherited = _inherited(path)
     if inherited is not None:
         return inherited
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:  # never through a link: this process truncates the file and writes its PID into it
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP or not path.is_symlink():
+            raise
+        raise EmberError(f"{what}: its lock file {path} is a symbolic link (to {os.readlink(path)}), which "
+                         f"ember does not follow: it would write into what the link names; remove the link, "
+                         f"or use another folder") from None
     deadline = time.monotonic() + EXITING
     while True:
         try:

@@ -17,6 +17,8 @@ everything else asks it: is the run complete, at what step, which attempt. Torch
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
 import os
 import secrets
@@ -52,6 +54,13 @@ def new_run_id(path: Path) -> str:
 
 def make_folder(path: Path) -> None:
     """Create the run folder durably, or check that an existing folder is one (or empty)."""
+    if path.is_symlink() and not path.exists():  # a link to nothing: mkdir would say only "File exists"
+        try:
+            os.stat(path)
+        except OSError as e:
+            why = "which loops back on itself" if e.errno == errno.ELOOP else "which is not there"
+            raise EmberError(f"--out {path}: a symbolic link to {os.readlink(path)}, {why}; mount or "
+                             f"create what it points to, or choose another --out") from None
     if path.exists() and not path.is_dir():
         raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
     if path.is_dir():
@@ -95,7 +104,7 @@ def read_record(path: Path) -> dict[str, Any]:
         raise NotFound(f"{path}: not an ember run folder (no {RUN_FILE})")
     try:
         record = json.loads((path / RUN_FILE).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise EmberError(f"{path / RUN_FILE}: unreadable ({e})") from None
     if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
         what = "a JSON object" if not isinstance(record, dict) else "its \"recipe\" is not an object"
@@ -141,6 +150,7 @@ class RunDir:
         self.record: dict[str, Any] = {}
         self.attempt = 0
         self.lock: Lock | None = None
+        self.found: dict[str, Any] | None = None  # the record as open() found it (a reopened run)
 
     @classmethod
     def open(cls, path: Path, recipe: Recipe, allow_change: bool, events: Events) -> RunDir:
@@ -152,6 +162,7 @@ class RunDir:
         record_path = path / RUN_FILE
         if record_path.is_file():
             run.record = read_record(path)  # unreadable: an EmberError naming it, nothing written
+            run.found = copy.deepcopy(run.record)
             run._check_identity(events)
             run._check_recipe(recipe, allow_change, events)
         else:
@@ -225,6 +236,15 @@ class RunDir:
             self.record["recipe"], self.record["recipe_digest"] = new, recipe.digest()
             self.save_record()
 
+    def undo_changes(self) -> None:
+        """Put the record back as open() found it, if this process recorded a change of recipe or
+        data: its attempt never trained (the checkpoint does not load into the changed model, or
+        none verifies), so the run's recipe is still the one its checkpoints were trained with."""
+        changes = len(self.record.get("recipe_changes", []))
+        if self.found is not None and changes > len(self.found.get("recipe_changes", [])):
+            self.record = copy.deepcopy(self.found)
+            self.save_record()
+
     def has_checkpoints(self) -> bool:
         """Whether any checkpoint was ever committed here (damaged ones included)."""
         if not self.ckpt_dir.is_dir():
@@ -280,11 +300,12 @@ class RunDir:
                 fsync_dir(p)
         fsync_dir(tmp)
         if final.exists():
-            old = self.path / f".del-final.{os.getpid()}"
+            old = self.path / f".del-final.{os.getpid()}.{time.time_ns()}"  # a PID comes again (PID 1)
             os.rename(final, old)
-            shutil.rmtree(old)
         os.rename(tmp, final)
         fsync_dir(self.path)
+        for old in self.path.glob(".del-final.*"):  # this one, and any a killed process left
+            shutil.rmtree(old)
         return final
 
 

@@ -118,3 +118,20 @@ def test_a_rerun_waits_for_a_killed_holder_to_finish_exiting(tmp_path, monkeypat
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+@pytest.mark.parametrize("target", ["a file", "nothing yet"])
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_what_it_names_is_left_alone(tmp_path, target):
+    """A run folder someone else made with `.lock` a link to a file elsewhere (a folder holding
+    only .lock is accepted as a run's start): `ember run --out` there followed the link,
+    truncated the file and wrote its PID into it, or created the file it named (run as root:
+    any file on the machine)."""
+    precious = tmp_path / "elsewhere" / "precious"
+    precious.parent.mkdir()
+    if target == "a file":
+        precious.write_text("keep me\n")
+    path = tmp_path / ".lock"
+    path.symlink_to(precious)
+    with pytest.raises(EmberError, match=r"--out x: its lock file .*\.lock is a symbolic link"):
+        acquire(path, "--out x")
+    assert (precious.read_text() == "keep me\n") if target == "a file" else not precious.exists()

@@ -20,8 +20,10 @@ set_state_dict, which shards them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ import torch
 from ember.ckpt.contents import MODEL_FILE, STATE_FILE, read_optimizer
 from ember.ckpt.state import RunState
 from ember.parallel.pp import pipeline_of
-from ember.world import World
+from ember.world import World, lost_peer
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -51,6 +53,22 @@ def _extra(state: RunState, scheduler: Any, scaler: Any) -> io.BytesIO:
                 "scaler": scaler.state_dict()}, buf)
     buf.seek(0)
     return buf
+
+
+@contextlib.contextmanager
+def own_errors() -> Iterator[None]:
+    """Around a DCP save or load: DCP reports each rank's failure inside a CheckpointException, a
+    BaseException that no handler of a checkpoint's errors takes (a full disk, a tensor of
+    another shape: a traceback). Raised instead: the first failure itself, as a one-process
+    checkpoint raises it, unless a rank was lost (ember.world.lost_peer: the launcher reads that)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except CheckpointException as e:
+        failures = [exc for exc, _ in e.failures.values()]
+        if not failures or lost_peer(e) or any(lost_peer(f) for f in failures):
+            raise
+        raise failures[0] from None
 
 
 def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool = False) -> tuple[dict, dict]:
@@ -87,7 +105,8 @@ def write_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.O
     import torch.distributed.checkpoint as dcp
     msd, osd = trained_state(model, optimizer, flat=pipeline_of(model) is not None)
     sd = {"model": msd, "optim": osd, f"rank{world.rank}": _extra(state, scheduler, scaler)}
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
+    with own_errors():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True))
 
 
 def own_files(folder: Path, world: World) -> list[Path]:
@@ -109,7 +128,8 @@ def read_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     flat = not any(k.startswith("optim.param_groups.0.") for k in names)  # saved by a pipeline's stages
     msd, osd = trained_state(model, optimizer, flat)  # what to read: older checkpoints hold more, never less
     sd = {"model": msd, "optim": osd, key: io.BytesIO()}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
+    with own_errors():
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
     # The frozen weights are the model's own (LoRA's base) and not in the checkpoint, which a strict
     # load_state_dict calls missing; `_load` checks instead that every trained one was there.
     options = StateDictOptions(ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=flat)
@@ -130,7 +150,8 @@ def read_model(folder: Path, model: torch.nn.Module) -> None:
     sd = {"model": get_model_state_dict(model, options=trainable)}
     with warnings.catch_warnings():  # DCP says it loads in one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
+        with own_errors():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(folder))
     set_model_state_dict(model, sd["model"], options=trainable)
 
 
@@ -143,6 +164,9 @@ def read_full(folder: Path, model: torch.nn.Module, names: list[str], optimizer:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     weights = load_file(folder / MODEL_FILE)
     osd = read_optimizer(folder)
+    held = 1 + max([*osd["state"], *(i for g in osd["param_groups"] for i in g["params"])], default=-1)
+    if held > len(names):  # a recipe changed to train fewer parameters than the checkpoint's
+        raise ValueError(f"{folder.name}: its optimizer state holds {held} parameters; this model trains {len(names)}")
     by_name = {"state": {names[i]: s for i, s in osd["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
     _load(model, optimizer, weights, by_name, StateDictOptions(full_state_dict=True, ignore_frozen_params=True,

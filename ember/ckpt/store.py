@@ -60,6 +60,7 @@ MANIFEST = "MANIFEST.json"
 FORMAT = "ember-checkpoint/2"
 FORMATS = ("ember-checkpoint/1", FORMAT)  # verified and loaded; only the last is written
 PREFIX = "step-"
+NEARLY_FULL = 16 << 20  # bytes free under which a failed write is taken for a full disk
 
 
 class SetAside(StrEnum):
@@ -74,8 +75,9 @@ def committed_in(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
-            found.append((int(p.name[len(PREFIX):]), p))
+        number = p.name[len(PREFIX):]  # ASCII digits: '²' is isdigit() but no int, '٣' no name of ours
+        if p.name.startswith(PREFIX) and number.isascii() and number.isdigit() and p.is_dir():
+            found.append((int(number), p))
     return sorted(found)
 
 
@@ -262,8 +264,11 @@ class CheckpointStore:
             else "no earlier checkpoint exists"
         full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
             or "space" in str(e).lower() or "write" in str(e).lower()
-        hint = "free disk space" if full else "fix the cause"
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        # torch.save (DCP's files) reports a full disk as "unexpected pos N vs M": ask the disk
+        if not full and (free := shutil.disk_usage(self.root).free) < NEARLY_FULL:
+            full, reason = True, f"{reason} ({free / 1e6:.1f} MB free there)"
+        hint = "free disk space" if full else "fix the cause"
         return CheckpointNotWritten(f"checkpoint at step {step} could not be written to {self.root}: "
                                     f"{reason}; {kept}; {hint} and run the same command again to resume",
                                     full)
@@ -305,7 +310,7 @@ class CheckpointStore:
         (reads only: `CheckpointStore.verify(path)` needs no store)."""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
             raise ValueError(f"manifest unreadable: {e}") from None
         if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
             raise ValueError(f"unknown format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
@@ -319,16 +324,23 @@ class CheckpointStore:
         return manifest
 
     def load_latest(self, warn: Callable[[str], None]) -> Checkpoint | None:
-        """The newest checkpoint that verifies; damaged ones are reported and quarantined."""
+        """The newest checkpoint that verifies; damaged newer ones are reported and quarantined.
+        When none verifies, each is reported and none is moved (as a resume leaves them:
+        ember.train.resume), and the answer is None."""
+        damaged: list[tuple[Path, str]] = []
         for step, path in reversed(self.committed()):
             try:
                 manifest = self.verify(path)
             except ValueError as e:
-                moved = self.quarantine(path, SetAside.CORRUPT)
-                warn(f"checkpoint {path.name} is damaged ({e}); moved it to {moved.name} and "
-                     f"falling back to the previous one")
+                damaged.append((path, str(e)))
                 continue
+            for bad, why in damaged:
+                moved = self.quarantine(bad, SetAside.CORRUPT)
+                warn(f"checkpoint {bad.name} is damaged ({why}); moved it to {moved.name} and "
+                     f"falling back to {path.name}")
             return Checkpoint(step, path, manifest)
+        for bad, why in damaged:
+            warn(f"checkpoint {bad.name} is damaged ({why}); no older checkpoint verifies: left in place")
         return None
 
     def quarantine(self, path: Path, why: SetAside) -> Path:

@@ -88,12 +88,13 @@ class Surviving:
 
 def console_lost(fd: int, error: OSError) -> None:
     """Point descriptor `fd` (1 or 2) at the fallback file, appending, with a line saying why;
-    at /dev/null if there is none or it cannot be opened."""
+    at /dev/null if there is none or it cannot be opened (or is a symbolic link)."""
     with _losing:
         if fd in _lost:
             return
         _lost[fd] = error.strerror or str(error)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        # never through a link: one someone left in the run folder would get the output
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             target = os.open(_fallback[0], flags, 0o644)
         except (IndexError, OSError):

@@ -180,10 +180,19 @@ def at_checkpoint(trained: TrainedRun, which: str, events: Events) -> TrainedRun
     try:
         CheckpointStore.verify(path)
     except ValueError as e:
+        if not path.is_dir():  # renamed away meanwhile: not damaged
+            raise retired(path) from None
         raise EmberError(f"--checkpoint {which}: {path} is damaged ({e}); export another of the "
                          f"checkpoints at steps {steps}") from None
     events.info(f"exporting {path.name} (step {step}) of {run}", step=step, path=str(path))
     return dataclasses.replace(trained, checkpoint=path)
+
+
+def retired(path: Path) -> EmberError:
+    """The error for checkpoint `path`, which the run, training still, retired while it was read."""
+    return EmberError(f"{path.name} was retired by the run training in {path.parent.parent} while it was read "
+                      f"(a run keeps its newest [checkpoint] keep_last checkpoints, and its best); export again "
+                      f"(--checkpoint last is then a newer one), or give a step the run keeps")
 
 
 def best_checkpoint(run: Path, committed: list[tuple[int, Path]], steps: str) -> tuple[int, Path]:
@@ -238,6 +247,10 @@ def checkpoint_model(trained: TrainedRun, events: Events) -> torch.nn.Module:
     model = load_model(ModelConfig(trained.spec), method, False, events).model
     try:
         read_model(trained.checkpoint, model) if is_sharded(trained.checkpoint) else read_weights(trained.checkpoint, model)
+    except FileNotFoundError:
+        if trained.checkpoint.is_dir():
+            raise
+        raise retired(trained.checkpoint) from None
     except (ValueError, RuntimeError, KeyError) as e:  # it verified: whole, yet not this model's
         raise EmberError(f"{trained.checkpoint} does not load into the model {trained.path / RUN_FILE} "
                          f"describes ({type(e).__name__}: {str(e)[:300]})") from None

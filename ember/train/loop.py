@@ -436,7 +436,8 @@ def rollback(job: Job, record: RunRecorder, data: Data, result: StepResult) -> D
     ckpt = job.store.load_latest(job.events.warn)
     if ckpt is None:
         raise EmberError(f"loss spike at step {state.step + 1} (batches {result.batches}) and no "
-                         f"checkpoint to roll back to; use [guard] spike_action = 'skip' or checkpoint sooner")
+                         f"checkpoint that verifies to roll back to; use [guard] spike_action = 'skip' or "
+                         f"checkpoint sooner")
     job.state = contents.read_files(ckpt.path, job.model, job.optimizer, job.scheduler, job.scaler)
     for key, value in keep.items():
         setattr(job.state, key, value)

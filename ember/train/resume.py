@@ -46,7 +46,17 @@ def restore(job: Resumable, from_scratch: bool = False) -> bool:
 
     A damaged checkpoint is set aside when an older one verifies. When checkpoints were committed
     and none verifies, nothing is moved and the run stops, unless `from_scratch` says to set them
-    all aside and start again at step 0. With several ranks, rank 0 chooses and every rank loads."""
+    all aside and start again at step 0. With several ranks, rank 0 chooses and every rank loads.
+    A resume that fails leaves run.json's recipe as it was (a change this attempt recorded is undone)."""
+    try:
+        return _restore(job, from_scratch)
+    except BaseException:
+        if job.world.main:
+            job.run.undo_changes()
+        raise
+
+
+def _restore(job: Resumable, from_scratch: bool) -> bool:
     choice: tuple[str, str] | None = None  # ("load", folder) or ("error", message)
     if job.world.main:
         try:

@@ -129,3 +129,52 @@ def test_full_disk_during_checkpoint_leaves_the_previous_one_intact(small_disk):
     assert [s for s, _ in store.committed()] == [1]
     assert store.verify(store.root / "step-000000001")
     assert not [p for p in store.root.iterdir() if p.name.startswith(".tmp")]  # space given back
+
+
+@pytest.mark.parametrize("name", ["step-²", "step-٣", "step-000000002²", "step-"])
+def test_a_step_folder_whose_number_is_not_ascii_digits_is_no_checkpoint_and_is_left_alone(tmp_path, name):
+    """`checkpoints/step-²` (str.isdigit, yet no int) ended every reader of the checkpoints
+    (`ember run`'s resume and retention, `ember report`, `ember export`, the served models' list)
+    in a ValueError traceback; `step-٣` was taken for a committed checkpoint at step 3."""
+    store = CheckpointStore(tmp_path / "ck", keep_last=1)
+    store.save(1, writer(b"a"), meta={})
+    (store.root / name).mkdir()
+    assert [s for s, _ in store.committed()] == [1]
+    assert CheckpointStore.newest_step(store.root) == 1
+    for step in (2, 3):
+        store.save(step, writer(bytes([step])), meta={})
+    store.settle()
+    assert [s for s, _ in store.committed()] == [3]
+    assert (store.root / name).is_dir()  # not ours: never retired, quarantined or deleted
+    assert store.load_latest(pytest.fail).step == 3
+
+
+def test_a_rollback_that_finds_every_checkpoint_damaged_moves_none_of_them(tmp_path):
+    """load_latest (a loss spike's rollback) set the only checkpoint, damaged, aside as corrupt-*
+    although no older one verified: the run stopped, and the same command run again found no
+    committed checkpoint and trained from step 0 without a word, where a run whose checkpoints
+    all fail verification stops and moves nothing (README, Damaged checkpoints)."""
+    store = CheckpointStore(tmp_path / "ck", keep_last=3)
+    store.save(1, writer(b"one" * 100), meta={})
+    newest = store.save(2, writer(b"two" * 100), meta={}).path
+    for _, path in store.committed():
+        (path / "a.bin").write_bytes(b"x")
+    warnings = []
+    assert store.load_latest(warnings.append) is None
+    assert [s for s, _ in store.committed()] == [1, 2] and not list(store.root.glob("corrupt-*"))
+    assert len(warnings) == 2 and f"{newest.name} is damaged" in warnings[0]
+
+
+def test_a_manifest_nested_past_the_recursion_limit_is_damage_not_a_traceback(tmp_path):
+    """A MANIFEST.json replaced by 100,000 '[' (JSON, but deeper than the parser recurses) ended
+    `ember run`'s resume, `ember export --checkpoint` and the served checkpoint in a
+    RecursionError traceback instead of naming the checkpoint as damaged."""
+    store = CheckpointStore(tmp_path / "ck", keep_last=3)
+    store.save(1, writer(b"one"), meta={})
+    newest = store.save(2, writer(b"two"), meta={}).path
+    (newest / MANIFEST).write_text("[" * 100_000)
+    with pytest.raises(ValueError, match="manifest unreadable"):
+        store.verify(newest)
+    warnings = []
+    assert store.load_latest(warnings.append).step == 1
+    assert "step-000000002 is damaged" in warnings[0]

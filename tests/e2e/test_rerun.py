@@ -183,3 +183,25 @@ def test_a_retired_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_p
         for leftover in (out / "checkpoints").glob(".del-step-000000005*/pinned"):
             chattr("-i", leftover)
     assert_same_result(out, uninterrupted("retire", RETIRE))
+
+
+def test_a_console_log_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    """A run folder someone else made with `console.log` a link to a file elsewhere (a folder
+    holding only console.log is accepted as a run's start): when `ember run`'s console went away,
+    its output was appended to whatever file the link named (as root: any file)."""
+    import errno
+
+    from ember.cli import render
+    precious = tmp_path / "precious"
+    precious.write_text("keep me\n")
+    (tmp_path / "console.log").symlink_to(precious)
+    render.keep_output_in(tmp_path / "console.log")
+    fd = os.open(os.devnull, os.O_WRONLY)  # stands for stdout: console_lost repoints it
+    try:
+        render.console_lost(fd, OSError(errno.EPIPE, "Broken pipe"))
+        os.write(fd, b"step 1 ...\n")
+    finally:
+        os.close(fd)
+        render._lost.pop(fd, None)
+        render._fallback.clear()
+    assert precious.read_text() == "keep me\n"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ember.ckpt.store import CheckpointStore
 from ember.errors import EmberError
 from ember.infer.export import export_run
 from tests.helpers import run_ember, write_recipe
@@ -146,3 +147,36 @@ def test_a_checkpoint_several_ranks_wrote_loads_its_weights_in_one_process(tmp_p
     loaded = LlamaForCausalLM(tiny_config())
     read_model(tmp_path, loaded)
     assert_equal_weights(saved.state_dict(), loaded.state_dict())
+
+
+def test_a_checkpoint_the_training_run_retires_while_it_is_exported_is_named_as_retired(tmp_path, monkeypatch):
+    """`ember export RUN --checkpoint last` while RUN trains: the run committed a newer checkpoint
+    and retired the one being exported (keep_last) between its verification and its read, and
+    the export ended in 'No such file or directory: .../model.safetensors', with nothing to say
+    what happened or what to do."""
+    from ember.ckpt import contents
+    from ember.ckpt.state import RunState
+    from ember.events import Events
+    from ember.infer import export
+    from ember.recipe import load_recipe
+    from ember.runfolder import RunDir
+    from ember.train.model import load_model
+    recipe = load_recipe(write_recipe(tmp_path))
+    run = RunDir.open(tmp_path / "run", recipe, False, Events())
+    run.lock.release()
+    model = load_model(recipe.model, recipe.method, False, Events()).model
+    optimizer = torch.optim.AdamW(model.parameters())
+    snap = contents.snapshot(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                             torch.amp.GradScaler("cpu", enabled=False), RunState(step=3), copy=False)
+    CheckpointStore(run.ckpt_dir, keep_last=2).save(3, lambda folder: contents.write_snapshot(folder, snap), {})
+
+    def built_while_the_run_retires_it(*args, **kwargs):
+        ckpt = run.ckpt_dir / "step-000000003"
+        ckpt.rename(ckpt.with_name(".del-step-000000003"))  # what retirement does (ember.ckpt.store)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(export, "load_model", built_while_the_run_retires_it)
+    with pytest.raises(EmberError, match=r"step-000000003 was retired by the run training in .* while it was "
+                                         r"read .*export again"):
+        export_run(run.path, "hf", tmp_path / "out", checkpoint="last")
+    assert not (tmp_path / "out").exists()
