@@ -26,6 +26,7 @@ class Footprint:
     layer: float         # one decoder layer's fp32 weights
     layer_share: float   # share of a token's matmul FLOPs inside the decoder layers (what TP splits)
     stages: StageParts | None = None  # what a pipeline stage may hold (None: no pipeline priced)
+    tp_dims: tuple[int, ...] = ()  # the model's widths tensor parallelism splits (ember.parallel.tp.SPLIT)
 
 
 @dataclass(frozen=True)

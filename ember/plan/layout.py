@@ -28,7 +28,8 @@ def footprint(m: ModelShape, b: Breakdown, t: TrainShape, pipeline: tuple[int, s
     the recipe's grad_accum, [distributed] schedule and pp_size (what a pipeline's stages hold)."""
     # fp32 master weights (autocast computes in bf16/fp16 from them) and the trained ones' gradients
     return Footprint(b.peak, b.weights + b.gradients + b.optimizer, b.activations, m.params() * F32,
-                     b.trainable * F32, m.layer_params() * F32, tp_share(m), stage_parts(m, t, pipeline))
+                     b.trainable * F32, m.layer_params() * F32, tp_share(m), stage_parts(m, t, pipeline),
+                     (m.heads, m.kv_heads, m.intermediate))
 
 
 def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) -> StageParts:

@@ -394,5 +394,8 @@ def _verdict(fits_here: bool, rems: list[Remedy], wall: float, r: Recipe, device
         best = usable[0]
         return "local with remedies", [f"does not fit as written; {best.name} makes it fit "
                                        f"({best.peak / GiB:.2f} GiB peak)"]
+    if not math.isfinite(wall):
+        return "local", [f"fits in {devices[0].name}; how long it takes is unknown (set [cost] peak_tflops, "
+                         f"the device's peak TFLOP/s, or plan with --calibrate to measure a few steps)"]
     return "local", [f"fits in {devices[0].name} and takes about {wall / 3600:.2g} h, within "
                      f"[plan] local_max_hours = {r.plan.local_max_hours:g}"]
