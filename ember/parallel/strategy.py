@@ -52,6 +52,7 @@ class StageParts:
     per_forward: float   # bytes every stage's forward saves once per micro-batch (the rotary tables)
     update: float        # the optimizer update's temporaries
     pipeline: tuple[int, str, int] = (2, "1f1b", 2)  # [train] grad_accum, [distributed] schedule, pp_size
+    tied: bool = False   # the head shares the embeddings' weight: no pipeline runs it (ember.parallel.pp.refusal)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) ->
                 fixed_activations(m, t) * T + T * V * (logits + F32) + head_each, head_once, 2 * T * V * F32)
     rope = 2 * t.seq_len * m.head_dim * F32
     return StageParts(m.layers, layer, first, last, T * h * F32, rope + 8 * T, update_temporaries(m, t),
-                      pipeline)
+                      pipeline, m.tied)
 
 
 def cast_copies(m: ModelShape, t: TrainShape) -> tuple[tuple[float, float], tuple[float, float]]:

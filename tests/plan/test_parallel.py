@@ -124,3 +124,21 @@ def test_no_tensor_parallel_layout_is_offered_where_the_heads_do_not_split():
     assert {o.devices for o in a.options if o.strategy == "tp"} == {2}
     assert {o.devices for o in a.options if o.strategy == "fsdp+tp"} == {4, 8}
     assert (a.recommended.strategy, a.recommended.devices) != ("tp", 4)
+
+
+def test_no_pipeline_is_offered_that_the_run_refuses():
+    """A model whose head shares the embeddings' weight (tie_word_embeddings, as SmolLM's): when it
+    did not fit one device the advisor recommended 'pp on 8', which the run refuses (the weight
+    would sit on the first and the last stage); so is 1F1B with fewer micro-batches than stages,
+    which it priced and recommended too ('pp on 2' at grad_accum 1)."""
+    tied = ModelShape("llama", layers=8, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000,
+                      tied=True)
+    b = estimate(tied, T)
+    a = advise(tied, T, b, accum=8, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("1f1b", 2))
+    assert not [o for o in a.options if o.strategy in ("pp", "pp+ddp")]
+    assert a.recommended is None or a.recommended.strategy not in ("pp", "pp+ddp")
+    b = estimate(M, T)
+    one = advise(M, T, b, accum=1, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("1f1b", 2))
+    assert not [o for o in one.options if o.strategy in ("pp", "pp+ddp")]
+    gpipe = advise(M, T, b, accum=1, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("gpipe", 2))
+    assert {o.devices for o in gpipe.options if o.strategy == "pp"} == {2, 4}  # GPipe runs one micro-batch
