@@ -15,7 +15,7 @@ from ember.doctor.measure import live_tensor_bytes, measured_step, step_peak
 from ember.errors import EmberError
 from ember.launch import check_memory
 from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
-from ember.plan.planner import plan_memory
+from ember.plan.planner import UnknownArchitecture, has_formulas, plan_memory
 from ember.recipe import MethodConfig, load_recipe
 from ember.train.loss import causal_lm_loss
 from ember.train.model import apply_lora, tiny_config
@@ -224,3 +224,16 @@ def test_a_llama_config_json_without_a_size_is_refused_naming_it(tmp_path, field
         plan_memory(r)
     with pytest.raises(EmberError, match=re.escape(said)):
         check_memory(r)  # `ember run`, before anything is built
+
+
+@pytest.mark.parametrize("targets", [["input_layernorm"], ["mlp"], ["lm_head"], ["q_proj", "embed_tokens"]])
+def test_lora_on_modules_the_formulas_do_not_know_is_not_estimated_by_them(tmp_path, targets):
+    """LoRA with [method] target_modules naming no decoder linear ended `ember plan`, and `ember
+    run`'s check before launch, in ValueError: max() arg is an empty sequence; with one, the
+    estimate left the other's adapters out. Such a recipe is traced (ember plan) or measured as the
+    run goes (`ember run`), as a family without formulas is."""
+    r = load_recipe(write_recipe(tmp_path, method={"kind": "lora", "target_modules": targets}))
+    with pytest.raises(UnknownArchitecture, match=re.escape(f"[method] target_modules = {targets!r}")):
+        plan_memory(r)
+    assert not has_formulas(r)  # `ember plan` traces its step
+    assert check_memory(r) is None  # `ember run` goes on: peft builds it, or refuses it by name
