@@ -22,6 +22,7 @@ peak FLOP/s up by (the table for accelerators, a measured matmul for a CPU).
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -76,7 +77,10 @@ def parse_size(text: str, where: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
         raise EmberError(f"{where}: {text!r} is not a size; write e.g. 8GiB or 500MB")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * UNITS[m.group(2).lower()]
+    if size == math.inf:  # more digits than a float holds: int() of it raised OverflowError
+        raise EmberError(f"{where}: {text!r} is too large a size; write e.g. 8GiB or 500MB")
+    return int(size)
 
 
 MAX_SIM_DEVICES = 1024  # declared devices of one kind: more is a typo (sim:80000x1GiB), not a machine

@@ -189,7 +189,7 @@ class CheckpointConfig:
     interruption_hours: float = setting(0.0, "Expected hours between interruptions of this machine "
                                         "(crashes, power cuts, preemptions), for every_seconds = "
                                         "'auto' and `ember plan`; 0 = from the ledger's history "
-                                        "of this machine, else 24.", min=0)
+                                        "of this machine, else 24.", min=0, max=1e6)  # a century: seconds stay finite
     keep_last: int = setting(2, "Committed checkpoints to keep; older ones are deleted only after "
                              "a newer one is committed.", min=1)
     keep_best: bool = setting(True, "With evaluation on: checkpoint at every evaluation that lowers the "

@@ -53,3 +53,13 @@ def test_a_declared_count_that_is_no_count_is_refused_by_name(spec):
     sim:80000000x1GiB built eighty million devices (minutes, gigabytes) before anything ran."""
     with pytest.raises(EmberError, match=r"write COUNTxSIZE, e\.g\. 2x8GiB \(COUNT 1 to 1024\)"):
         parse_devices(spec)
+
+
+@pytest.mark.parametrize("where", ["devices", "fit"])
+def test_a_size_with_more_digits_than_a_float_holds_is_refused_by_name(where):
+    """EMBER_DEVICES=sim:1x111...1GiB and `ember plan --fit 111...1GiB` (400 digits) ended in
+    OverflowError: cannot convert float infinity to integer, a traceback."""
+    from ember.plan.fit import budget_bytes
+    huge = "1" * 400 + "GiB"
+    with pytest.raises(EmberError, match="is too large a size; write e.g. 8GiB"):
+        parse_devices(f"sim:1x{huge}") if where == "devices" else budget_bytes(huge, [])

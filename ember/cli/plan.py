@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan_recipe(PlanRequest(args.recipe, args.overrides, args.target_micro_batch, args.calibrate,
                                      args.device_memory, args.ledger, args.apply), stderr_events())
     if args.json:
-        print(json.dumps(result.plan.to_dict() | {"target_micro_batch": result.target_micro_batch},
+        print(json.dumps(finite(result.plan.to_dict() | {"target_micro_batch": result.target_micro_batch}),
                          indent=1, default=str))
     else:
         render(result.plan, Console(soft_wrap=True), result.target_micro_batch is not None)
@@ -89,7 +90,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     f = fit_recipe(FitRequest(args.recipe, args.overrides, args.fit, args.fit_seq, args.device_memory, args.apply),
                    stderr_events().warn, traced_step)
     if args.json:
-        print(json.dumps(asdict(f) | {"best": [asdict(c) | {"overrides": c.overrides()} for c in f.best]},
+        print(json.dumps(finite(asdict(f) | {"best": [asdict(c) | {"overrides": c.overrides()} for c in f.best]}),
                          indent=1, default=str))
     else:
         render_fit(f, Console(soft_wrap=True))
@@ -97,6 +98,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
         Console(stderr=True, soft_wrap=True).print(f"wrote {f.applied}: the recipe with the first configuration "
                                                    f"applied", markup=False, highlight=False)
     return EXIT_OK
+
+
+def finite(value: Any) -> Any:
+    """`value` (JSON-ready dicts and lists) with every nan or infinite float as None: a figure the
+    plan cannot predict (a device without a known peak) is null in --json, not NaN, which JSON has not."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def render_fit(f: Any, out: Console) -> None:
@@ -190,9 +203,12 @@ def render(p: Any, out: Console, show_remedies: bool = False) -> None:
             out.print(f"  {i}. {x.how}" + (f" [{'; '.join(changes)}]" if changes else ""), markup=False)
     tm = p.time
     mfu = f", MFU {tm.mfu:.0%}" if tm.mfu is not None else ""
-    out.print(f"time: {tm.step_seconds:.4g} s/step ({tm.how}{mfu}); {tm.steps} steps = "
-              f"{tm.compute_seconds / 3600:.3g} h of compute, {tm.wall_seconds / 3600:.3g} h wall-clock "
-              f"with start-up, checkpoints and expected lost work", markup=False)
+    if math.isfinite(tm.wall_seconds):
+        out.print(f"time: {tm.step_seconds:.4g} s/step ({tm.how}{mfu}); {tm.steps} steps = "
+                  f"{tm.compute_seconds / 3600:.3g} h of compute, {tm.wall_seconds / 3600:.3g} h wall-clock "
+                  f"with start-up, checkpoints and expected lost work", markup=False)
+    else:  # no peak FLOP/s for this device (nan): say so rather than print nan
+        out.print(f"time: {tm.how}; {tm.steps} steps, wall-clock unknown", markup=False)
     c = p.cost
     total = "unknown: " + c.formula if c.total is None else f"{c.total:.4g} {c.currency} ({c.formula})"
     out.print(f"cost: {total}", markup=False)

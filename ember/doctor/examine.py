@@ -71,6 +71,12 @@ def examine(target: Path, budget: float, ddp: int, overrides: list[str], ledger:
     if target.is_dir() and overrides:
         raise EmberError("--set applies to a recipe file, not to a run folder's recipe")
     r = load_recipe(target, overrides) if target.is_file() else None
+    if plots is not None:  # made now, not after the whole budget is spent
+        try:
+            plots.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise EmberError(f"--plots {plots}: not a folder ember can write doctor.png into ({e}); "
+                             f"give a folder") from None
     # Only now torch and the rest (seconds on a busy machine): a mistyped argument fails at once.
     from ember.doctor.experiments.budget import Budget
     from ember.doctor.experiments.runner import run_all

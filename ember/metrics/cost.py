@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -33,6 +34,8 @@ def cost(prices: Prices, wall_seconds: float, productive_tokens: int) -> Cost:
     if not prices.known:
         return Cost(None, None, prices.currency, "no prices set ([cost] in the recipe or "
                     "$EMBER_HOME/machine.toml)")
+    if not math.isfinite(wall_seconds):  # a plan whose step time is unknown (nan): so is its cost
+        return Cost(None, None, prices.currency, "the run's time is unknown")
     hourly = prices.devices * prices.device_hour + prices.watts / 1000 * prices.energy_kwh
     total = wall_seconds / 3600 * hourly
     per_m = total / (productive_tokens / 1e6) if productive_tokens else None

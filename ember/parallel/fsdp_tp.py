@@ -38,7 +38,7 @@ class FSDPTP:
     def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
         """Pairs of ranks: tp's all-reduces inside each, fsdp's gathers and reduce-scatter across them."""
         n, f, net = ranks.n, fp.layer_share, ranks.net
-        if n < 2 * PLANNED_TP:
+        if n < 2 * PLANNED_TP or any(d % PLANNED_TP for d in fp.tp_dims):  # the pairs' split: tp.unsplit
             return None
         dp, tp_ = n // PLANNED_TP, PLANNED_TP
         comp = step.seconds * (f / tp_ + (1 - f)) / dp * ranks.busy
@@ -50,6 +50,11 @@ class FSDPTP:
                  + hops_share("reduce_scatter", dp)[1] * fp.grads / tp_)
         return Cost(comp, comm, 0.0, self.memory(fp, n), moved,
                     ("tensor parallel in pairs of ranks (keep a pair within a node), FSDP across the pairs",))
+
+    def check(self, recipe: Any, ranks: int) -> str | None:
+        """Why the recipe's model cannot split over groups of [distributed] tp_size (None: it can)."""
+        from ember.models import config_fields
+        return tp.unsplit(config_fields(recipe.model.path), recipe.distributed.tp_size)
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
         """The layers split inside each group, then sharded across the groups."""

@@ -61,7 +61,7 @@ class PP:
         """Compute split n ways and stretched by the bubble; one send of the activations per
         boundary and micro-batch, forward and backward, none of it hidden."""
         p, m = ranks.n, step.accum
-        if p > step.layers:  # a stage would hold no layer: refused at launch
+        if p > step.layers or refused(parts_of(fp), p, m):  # refused at launch (a stage would hold no layer)
             return None
         share = bubble(p, m)
         link = ranks.net.all_reduce  # point-to-point priced as one hop of the fitted link
@@ -118,6 +118,13 @@ def refusal(recipe: Any, layout: tuple[int, int], what: str, fewer: str) -> str 
         return ("[train] compile = true compiles the whole model's loss, not a stage's; set it to "
                 "'auto' or false (the stages run eagerly)")
     return None
+
+
+def refused(parts: StageParts, stages: int, micro_batches: int) -> bool:
+    """Whether the run refuses pipelines of `stages` stages over `micro_batches` each for what the
+    plan knows of the model and the schedule (`refusal` says why): a head tied to the embeddings,
+    or 1F1B with fewer micro-batches than stages."""
+    return parts.tied or (parts.pipeline[1] == "1f1b" and micro_batches < stages)
 
 
 def micro_batches(grad_accum: int, replicas: int) -> int:

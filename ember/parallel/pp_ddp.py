@@ -31,7 +31,7 @@ from typing import Any
 from ember.errors import EmberError
 from ember.parallel.collectives import collective_seconds, hops_share
 from ember.parallel.mesh import Mesh
-from ember.parallel.pp import bubble, fullest, micro_batches, parts_of, refusal, stage_memory
+from ember.parallel.pp import bubble, fullest, micro_batches, parts_of, refusal, refused, stage_memory
 from ember.parallel.strategy import Cost, Footprint, Ranks, Step
 
 
@@ -68,6 +68,8 @@ class PPDDP:
             return None
         dp = n // p
         m = micro_batches(step.accum, dp)  # one pipeline's, each of act bytes
+        if refused(parts_of(fp), p, m):
+            return None
         act = step.act_bytes * step.accum / (m * dp)
         share = bubble(p, m)
         sends = 2 * (p - 1) * m * (link.latency + act / link.bandwidth)

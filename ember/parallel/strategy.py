@@ -26,6 +26,7 @@ class Footprint:
     layer: float         # one decoder layer's fp32 weights
     layer_share: float   # share of a token's matmul FLOPs inside the decoder layers (what TP splits)
     stages: StageParts | None = None  # what a pipeline stage may hold (None: no pipeline priced)
+    tp_dims: tuple[int, ...] = ()  # the model's widths tensor parallelism splits (ember.parallel.tp.SPLIT)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StageParts:
     per_forward: float   # bytes every stage's forward saves once per micro-batch (the rotary tables)
     update: float        # the optimizer update's temporaries
     pipeline: tuple[int, str, int] = (2, "1f1b", 2)  # [train] grad_accum, [distributed] schedule, pp_size
+    tied: bool = False   # the head shares the embeddings' weight: no pipeline runs it (ember.parallel.pp.refusal)
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,21 @@ class TP:
         f = fp.layer_share
         return fp.peak - fp.state * f * (1 - 1 / n) - fp.activations * 0.5 * (1 - 1 / n)
 
-    def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost:
-        """The layers' compute split n ways, the rest whole; four all-reduces per layer and micro-batch."""
+    def cost(self, fp: Footprint, step: Step, ranks: Ranks) -> Cost | None:
+        """The layers' compute split n ways, the rest whole; four all-reduces per layer and micro-batch
+        (None where the model's heads or MLP width do not split n ways: the run refuses it)."""
         n, f = ranks.n, fp.layer_share
+        if any(d % n for d in fp.tp_dims):
+            return None
         comm = 4 * step.layers * step.accum * collective_seconds(ranks.net.all_reduce, "all_reduce", step.act_bytes, n)
         return Cost(step.seconds * (f / n * ranks.busy + (1 - f)), comm, 0.0, self.memory(fp, n),
                     4 * step.layers * step.accum * hops_share("all_reduce", n)[1] * step.act_bytes,
                     ("the layers' activations cross the link four times per micro-batch: keep it within one node",))
+
+    def check(self, recipe: Any, ranks: int) -> str | None:
+        """Why the recipe's model cannot split over `ranks` (None: it can), known before any rank starts."""
+        from ember.models import config_fields
+        return unsplit(config_fields(recipe.model.path), ranks)
 
     def apply(self, model: Any, mesh: Mesh, device: Any) -> Any:
         """The model's layers split over every rank (a 1-D device mesh)."""
@@ -60,12 +68,19 @@ class TP:
 
 def check_dims(config: Any, n: int) -> None:
     """Refuse a model whose heads, key-value heads or MLP width do not split n ways."""
+    if why := unsplit(config, n):
+        raise EmberError(why)
+
+
+def unsplit(config: Any, n: int) -> str | None:
+    """Why a model's heads, key-value heads or MLP width do not split n ways (None: they do)."""
     for name in SPLIT:
         value = getattr(config, name, None) or config.num_attention_heads
         if value % n:
-            raise EmberError(f"tensor parallelism over {n} ranks: the model's {name} = {value} does not split "
-                             f"{n} ways; use {', '.join(str(d) for d in range(2, 9) if value % d == 0)} ranks "
-                             f"per tensor-parallel group, or strategy 'fsdp'")
+            ways = ", ".join(str(d) for d in range(2, 9) if value % d == 0)  # none for one key-value head
+            use = f"use {ways} ranks per tensor-parallel group, or strategy 'fsdp'" if ways else "use strategy 'fsdp'"
+            return f"tensor parallelism over {n} ranks: the model's {name} = {value} does not split {n} ways; {use}"
+    return None
 
 
 def split(model: Any, layers: list[Any], device_mesh: Any) -> Any:

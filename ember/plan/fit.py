@@ -9,7 +9,8 @@ The search tries every combination of
     LoRA rank                 half, the recipe's, double (methods with adapters)
     optimizer-state precision fp32, int8 (8-bit AdamW, where bitsandbytes is installed)
     activation checkpointing  off, on
-    micro batch x accumulation every split of the recipe's micro_batch x grad_accum (held)
+    micro batch x accumulation every split of the recipe's micro_batch x grad_accum (held; past
+                              2^40 rows, those with a side of at most 2^20: remedies.divisors)
     sequence length           the recipe's; with allow_seq also 1/2, 1/4, 1/8 of it (down to 16)
 Each candidate's peak is ember.plan.memory.estimate over train_shape(the recipe with its changes),
 and it fits by ember.plan.remedies.fits ([plan] memory_margin included), as `ember plan` decides;
@@ -48,8 +49,8 @@ from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, 
 from ember.models import check_against_model, config_fields
 from ember.plan.dequant import dequantize_once
 from ember.plan.memory import ModelShape, TrainShape, estimate
-from ember.plan.planner import Traced, estimated_seconds, planned_devices, priced_dequant
-from ember.plan.remedies import bitsandbytes_installed, fits, size, step_flops, train_shape
+from ember.plan.planner import Traced, estimated_seconds, planned_devices, priced_dequant, unmodelled_targets
+from ember.plan.remedies import bitsandbytes_installed, divisors, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
 
 TOP = 5             # the pick and the next four
@@ -132,10 +133,6 @@ def _toml(v: Any) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def space(r: Recipe, allow_seq: bool = False, qlora: bool = False) -> dict[str, list[Any]]:
     """The values the search tries for each setting, for recipe `r` (`qlora`: QLoRA too)."""
     rank = r.method.rank
@@ -145,7 +142,7 @@ def space(r: Recipe, allow_seq: bool = False, qlora: bool = False) -> dict[str, 
     return {"method": list(methods(qlora)), "rank": sorted({max(1, rank // 2), rank, 2 * rank}),
             "state_dtype": ["fp32", "int8"] if bitsandbytes_installed() else ["fp32"],
             "activation_checkpointing": [False, True],
-            "micro_batch": _divisors(r.train.micro_batch * r.train.grad_accum), "seq_len": seqs}
+            "micro_batch": divisors(r.train.micro_batch * r.train.grad_accum), "seq_len": seqs}
 
 
 def _changes(r: Recipe, method: str, rank: int | None, state: str, ac: bool, seq: int) -> dict[str, Any]:
@@ -382,7 +379,8 @@ def budget_bytes(text: str, devices: list[Device]) -> tuple[int, str]:
     if text == "device":
         d = devices[0]
         return d.free, f"free memory of {d.name}"
-    if text.strip().replace(".", "", 1).isdigit():
+    number = text.strip().replace(".", "", 1)
+    if number.isascii() and number.isdigit():  # not '²': a unit after it is no size either
         raise BadInput(f"--fit {text}: give a unit, e.g. --fit {text}GiB, or --fit device")
     n = parse_size(text, f"--fit {text}")
     if n <= 0:
@@ -402,6 +400,8 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
         check_against_model(r.data.seq_len, r.with_changes(changes, "--fit").method, cfg)
     try:
         m: ModelShape | None = ModelShape.from_config(cfg)
+        if why := unmodelled_targets(r.method):
+            raise ValueError(why)
     except ValueError as e:
         if trace is None:
             raise EmberError(f"--fit: {e}, and no tracer was given to plan its steps") from None

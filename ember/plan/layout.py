@@ -28,7 +28,8 @@ def footprint(m: ModelShape, b: Breakdown, t: TrainShape, pipeline: tuple[int, s
     the recipe's grad_accum, [distributed] schedule and pp_size (what a pipeline's stages hold)."""
     # fp32 master weights (autocast computes in bf16/fp16 from them) and the trained ones' gradients
     return Footprint(b.peak, b.weights + b.gradients + b.optimizer, b.activations, m.params() * F32,
-                     b.trainable * F32, m.layer_params() * F32, tp_share(m), stage_parts(m, t, pipeline))
+                     b.trainable * F32, m.layer_params() * F32, tp_share(m), stage_parts(m, t, pipeline),
+                     (m.heads, m.kv_heads, m.intermediate))
 
 
 def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) -> StageParts:
@@ -56,7 +57,7 @@ def stage_parts(m: ModelShape, t: TrainShape, pipeline: tuple[int, str, int]) ->
                 fixed_activations(m, t) * T + T * V * (logits + F32) + head_each, head_once, 2 * T * V * F32)
     rope = 2 * t.seq_len * m.head_dim * F32
     return StageParts(m.layers, layer, first, last, T * h * F32, rope + 8 * T, update_temporaries(m, t),
-                      pipeline)
+                      pipeline, m.tied)
 
 
 def cast_copies(m: ModelShape, t: TrainShape) -> tuple[tuple[float, float], tuple[float, float]]:

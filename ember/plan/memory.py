@@ -33,10 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ember.errors import EmberError
 from ember.recipe import INT8_STATE_MIN_ELEMENTS
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+# what the estimate reads of a Llama-family config; num_key_value_heads and head_dim have defaults
+LLAMA_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 F32 = 4
 MiB = 1 << 20
 GiB = 1 << 30
@@ -61,14 +64,32 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
+        """The shape of a Llama-family config (ValueError for another family; EmberError for sizes
+        the family cannot have: the run would fail on them)."""
         kind = getattr(config, "model_type", "?")
         if kind not in LLAMA_FAMILY:
             raise ValueError(f"the memory estimate knows the Llama family ({', '.join(sorted(LLAMA_FAMILY))}), "
                              f"not model_type {kind!r}")
-        heads = config.num_attention_heads
-        return cls("llama", config.num_hidden_layers, config.hidden_size, config.intermediate_size,
-                   heads, getattr(config, "num_key_value_heads", None) or heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
+        spec = getattr(config, "_spec", None)  # ember.models.ConfigFields: config.json's fields as read
+        where = f"[model] path = {spec!r}: its config.json" if spec else "the model's config"
+        for key in LLAMA_SHAPE:  # none is optional here: transformers would fill in its own defaults
+            value = getattr(config, key, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                has = f"no {key}" if value is None else f"{key} = {value!r}"
+                raise EmberError(f"{where} has {has}: a {kind} model's {key} is a positive whole number; "
+                                 f"fix config.json, or download the model again")
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        if not isinstance(kv_heads, int) or heads % kv_heads:  # the run fails in repeat_kv, mid-step
+            raise EmberError(f"{where} has num_attention_heads = {heads}, not a multiple of num_key_value_heads = "
+                             f"{kv_heads!r}: each key-value head serves as many query heads; fix config.json")
+        if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:  # transformers refuses it (RoPE)
+            given = "" if getattr(config, "head_dim", None) else f" (hidden_size {hidden} / num_attention_heads {heads})"
+            raise EmberError(f"{where} has head_dim = {head_dim!r}{given}: rotary position embeddings need an even "
+                             f"head size of at least 2; fix config.json")
+        return cls("llama", config.num_hidden_layers, hidden, config.intermediate_size,
+                   heads, kv_heads, head_dim, config.vocab_size,
                    bool(getattr(config, "tie_word_embeddings", False)),
                    bool(getattr(config, "attention_bias", False)) or kind == "qwen2")
 

@@ -21,10 +21,10 @@ from ember.metrics.report import prices_from
 from ember.models import check_against_model, config_fields
 from ember.plan.advisor import Advice
 from ember.plan.dequant import dequant_bytes, dequantize_once, quantized_calls
-from ember.plan.memory import F32, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
+from ember.plan.memory import F32, LINEARS, GiB, ModelShape, TrainShape, estimate, optimizer_bytes, trainable_params
 from ember.plan.recompute import recomputed_ops
 from ember.plan.remedies import Remedy, architecture, fits, recompute_flops, remedies, step_flops, train_shape
-from ember.recipe import Recipe
+from ember.recipe import MethodConfig, Recipe
 
 # Bandwidths for the checkpoint cost when the ledger has no checkpoint of this machine yet
 # (measured on the 2-core development VM, bench/async_checkpoint.py: snapshot 15 GB/s, durable 0.7 GB/s).
@@ -35,6 +35,18 @@ STARTUP_SECONDS = 5.0
 
 GGUF_NOT_MODELLED = ("[method] quantize = 'gguf': the formulas know an NF4 base, not a GGUF file's blocks "
                      "(their dequantization is not priced in the step's time)")
+
+
+def unmodelled_targets(method: MethodConfig) -> str | None:
+    """Why the formulas cannot estimate LoRA on `method`'s target modules (None: they can): they
+    know adapters on the decoder layers' linears, named as such, not on other modules (lm_head,
+    embed_tokens, a norm), which peft may adapt or refuse."""
+    if method.kind != "lora" or method.target_modules == ["all-linear"]:
+        return None
+    if set(method.target_modules) <= set(LINEARS):
+        return None
+    return (f"[method] target_modules = {method.target_modules!r}: the formulas know LoRA adapters on the decoder "
+            f"layers' linears ({', '.join(LINEARS)}), not on the others")
 
 
 class UnknownArchitecture(EmberError):
@@ -185,7 +197,7 @@ def planned_devices(r: Recipe, device_memory_gib: float | None = None) -> list[D
 def has_formulas(r: Recipe) -> bool:
     """Whether the memory estimate has formulas for the recipe's model family and method (else
     its step is traced: ember.doctor.traced)."""
-    if r.method.quantize == "gguf":
+    if r.method.quantize == "gguf" or unmodelled_targets(r.method):
         return False
     try:
         ModelShape.from_config(config_fields(r.model.path))
@@ -207,6 +219,8 @@ def plan_memory(r: Recipe, calibration: Calibration | None = None,
         m = ModelShape.from_config(cfg)
         if r.method.quantize == "gguf":
             raise ValueError(GGUF_NOT_MODELLED)
+        if why := unmodelled_targets(r.method):
+            raise ValueError(why)
     except ValueError as e:
         if calibration is None and traced is None:
             raise UnknownArchitecture(str(e)) from None
@@ -394,5 +408,8 @@ def _verdict(fits_here: bool, rems: list[Remedy], wall: float, r: Recipe, device
         best = usable[0]
         return "local with remedies", [f"does not fit as written; {best.name} makes it fit "
                                        f"({best.peak / GiB:.2f} GiB peak)"]
+    if not math.isfinite(wall):
+        return "local", [f"fits in {devices[0].name}; how long it takes is unknown (set [cost] peak_tflops, "
+                         f"the device's peak TFLOP/s, or plan with --calibrate to measure a few steps)"]
     return "local", [f"fits in {devices[0].name} and takes about {wall / 3600:.2g} h, within "
                      f"[plan] local_max_hours = {r.plan.local_max_hours:g}"]

@@ -6,6 +6,7 @@ the memory estimate (ember/plan/memory.py); sharding over ranks is the registry'
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,10 +135,21 @@ def _applicable(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: fl
     return out
 
 
+DIVISOR_SEARCH = 2**20  # trial division stops here: every divisor of a batch of up to 2^40 rows
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending, found in pairs up to its square root: all of them for n up
+    to DIVISOR_SEARCH^2; beyond, those up to DIVISOR_SEARCH and their co-divisors (trying every
+    number up to n, a micro batch of 2^40 kept `ember plan` from ever finishing)."""
+    small = [d for d in range(1, min(math.isqrt(n), DIVISOR_SEARCH) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
 def _accumulation(m: ModelShape, r: Recipe, t: TrainShape, budget: int, margin: float) -> list[Remedy]:
     """The largest smaller micro batch that fits (else 1), accumulated to the same tokens per step."""
     mb = r.train.micro_batch
-    for smaller in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
+    for smaller in reversed(divisors(mb)[:-1]):
         b = estimate(m, replace(t, micro_batch=smaller, accumulating=True))
         if fits(b.peak, budget, margin) or smaller == 1:
             return [Remedy("gradient accumulation", {"train.micro_batch": smaller,

@@ -162,3 +162,13 @@ def test_a_deadline_years_away_sets_an_alarm_the_platform_accepts():
     budget = Budget(1e12, time.monotonic(), 0.0, 0.0)
     with hard_deadline(budget.deadline, "loading the model", budget):
         pass
+
+
+def test_a_plots_folder_that_cannot_be_made_is_refused_before_anything_runs(tmp_path):
+    """`ember doctor RECIPE --plots FILE` ran every experiment for its --budget, then ended in
+    "[Errno 17] File exists" from the plot's mkdir, the report unprinted."""
+    from ember.doctor.examine import examine
+    taken = tmp_path / "plots.png"
+    taken.write_text("")
+    with pytest.raises(EmberError, match=r"--plots .*plots\.png: not a folder ember can write doctor\.png into"):
+        examine(write_recipe(tmp_path), 60.0, 1, [], None, Events(), taken)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 
 import pytest
 
+from ember.cli.plan import cmd_plan
 from ember.doctor.measure import calibrate
 from ember.hardware import Device, Kind
 from ember.plan.planner import make_plan
@@ -31,6 +34,24 @@ def test_plan_json_gives_the_peak_computed_by_hand(tmp_path):
     assert plan["memory"]["peak"] == 8_770_816
     assert plan["fits"] and plan["verdict"] == "local"
     assert plan["checkpoint"]["seconds"] > 0 and plan["time"]["wall_seconds"] > 0
+
+
+def test_a_device_without_a_known_peak_has_its_time_and_cost_unknown_not_nan(tmp_path, monkeypatch, capsys):
+    """On an accelerator the peak table does not know (an Apple GPU, a T4), `ember plan` printed
+    "time: nan s/step", "nan h wall-clock", "cost: nan USD" and "takes about nan h", and --json
+    wrote NaN, which is not JSON (the dashboard's plan page showed "nan s")."""
+    gpu = Device(0, "Apple GPU (mps)", Kind.MPS, 16 * 2**30, 16 * 2**30)
+    monkeypatch.setattr("ember.doctor.calibrated_plan.planned_devices", lambda r, gib: [gpu])
+    args = argparse.Namespace(recipe=write_recipe(tmp_path, cost={"device_hour_price": 2.0}), overrides=[],
+                              target_micro_batch=None, calibrate=False, device_memory=None, ledger=None,
+                              apply=None, fit=None, fit_seq=False, json=False)
+    cmd_plan(args)
+    text = capsys.readouterr().out
+    assert not re.search(r"\bnan\b", text), text
+    assert "time: unknown: unknown device 'Apple GPU (mps)'" in text and "how long it takes is unknown" in text
+    cmd_plan(argparse.Namespace(**{**vars(args), "json": True}))
+    plan = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"--json wrote {c}"))
+    assert plan["time"]["step_seconds"] is None and plan["cost"]["total"] is None
 
 
 def test_remedies_make_it_fit_under_a_memory_cap(tmp_path):

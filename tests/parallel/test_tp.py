@@ -9,6 +9,9 @@ import pytest
 from ember.errors import EmberError
 from ember.parallel.mesh import Mesh
 from ember.parallel.tp import TP, check_dims
+from ember.recipe import load_recipe
+from ember.train.sharding import check_distributed
+from tests.helpers import write_recipe
 from tests.parallel.figures import FP, STEP, ranks
 from tests.parallel.ranks import apply_on_ranks
 
@@ -79,3 +82,15 @@ def test_with_lora_the_frozen_base_layers_split_and_the_adapters_add_little():
         saved[name] = fp.peak - TP().memory(fp, 2)
     assert saved["lora"] >= 0.45 * layers
     assert 2.5 < saved["full"] / saved["lora"] < 5
+
+
+@pytest.mark.parametrize("strategy, ranks, sets", [("tp", 4, []), ("fsdp+tp", 8, ["distributed.tp_size=4"])])
+def test_a_model_whose_heads_do_not_split_is_refused_before_any_rank_starts(tmp_path, strategy, ranks, sets):
+    """builtin:tiny has 2 key-value heads: `ember run --nproc 4` under 'tp' (or 'fsdp+tp' in
+    groups of 4) passed the launch's checks, started the ranks, and each rank failed in check_dims
+    after loading the model."""
+    r = load_recipe(write_recipe(tmp_path), [f"distributed.strategy={strategy}", "train.grad_accum=2", *sets])
+    with pytest.raises(EmberError, match="recipe.toml: .*num_key_value_heads = 2 does not split 4 ways"):
+        check_distributed(r, ranks, "recipe.toml")
+    splits = r.with_changes({"distributed.tp_size": 2}) if sets else r  # 2 ways: it splits
+    check_distributed(splits, ranks if sets else 2, "recipe.toml")

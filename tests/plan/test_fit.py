@@ -10,10 +10,11 @@ import math
 
 import pytest
 
+from ember.errors import EmberError
 from ember.hardware import Device, Kind
 from ember.metrics.peaks import Peak
 from ember.models import config_fields
-from ember.plan.fit import NothingFits, candidates, peak_between, search
+from ember.plan.fit import NothingFits, budget_bytes, candidates, peak_between, search, space
 from ember.plan.memory import ModelShape
 from ember.plan.planner import make_plan, plan_memory
 from ember.plan.remedies import fits
@@ -201,3 +202,21 @@ def test_a_family_without_formulas_gets_qlora_where_only_a_4_bit_base_fits(tmp_p
     assert pick.changes["method.quantize"] == "nf4" and pick.changes["method.kind"] == "lora"
     measured = measured_peak(load_recipe(path, pick.overrides()))
     assert measured <= budget and abs(pick.peak / measured - 1) <= 0.005, (pick.peak, measured)
+
+
+def test_a_budget_of_other_digits_is_no_size_and_not_told_to_add_a_unit():
+    """`--fit ²` passed str.isdigit and was told "give a unit, e.g. --fit ²GiB", which is no size
+    either: the hint sent the user to a second refusal."""
+    with pytest.raises(EmberError) as refused:
+        budget_bytes("²", [])
+    assert "'²' is not a size; write e.g. 8GiB" in str(refused.value) and "²GiB" not in str(refused.value)
+
+
+def test_a_batch_of_two_to_the_forty_rows_is_split_by_its_divisors_without_counting_to_it(path):
+    """`ember plan --fit` with [train] grad_accum = 2^40 tried every number up to 2^40 as a micro
+    batch (`n % d == 0` for each): it never finished."""
+    r = load_recipe(path, ["train.micro_batch=1", "train.grad_accum=1099511627776"])
+    assert space(r)["micro_batch"] == [2**k for k in range(41)]
+    from ember.plan.remedies import divisors  # the one divisor search, shared with the remedies
+    assert divisors(10**12) == sorted({2**a * 5**b for a in range(13) for b in range(13)})  # all 169
+    assert divisors(2**61 - 1) == [1, 2**61 - 1]  # a prime

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ember.ckpt.interval import daly, recommend, young
+from ember.errors import EmberError
 from ember.ledger import database as store
 from ember.ledger.history import attempt_times, mtbf_seconds
 from ember.ledger.mtbf import mtbf
+from ember.plan.planner import make_plan
+from ember.recipe import load_recipe
+from tests.helpers import write_recipe
 
 
 def test_young_and_daly_by_hand():
@@ -49,3 +55,14 @@ def test_mtbf_from_the_ledger_counts_only_interruptions(tmp_path):
     assert "no interruption on record" in mtbf_seconds(0.0, con, "nowhere").source
     assert mtbf_seconds(2.0, con, "box")[0] == 7200  # the recipe's setting wins
     assert mtbf_seconds(0.0, con, "nowhere")[0] == 24 * 3600
+
+
+def test_interruption_hours_beyond_a_century_are_refused_and_a_century_plans_finite(tmp_path):
+    """[checkpoint] interruption_hours = 1e305 made M = inf: `ember plan` printed "M = inf h",
+    "every inf s", "100.00% expected lost work", 19,356 h of wall-clock for seconds of compute, and
+    sent the run `remote`."""
+    with pytest.raises(EmberError, match=r"interruption_hours = 1e\+305: must be <= 1000000"):
+        load_recipe(write_recipe(tmp_path, checkpoint={"interruption_hours": 1e305}))
+    plan = make_plan(load_recipe(write_recipe(tmp_path, checkpoint={"interruption_hours": 1e6})))
+    iv = plan.checkpoint.interval
+    assert math.isfinite(iv.seconds) and iv.lost_share < 1e-3 and plan.verdict == "local"

@@ -4,17 +4,23 @@ peak of real steps (ember/doctor/measure.py) on small models."""
 from __future__ import annotations
 
 import gc
+import json
+import re
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ember.doctor.measure import live_tensor_bytes, measured_step, step_peak
+from ember.errors import EmberError
+from ember.launch import check_memory
 from ember.plan.memory import LINEARS, ModelShape, TrainShape, estimate
-from ember.recipe import MethodConfig
+from ember.plan.planner import UnknownArchitecture, has_formulas, plan_memory
+from ember.recipe import MethodConfig, load_recipe
 from ember.train.loss import causal_lm_loss
 from ember.train.model import apply_lora, tiny_config
 from ember.train.quantize import quantize_base
+from tests.helpers import write_recipe
 
 
 def test_full_fp32_by_hand():
@@ -190,3 +196,44 @@ def test_unknown_architecture_is_named():
         model_type = "gpt_neox"
     with pytest.raises(ValueError, match="gpt_neox"):
         ModelShape.from_config(Config())
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"hidden_size": None}, "has no hidden_size: a llama model's"),
+    ({"intermediate_size": [64, 64]}, "has intermediate_size = [64, 64]: a llama model's"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_attention_heads = 4, not a multiple of "
+                                                           "num_key_value_heads = 3"),
+    ({"hidden_size": 30}, "head_dim = 15 (hidden_size 30 / num_attention_heads 2)"),
+    ({"num_attention_heads": 64, "num_key_value_heads": 64}, "head_dim = 0 (hidden_size 32 / num_attention_heads 64)"),
+])
+def test_a_llama_config_json_without_a_size_is_refused_naming_it(tmp_path, fields, said):
+    """A Llama config.json without hidden_size ended `ember plan`, and `ember run`'s check before
+    launch, in AttributeError: 'ConfigFields' object has no attribute 'hidden_size'; a per-layer
+    list where the Llama family has one number, in a TypeError. Heads that key-value heads do not
+    divide, or an odd (or zero) head size, planned as "fits": the run then failed in its first
+    step (repeat_kv: "The size of tensor a (4) must match the size of tensor b (3)"), or at
+    transformers' config validation (RoPE needs an even head_dim)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shape = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "max_position_embeddings": 128, **fields}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in shape.items() if v is not None}))
+    r = load_recipe(write_recipe(tmp_path, model={"path": str(folder)}))
+    with pytest.raises(EmberError, match=f"its config.json .*{re.escape(said)}"):
+        plan_memory(r)
+    with pytest.raises(EmberError, match=re.escape(said)):
+        check_memory(r)  # `ember run`, before anything is built
+
+
+@pytest.mark.parametrize("targets", [["input_layernorm"], ["mlp"], ["lm_head"], ["q_proj", "embed_tokens"]])
+def test_lora_on_modules_the_formulas_do_not_know_is_not_estimated_by_them(tmp_path, targets):
+    """LoRA with [method] target_modules naming no decoder linear ended `ember plan`, and `ember
+    run`'s check before launch, in ValueError: max() arg is an empty sequence; with one, the
+    estimate left the other's adapters out. Such a recipe is traced (ember plan) or measured as the
+    run goes (`ember run`), as a family without formulas is."""
+    r = load_recipe(write_recipe(tmp_path, method={"kind": "lora", "target_modules": targets}))
+    with pytest.raises(UnknownArchitecture, match=re.escape(f"[method] target_modules = {targets!r}")):
+        plan_memory(r)
+    assert not has_formulas(r)  # `ember plan` traces its step
+    assert check_memory(r) is None  # `ember run` goes on: peft builds it, or refuses it by name

@@ -114,3 +114,31 @@ def test_a_pipelines_memory_is_its_fullest_stages_and_the_plan_names_it():
     render_parallel(a, Console(file=out, width=200))
     assert "  pp on 4: memory per stage " in out.getvalue()
     assert "pp+ddp on 8: memory per stage " in out.getvalue() and "stage 3 of 4 is the fullest" in out.getvalue()
+
+
+def test_no_tensor_parallel_layout_is_offered_where_the_heads_do_not_split():
+    """A model of 2 key-value heads over a 100 MB/s link: the advisor recommended 'tp on 4' (and
+    priced tp on 8), which the run refuses (ember.parallel.tp.check_dims); fsdp+tp's pairs split it."""
+    m = ModelShape("llama", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=1000)
+    a = advise(m, T, estimate(m, T), accum=1, one_step=1.0, ic=net(100 * MB), free=1 << 40)
+    assert {o.devices for o in a.options if o.strategy == "tp"} == {2}
+    assert {o.devices for o in a.options if o.strategy == "fsdp+tp"} == {4, 8}
+    assert (a.recommended.strategy, a.recommended.devices) != ("tp", 4)
+
+
+def test_no_pipeline_is_offered_that_the_run_refuses():
+    """A model whose head shares the embeddings' weight (tie_word_embeddings, as SmolLM's): when it
+    did not fit one device the advisor recommended 'pp on 8', which the run refuses (the weight
+    would sit on the first and the last stage); so is 1F1B with fewer micro-batches than stages,
+    which it priced and recommended too ('pp on 2' at grad_accum 1)."""
+    tied = ModelShape("llama", layers=8, hidden=256, intermediate=512, heads=4, kv_heads=4, head_dim=64, vocab=1000,
+                      tied=True)
+    b = estimate(tied, T)
+    a = advise(tied, T, b, accum=8, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("1f1b", 2))
+    assert not [o for o in a.options if o.strategy in ("pp", "pp+ddp")]
+    assert a.recommended is None or a.recommended.strategy not in ("pp", "pp+ddp")
+    b = estimate(M, T)
+    one = advise(M, T, b, accum=1, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("1f1b", 2))
+    assert not [o for o in one.options if o.strategy in ("pp", "pp+ddp")]
+    gpipe = advise(M, T, b, accum=1, one_step=1.0, ic=net(10 * MB), free=int(b.peak * 0.6), pipeline=("gpipe", 2))
+    assert {o.devices for o in gpipe.options if o.strategy == "pp"} == {2, 4}  # GPipe runs one micro-batch

@@ -115,3 +115,13 @@ def test_a_rendezvous_port_that_is_no_port_is_refused_before_torchrun(rdzv):
     there; 99999 and 0 are no TCP port either."""
     with pytest.raises(EmberError, match=r"--rdzv .*: give node 0's address as HOST:PORT"):
         Topology(nproc=1, nnodes=2, node_rank=0, rdzv=rdzv).check()
+
+
+def test_a_micro_batch_of_two_to_the_forty_is_planned_without_counting_to_it(tmp_path):
+    """[train] micro_batch = 2^40: `ember plan`, and `ember run`'s check before launch, tried every
+    number below it as the gradient accumulation remedy's micro batch, and never finished."""
+    r = load_recipe(write_recipe(tmp_path), ["train.micro_batch=1099511627776"])
+    plan = plan_memory(r, None, host())
+    accumulate = named(plan, "gradient accumulation")  # the largest micro batch that fits FREE
+    assert not plan.fits and accumulate.fits
+    assert accumulate.changes == {"train.micro_batch": 8, "train.grad_accum": 2**37}

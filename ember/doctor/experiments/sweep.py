@@ -15,6 +15,7 @@ from ember.doctor.experiments.protocol import Lab, Result, interleave, timed_ste
 from ember.models import model_config
 from ember.hardware import for_run
 from ember.plan.memory import ModelShape, estimate
+from ember.plan.planner import unmodelled_targets
 from ember.plan.remedies import fits, train_shape
 from ember.recipe import Recipe
 
@@ -83,7 +84,9 @@ def fitting_micro_batches(r: Recipe) -> dict[int, int]:
     with that peak (memory arithmetic only: no calibration per size)."""
     try:
         m = ModelShape.from_config(model_config(r.model.path))
-    except ValueError:  # an architecture the plan does not know: only the recipe's own size
+        if why := unmodelled_targets(r.method):
+            raise ValueError(why)
+    except ValueError:  # an architecture (or adapters) the plan does not know: only the recipe's own size
         return {r.train.micro_batch: 0}
     free = for_run(r.train.device)[0].free
     out = {}
