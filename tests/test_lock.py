@@ -135,3 +135,13 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_what_it_names_is_lef
     with pytest.raises(EmberError, match=r"--out x: its lock file .*\.lock is a symbolic link"):
         acquire(path, "--out x")
     assert (precious.read_text() == "keep me\n") if target == "a file" else not precious.exists()
+
+
+@pytest.mark.parametrize("recorded", ["²", "٣", "12²"])
+def test_a_lock_file_naming_no_ascii_pid_says_it_names_no_holder(tmp_path, recorded):
+    """The lock file names its holder's PID; read with str.isdigit alone, a damaged one saying
+    '²' passed and int() raised a ValueError traceback where the refusal should say who holds it."""
+    from ember.lock import who_holds
+    path = tmp_path / ".lock"
+    path.write_text(recorded)
+    assert "its lock file names no holder" in who_holds(path, recorded)
