@@ -16,6 +16,7 @@ from ember.events import Events
 from ember.doctor.comm import to_interconnect
 from ember.ledger import comm_rows as comm
 from ember.ledger import database as ledger_store
+from ember.models import check_against_model, config_fields
 from ember.plan.memory import estimate
 from ember.plan.advisor import Advice, advise
 from ember.plan.planner import Plan, has_formulas, make_plan, planned_devices
@@ -54,6 +55,8 @@ def plan_recipe(req: PlanRequest, events: Events) -> PlanResult:
     measured = calibrate(r) if req.calibrate else None  # a plan without it imports no torch
     traced = None
     if not has_formulas(r):  # a family without formulas: its step traced (and measured, if asked)
+        # what the config alone refuses (a LoRA target the model lacks) is refused torch-free, first
+        check_against_model(r.data.seq_len, r.method, config_fields(r.model.path))
         from ember.doctor.traced import traced_step
         traced = traced_step(r)
     plan = make_plan(r, con, measured, devices, traced)
