@@ -1,9 +1,11 @@
 """The service's HTTP API in-process: the token, and bad requests answered with a 4xx that
 change nothing."""
 
+import contextlib
 import dataclasses
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -347,54 +349,62 @@ def test_an_adapter_asked_of_the_upstream_engine_is_refused_not_answered_by_its_
         engine.close()
 
 
+@contextlib.contextmanager
+def served(app) -> Iterator[int]:
+    """`app` served by a real uvicorn on a port of loopback (in a thread of this process); its port."""
+    import threading
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):  # started within 60 s
+            if server.started:
+                break
+            threading.Event().wait(0.1)
+        assert server.started, "uvicorn did not start within 60 s"
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
 def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(service):
     """A chunked body has no Content-Length: it was read whole before the 413 (400 MB took the
     service from 71 to 472 MiB). Now reading stops at the limit: 500 MB sent in 1 MiB chunks to a
     real server gets a 413, and the process grows by less than 20 MB."""
     import select
     import socket
-    import threading
 
     import psutil
-    import uvicorn
     engine = Recorder()  # so that /v1 reads its body: with inference off it answers 503 first
-    app = create_app(service, "s3cret", True, engine.url)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(600):  # started within 60 s
-        if server.started:
-            break
-        threading.Event().wait(0.1)
-    assert server.started, "uvicorn did not start within 60 s"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    me = psutil.Process()
-    try:
-        for path in ("/api/jobs", "/v1/completions"):
-            before = me.memory_info().rss
-            chunk = b"%x\r\n" % (1 << 20) + b"x" * (1 << 20) + b"\r\n"
-            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-                s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n"
-                          f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
-                sent = 0
-                for _ in range(500):  # at most 500 MiB
-                    if select.select([s], [], [], 0)[0]:
-                        break  # the answer came
-                    try:
-                        s.sendall(chunk)
-                    except OSError:
-                        break  # the server closed its side
-                    sent += 1
-                answer = s.recv(4096).decode("latin-1")
-            grown = me.memory_info().rss - before
-            assert answer.startswith("HTTP/1.1 413"), (path, sent, answer[:300])
-            assert grown < 20 * 2**20, f"{path}: grew by {grown / 2**20:.1f} MiB after {sent} MiB sent"
-            assert sent < 100, f"{path}: {sent} MiB went in before the 413"
-        assert rows.all_jobs(service.con) == [] and engine.seen == []
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        engine.close()
+    with served(create_app(service, "s3cret", True, engine.url)) as port:
+        me = psutil.Process()
+        try:
+            for path in ("/api/jobs", "/v1/completions"):
+                before = me.memory_info().rss
+                chunk = b"%x\r\n" % (1 << 20) + b"x" * (1 << 20) + b"\r\n"
+                with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n"
+                              f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+                    sent = 0
+                    for _ in range(500):  # at most 500 MiB
+                        if select.select([s], [], [], 0)[0]:
+                            break  # the answer came
+                        try:
+                            s.sendall(chunk)
+                        except OSError:
+                            break  # the server closed its side
+                        sent += 1
+                    answer = s.recv(4096).decode("latin-1")
+                grown = me.memory_info().rss - before
+                assert answer.startswith("HTTP/1.1 413"), (path, sent, answer[:300])
+                assert grown < 20 * 2**20, f"{path}: grew by {grown / 2**20:.1f} MiB after {sent} MiB sent"
+                assert sent < 100, f"{path}: {sent} MiB went in before the 413"
+            assert rows.all_jobs(service.con) == [] and engine.seen == []
+        finally:
+            engine.close()
 
 
 def test_an_engine_that_breaks_off_its_answer_ends_the_request_for_the_pause_gate(service):
@@ -468,36 +478,22 @@ def test_an_answer_through_the_inference_proxy_has_one_date_and_one_server(servi
     /v1 answer had two of each (RFC 9110 allows one Date; clients that keep the last saw the
     engine's clock and name). Only the service's own are sent now."""
     import http.client
-    import threading
-
-    import uvicorn
     engine = Recorder()  # Python's http.server: it sends Server and Date as llama.cpp's does
-    app = create_app(service, "s3cret", True, engine.url)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(600):  # started within 60 s
-        if server.started:
-            break
-        threading.Event().wait(0.1)
-    assert server.started, "uvicorn did not start within 60 s"
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
-            con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            con.request(method, path, body=b'{"prompt": "In"}' if method == "POST" else None,
-                        headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"})
-            r = con.getresponse()
-            r.read()
-            con.close()
-            names = [k.lower() for k, _ in r.getheaders()]
-            assert r.status == 200 and names.count("date") == 1 and names.count("server") == 1, \
-                (method, path, r.status, r.getheaders())
-            assert "BaseHTTP" not in r.getheader("server"), r.getheaders()  # uvicorn's, not the engine's
-        assert len(engine.seen) == 2
+        with served(create_app(service, "s3cret", True, engine.url)) as port:
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+                con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                con.request(method, path, body=b'{"prompt": "In"}' if method == "POST" else None,
+                            headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"})
+                r = con.getresponse()
+                r.read()
+                con.close()
+                names = [k.lower() for k, _ in r.getheaders()]
+                assert r.status == 200 and names.count("date") == 1 and names.count("server") == 1, \
+                    (method, path, r.status, r.getheaders())
+                assert "BaseHTTP" not in r.getheader("server"), r.getheaders()  # uvicorn's, not the engine's
+            assert len(engine.seen) == 2
     finally:
-        server.should_exit = True
-        thread.join(timeout=60)
         engine.close()
 
 
