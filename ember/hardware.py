@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from ember.errors import EmberError
+from ember.paths import ascii_digits
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -96,7 +97,7 @@ def parse_devices(spec: str) -> tuple[Device, ...]:
     for part in spec[4:].split(","):
         count, _, size = part.strip().rpartition("x") if "x" in part else ("1", "", part)
         count = count.strip()
-        if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= MAX_SIM_DEVICES:  # not "²"
+        if not ascii_digits(count) or not 1 <= int(count) <= MAX_SIM_DEVICES:  # not "²"
             raise EmberError(f"{where}: {part!r}: write COUNTxSIZE, e.g. 2x8GiB (COUNT 1 to {MAX_SIM_DEVICES})")
         for _ in range(int(count)):
             n = parse_size(size, where)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ember.errors import EmberError
 from ember.proc import described, holders_of
+from ember.paths import ascii_digits
 
 INHERITED = "EMBER_LOCK_FD"
 # A SIGKILLed holder keeps its lock until its exit has released its files, after its memory:
@@ -127,7 +128,7 @@ def who_holds(path: Path, recorded: str) -> str:
     """Which live process holds the lock at `path`, whose file names `recorded` as its holder:
     that process while it lives; else that it has ended, and what still has the file open."""
     others = holders_of(path)
-    numeric = recorded.isascii() and recorded.isdigit()  # what the lock file says may be damaged: not "²"
+    numeric = ascii_digits(recorded)  # what the lock file says may be damaged: not "²"
     if numeric and int(recorded) in others and (holder := described(int(recorded))):
         return f"in use by another ember process, {holder}"
     ended = f"the ember process that locked it (PID {recorded}) has ended" if numeric \

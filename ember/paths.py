@@ -157,6 +157,12 @@ def ember_home() -> Path:
     return home().root
 
 
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is one or more ASCII digits, the number int() reads it as: str.isdigit alone
+    also takes '²' (int() refuses it) and '٣' (int() reads it as 3)."""
+    return text.isascii() and text.isdigit()
+
+
 def check_name(name: str, what: str = "job name") -> str:
     """`name` when it follows NAME_GRAMMAR; otherwise a BadInput that shows the grammar."""
     if not _NAME.fullmatch(name):

@@ -34,6 +34,7 @@ from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_OK, Ember
 from ember.events import Events
 from ember.lock import LAUNCHER
 from ember.parallel.placement import rank_name
+from ember.paths import ascii_digits
 
 SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
 PEER_LOST = "a collective failed: another rank is gone"  # what a rank leaves the launcher then
@@ -55,7 +56,7 @@ class Topology:
             raise EmberError(f"--nproc {self.nproc} --nnodes {self.nnodes}: both must be >= 1")
         if self.nnodes > 1:
             host, _, port = self.rdzv.rpartition(":")
-            if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            if not host or not (ascii_digits(port) and 0 < int(port) < 65536):
                 raise EmberError(f"--rdzv {self.rdzv!r}: give node 0's address as HOST:PORT (every node the same)")
             if not 0 <= self.node_rank < self.nnodes:
                 raise EmberError(f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1}")

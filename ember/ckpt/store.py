@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from ember import faults
 from ember.durable import crc32c_bytes, crc32c_file, fsync_dir, fsync_file, sha256_file
 from ember.errors import EmberError
+from ember.paths import ascii_digits
 
 if TYPE_CHECKING:  # a type only: reading checkpoints (ember report, the dashboard) needs no torch
     from ember.world import World
@@ -76,7 +77,7 @@ def committed_in(root: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         number = p.name[len(PREFIX):]  # ASCII digits: '²' is isdigit() but no int, '٣' no name of ours
-        if p.name.startswith(PREFIX) and number.isascii() and number.isdigit() and p.is_dir():
+        if p.name.startswith(PREFIX) and ascii_digits(number) and p.is_dir():
             found.append((int(number), p))
     return sorted(found)
 

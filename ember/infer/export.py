@@ -45,6 +45,7 @@ from ember.train.model import load_model
 from ember.data.tokenizer import ByteTokenizer, load_tokenizer
 from ember.train.quantize import merge_adapters, quantize_base
 from ember.runfolder import RUN_FILE, RunDir, remote_job
+from ember.paths import ascii_digits
 
 FORMATS = ("hf", "peft", "gguf")
 DTYPES = {"f16": torch.float16, "f32": torch.float32}
@@ -170,10 +171,10 @@ def at_checkpoint(trained: TrainedRun, which: str, events: Events) -> TrainedRun
         step, path = committed[-1]
     elif which == "best":
         step, path = best_checkpoint(run, committed, steps)
-    elif which.isascii() and which.isdigit() and int(which) in dict(committed):  # not '²': int() refuses it
+    elif ascii_digits(which) and int(which) in dict(committed):  # not '²': int() refuses it
         step, path = int(which), dict(committed)[int(which)]
     else:
-        wrong = (f"no committed checkpoint at step {int(which)}" if which.isascii() and which.isdigit()
+        wrong = (f"no committed checkpoint at step {int(which)}" if ascii_digits(which)
                  else "not a step, 'best' or 'last'")
         raise EmberError(f"--checkpoint {which!r}: {wrong}; {run} has checkpoints at steps {steps} "
                          f"(or give 'best' or 'last')")

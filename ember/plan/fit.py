@@ -52,6 +52,7 @@ from ember.plan.memory import ModelShape, TrainShape, estimate
 from ember.plan.planner import Traced, estimated_seconds, planned_devices, priced_dequant, unmodelled_targets
 from ember.plan.remedies import bitsandbytes_installed, divisors, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
+from ember.paths import ascii_digits
 
 TOP = 5             # the pick and the next four
 MIN_SEQ = 16        # allow_seq halves the sequence down to this (or the recipe's, if shorter)
@@ -380,7 +381,7 @@ def budget_bytes(text: str, devices: list[Device]) -> tuple[int, str]:
         d = devices[0]
         return d.free, f"free memory of {d.name}"
     number = text.strip().replace(".", "", 1)
-    if number.isascii() and number.isdigit():  # not '²': a unit after it is no size either
+    if ascii_digits(number):  # not '²': a unit after it is no size either
         raise BadInput(f"--fit {text}: give a unit, e.g. --fit {text}GiB, or --fit device")
     n = parse_size(text, f"--fit {text}")
     if n <= 0:

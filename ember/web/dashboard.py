@@ -49,6 +49,7 @@ from ember.ledger.job_states import LOCAL, LOCAL_FINAL as FINAL
 from ember.web import security
 from ember.web.error_responses import LIBRARY, status_of
 from ember.web.views import MachinePage, Views
+from ember.paths import ascii_digits
 
 HERE = Path(__file__).parent
 STATIC = {p.name: p for p in (HERE / "static").iterdir() if p.is_file()}  # the only files served
@@ -280,7 +281,7 @@ async def api_live(run_id: str, request: Request, offset: int = Query(0, ge=0)) 
     v = views(request)
     folder = await run_in_threadpool(v.folder, run_id)
     last = request.headers.get("last-event-id", "")  # what this stream sent as `id:`, or a client's own
-    start = int(last) if last.isascii() and last.isdigit() and len(last) <= 20 else offset
+    start = int(last) if ascii_digits(last) and len(last) <= 20 else offset
     return StreamingResponse(live_steps(request, v, run_id, folder, start), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store"})
 

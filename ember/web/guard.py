@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from ember.web import security
 from ember.web.error_responses import error_response
+from ember.paths import ascii_digits
 
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 NEEDS_TOKEN = "this request needs the service's token: Authorization: Bearer <contents of $EMBER_HOME/serve/token>"
@@ -109,6 +110,6 @@ def refusal(request: Request, token: str, loopback: bool, open_reads: bool, limi
         return error_response(401, f"{NEEDS_TOKEN} (OpenAI clients: it is the API key; the dashboard: "
                                    f"sign in with the link `ember ui` prints)", headers=CHALLENGE)
     size = request.headers.get("content-length")
-    if size is not None and (not (size.isascii() and size.isdigit()) or int(size) > limit):
+    if size is not None and (not ascii_digits(size) or int(size) > limit):
         return error_response(413, f"request body over {limit} bytes ([service] max_body_bytes)")
     return None

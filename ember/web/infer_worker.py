@@ -55,6 +55,7 @@ from ember.web.disconnect import unless_left
 from ember.web.error_responses import error_response
 from ember.web.security import WORKER_TOKEN_ENV, bearer_ok
 from ember.web.sockets import listen
+from ember.paths import ascii_digits
 
 STOP_GRACE_SECONDS = 2.0  # after SIGTERM: the answers under way may finish, then the worker exits
 MAX_BODY = 1 << 20  # bytes: a prompt beyond this is far past any context ember serves
@@ -126,7 +127,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     """The request's JSON object, refused past MAX_BODY bytes without reading the rest."""
     length = request.headers.get("content-length", "")
     too_big = RequestError(f"the request body is over {MAX_BODY} bytes; send a shorter prompt", 413)
-    if length.isascii() and length.isdigit() and int(length) > MAX_BODY:
+    if ascii_digits(length) and int(length) > MAX_BODY:
         raise too_big
     body = bytearray()
     async for chunk in request.stream():
