@@ -104,7 +104,7 @@ class Columns:
                 continue  # only a rewound file repeats steps, and a rewound file is read anew
             self.steps.append(r["step"])
             for k in CURVE_FIELDS:
-                self.values[k].append(_number(r.get(k)))
+                self.values[k].append(finite(r.get(k)))
 
 
 _columns: dict[str, Columns] = {}      # the newest few files read, for the zooms and reloads that follow
@@ -169,10 +169,10 @@ def follow(run: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     if size < offset:
         offset = 0
     records, offset = read_records(run / "metrics.jsonl", offset)
-    return [{"step": r["step"], **{k: _number(r.get(k)) for k in CURVE_FIELDS}} for r in records if "step" in r], offset
+    return [{"step": r["step"], **{k: finite(r.get(k)) for k in CURVE_FIELDS}} for r in records if "step" in r], offset
 
 
-def _number(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
     """A figure of a step, or None: not a number, or not finite (a step the stability guard skipped
     for a NaN loss; JSON has no NaN, and the live chart shows a gap there as the curves do)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):

@@ -5,12 +5,12 @@ ledger's runs: its last step, whether it completed, how its last attempt ended, 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.metrics.series import finite
 from ember.runfolder import completed as run_completed
 from ember.ledger.database import run_attempt_details, run_attempt_outcomes, summary_for_path
 from ember.ledger.job_rows import JobRow
@@ -98,21 +98,14 @@ def _last_metrics(out: Path) -> dict:
     return {}
 
 
-def _number(value: object) -> float | None:
-    """`value` when it is a finite number (not a bool); None otherwise: a metrics file another tool
-    wrote (an ISO time, a step named 'train') is no step, never an error in the scheduler's pass."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return value if ok else None
-
-
 def last_step(out: Path) -> int:
     """The step of the run folder's last metrics line (0 before the first)."""
-    return int(_number(_last_metrics(out).get("step")) or 0)
+    return int(finite(_last_metrics(out).get("step")) or 0)  # another tool's line (a step named 'train') is no step
 
 
 def last_step_time(out: Path) -> float:
     """When the run folder's last metrics line was written (0 before the first)."""
-    return float(_number(_last_metrics(out).get("time")) or 0.0)
+    return float(finite(_last_metrics(out).get("time")) or 0.0)
 
 
 def last_outcome(con: sqlite3.Connection, out: Path) -> str | None:
