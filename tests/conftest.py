@@ -60,12 +60,16 @@ LONGEST_FIRST = ["tests/remote/test_slurm.py", "tests/e2e/test_serve.py", "tests
 
 
 PEAKS = "EMBER_TEST_PEAKS"  # the cpu_peak.json the pytest run's homes start with (measure_peaks)
+RATES = ("recomputed op, ", "nf4 linear, ")  # the CPU's other measured rates, measured with its peaks
 
 
 def measure_peaks(folder: Path) -> Path:
     """This CPU's matmul peaks, one thread and all its cores (the counts the tests' recipes train
-    with), measured by ember in a home of their own while the machine is still quiet: before the
-    warm process and the workers start. tests.helpers.with_cpu_peak gives the record to every home
+    with), and its other measured rates (RATES: what a recomputed op and a 4-bit linear call cost,
+    for the plans' times), measured by ember in a home of their own while the machine is still
+    quiet: before the warm process and the workers start. (Measured among the workers' load, a
+    4-bit call's extra time came out anything from 0 to 30 ms, and a plan's pick with it: a test
+    that asked --fit for LoRA got QLoRA once in seven runs.) tests.helpers.with_cpu_peak gives the record to every home
     the tests hand ember, as a user's home has it after its first run. A record measured under
     load is measured again once the machine is quieter, so one measured among the tests' load was
     measured again tens of times a run, most of them in processes that then imported torch for it.
@@ -76,7 +80,7 @@ def measure_peaks(folder: Path) -> Path:
     from ember.proc import dies_with_us
     from tests.artifacts import cache_root
     cached = cache_root() / "cpu-peaks" / "cpu_peak.json"
-    keys = {cpu_peak_key(n) for n in {1, os.cpu_count() or 1}}
+    keys = {f"{what}{cpu_peak_key(n)}" for n in {1, os.cpu_count() or 1} for what in ("", *RATES)}
     try:
         known = json.loads(cached.read_text())
         fresh = keys <= set(known) and all(time.time() - known[k]["at"] < 86400 and known[k]["others"] is not None
@@ -85,8 +89,11 @@ def measure_peaks(folder: Path) -> Path:
         fresh = False
     if not fresh:
         home = folder / "home"
-        code = ("import os; from ember.metrics.peaks import measured_cpu_peak; "
-                "[measured_cpu_peak(n) for n in sorted({1, os.cpu_count() or 1})]")
+        code = ("import os; from ember.metrics.peaks import Peak, measured_cpu_peak, measured_dequant_rate, "
+                "with_op_cost; from ember.plan.dequant import dequantize_once\n"
+                "for n in sorted({1, os.cpu_count() or 1}):\n"
+                "    measured_cpu_peak(n); with_op_cost(Peak(1.0, ''), 'cpu', n); "
+                "measured_dequant_rate(n, dequantize_once)")
         subprocess.run([sys.executable, "-c", code], env={**os.environ, "EMBER_HOME": str(home)}, cwd=ROOT,
                        check=True, timeout=600, preexec_fn=dies_with_us())  # gone with pytest
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def test_the_report_names_when_and_under_what_load_the_peak_was_measured(tmp_pat
     assert f"of 0.038 TFLOP/s (measured {when}, {says}: fp32" in summary_line(build_report(tmp_path / "r", None))
 
 
-@pytest.mark.parametrize("timed", ["time_matmul", "time_recompute"])
+@pytest.mark.parametrize("timed", ["time_matmul", "time_recompute", "time_dequant"])
 def test_a_timing_puts_torchs_thread_count_back_also_when_it_fails(monkeypatch, timed):
     """Each timing runs at the thread count it is asked for and leaves the process's count as it
     found it: a run that times its CPU mid-start (the plan, the doctor) keeps its own threads."""
@@ -89,15 +89,18 @@ def test_a_timing_puts_torchs_thread_count_back_also_when_it_fails(monkeypatch, 
     from ember.metrics import peaks
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2
-    result = getattr(peaks, timed)(other, **({"size": 64, "rounds": 1} if timed == "time_matmul" else {"window": 0.01}))
+    from ember.plan.dequant import dequantize_once
+    more = {"time_matmul": {"size": 64, "rounds": 1}, "time_recompute": {"window": 0.01},
+            "time_dequant": {"window": 0.01, "bytes_of": dequantize_once}}[timed]
+    result = getattr(peaks, timed)(other, **more)
     assert result.flops > 0 and torch.get_num_threads() == before
 
     def broken(*args, **kwargs):
         assert torch.get_num_threads() == other
         raise RuntimeError("the timing failed")
-    monkeypatch.setattr(peaks, "_best_seconds", broken)
+    monkeypatch.setattr(peaks, "_best_seconds" if timed == "time_matmul" else "_fastest_each", broken)
     with pytest.raises(RuntimeError, match="the timing failed"):
-        getattr(peaks, timed)(other)
+        getattr(peaks, timed)(other, **({"bytes_of": dequantize_once} if timed == "time_dequant" else {}))
     assert torch.get_num_threads() == before
 
 
