@@ -83,6 +83,7 @@ class RunOutcome:
     report: RunReport | None = None    # the run's figures when this process trained it
     completed_step: int | None = None  # set when the run had already completed: nothing was done
     checks: list[Check] = field(default_factory=list)  # preflight's, when asked for
+    kept: object = None                # a rank's job, freed only as the process exits (train_here)
 
 
 def run(req: RunRequest, events: Events) -> RunOutcome:
@@ -195,6 +196,7 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
     except BaseException as e:  # unexpected: recorded, then re-raised for the command to report
         if job.world.distributed and lost_peer(e):
             job.ledger.finish("crashed", PEER_LOST)
+            outcome.kept = job  # as below: freed with the process
             return _peer_lost(outcome)
         job.ledger.finish("crashed", f"{type(e).__name__}: {e}")
         raise
@@ -204,6 +206,12 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
     outcome.report = _record_summary(job)
     job.ledger.close()
     job.world.close()
+    if job.world.distributed:  # freed with the process (the command's fast_exit), never before
+        # Freeing a DDP model frees its process group, whose destructor joins the group's worker
+        # thread holding the GIL; a worker still freeing the last collective's tensors waits for
+        # the GIL: rank 0 hung there until the agent's SIGKILL, 30 s later, after its peer had
+        # already exited 75 (2-5 of 24 signalled runs beside other processes' load)
+        outcome.kept = job
     return outcome
 
 

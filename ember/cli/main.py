@@ -247,7 +247,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"weights in {args.out / 'final'})", markup=False, highlight=False)
     elif outcome.code == 0 and outcome.report is not None:
         print_completed(outcome.report, out)
-    if outcome.report is not None:  # this process trained: everything it wrote is durable
+    if outcome.report is not None or outcome.kept is not None:  # this process trained: all it wrote is durable
         fast_exit(outcome.code)
     return outcome.code
 

@@ -80,7 +80,7 @@ def test_a_signal_to_one_rank_stops_both_at_one_step(baselines, tmp_path):
             (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
         time.sleep(0.01)
     os.kill(rank_pid(proc.pid, "1"), signal.SIGTERM)  # a rank this test started, by PID
-    assert stop(proc, signal.SIGCONT) == 75, proc.stderr.read() if proc.stderr else ""
+    assert stop(proc, signal.SIGCONT) == 75, proc.outputs[1][-3000:]  # stderr, read by stop()
     stopped = losses(out)[-1][0]
     assert stopped < STEPS
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{stopped:09d}"]
