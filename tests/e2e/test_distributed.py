@@ -71,21 +71,38 @@ def test_resume_on_other_world_sizes_and_strategies(baselines, tmp_path):
         close(out, baselines["one"])
 
 
-def test_a_signal_to_one_rank_stops_both_at_one_step(baselines, tmp_path):
-    out = tmp_path / "run"
-    proc = start_ember("run", baselines["recipe"], "--out", out, "--no-ledger", "--nproc", "2",
-                       "--set", "checkpoint.every_steps=0", warm=True)
+def signal_rank_1(recipe: Path, out: Path, env: dict[str, str] | None = None) -> None:
+    """Start a 2-rank run, SIGTERM rank 1 after the third step, and see the run exit 75."""
+    proc = start_ember("run", recipe, "--out", out, "--no-ledger", "--nproc", "2",
+                       "--set", "checkpoint.every_steps=0", env=env, warm=True)
     deadline = time.monotonic() + 180
     while proc.poll() is None and time.monotonic() < deadline and not (
             (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
         time.sleep(0.01)
     os.kill(rank_pid(proc.pid, "1"), signal.SIGTERM)  # a rank this test started, by PID
     assert stop(proc, signal.SIGCONT) == 75, proc.outputs[1][-3000:]  # stderr, read by stop()
+
+
+def test_a_signal_to_one_rank_stops_both_at_one_step(baselines, tmp_path):
+    out = tmp_path / "run"
+    signal_rank_1(baselines["recipe"], out)
     stopped = losses(out)[-1][0]
     assert stopped < STEPS
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{stopped:09d}"]
     ember_run(baselines["recipe"], out, "--nproc", "2")
     assert_same_result(out, baselines["ddp"])
+
+
+def test_rank_0_does_not_free_its_process_group_before_it_exits(baselines, tmp_path):
+    """After rank 1 was signalled, rank 0 checkpointed with it and then, freeing its job (the DDP
+    model's reducer, the process group), hung in the group's destructor: it joined, holding the
+    GIL, a gloo worker thread that waited for the GIL to free the last collective's tensors. The
+    agent SIGKILLed it 30 s later, and the run ended 1 ("rank 1 failed first (exit 75) ... rank 0
+    killed by SIGKILL") instead of 75: 5 of 24 such runs beside three processes multiplying on
+    both cores, and once in a parallel run of the suite. A rank now leaves (fast_exit) with its
+    job still held. The race needs a starved thread; freeing the job is what opens it, so a fault
+    point where the job is freed (SIGKILL there) shows it every time: before, the run ended 1."""
+    signal_rank_1(baselines["recipe"], tmp_path / "run", env={"EMBER_FAULT": "rank.job_freed"})
 
 
 def test_bad_launch_flags_are_refused_before_anything(baselines, tmp_path):
