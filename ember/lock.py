@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ember.errors import EmberError
 from ember.proc import described, holders_of
-from ember.paths import ascii_digits
+from ember.paths import NotOwnFile, ascii_digits, open_own_file
 
 INHERITED = "EMBER_LOCK_FD"
 # A SIGKILLed holder keeps its lock until its exit has released its files, after its memory:
@@ -82,7 +82,10 @@ def acquire(path: Path, what: str, wait: Callable[[str], None] | None = None) ->
     if inherited is not None:
         return inherited
     try:  # never through a link: this process truncates the file and writes its PID into it
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = open_own_file(path, os.O_RDWR | os.O_CREAT)
+    except NotOwnFile as e:
+        raise EmberError(f"{what}: its lock file {path} is {e.strerror}, which ember does not write into: "
+                         f"it would truncate what else the file is; remove it, or use another folder") from None
     except OSError as e:
         if e.errno != errno.ELOOP or not path.is_symlink():
             raise

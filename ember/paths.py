@@ -25,9 +25,11 @@ hashes of large files.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +157,24 @@ def home() -> Home:
 def ember_home() -> Path:
     """$EMBER_HOME's root itself (for a child's environment); a file under it is `home().NAME`."""
     return home().root
+
+
+class NotOwnFile(OSError):
+    """A file ember would write into names something else too (a hard link) or is no regular file."""
+
+
+def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of `path` opened with `flags` (none that truncates: the file is checked once
+    open) for a file ember writes into in a folder others can write to (a run folder's .lock and
+    console.log): never through a symbolic link (OSError ELOOP), and NotOwnFile where the file has
+    other names (a hard link: writing would change the file it shares) or is no regular file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return fd
+    os.close(fd)
+    what = f"a hard link (the file has {st.st_nlink} names)" if stat.S_ISREG(st.st_mode) else "not a regular file"
+    raise NotOwnFile(errno.EMLINK if stat.S_ISREG(st.st_mode) else errno.EINVAL, what, str(path))
 
 
 def ascii_digits(text: str) -> bool:

@@ -137,6 +137,25 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_what_it_names_is_lef
     assert (precious.read_text() == "keep me\n") if target == "a file" else not precious.exists()
 
 
+@pytest.mark.parametrize("kind", ["hard link", "fifo"])
+def test_a_lock_file_that_is_a_hard_link_or_no_regular_file_is_refused_and_left_alone(tmp_path, kind):
+    """`.lock` a hard link to a file elsewhere (O_NOFOLLOW stops symbolic links only): `ember run
+    --out` truncated that file and wrote its PID into it (run as root: any file on the same file
+    system). A FIFO was opened and "locked" as if it were the lock file."""
+    path = tmp_path / ".lock"
+    precious = tmp_path / "precious"
+    if kind == "hard link":
+        precious.write_text("keep me\n")
+        os.link(precious, path)
+        says = r"is a hard link \(the file has 2 names\), which ember does not write into"
+    else:
+        os.mkfifo(path)
+        says = "is not a regular file, which ember does not write into"
+    with pytest.raises(EmberError, match=r"--out x: its lock file .*\.lock " + says):
+        acquire(path, "--out x")
+    assert kind != "hard link" or precious.read_text() == "keep me\n"
+
+
 @pytest.mark.parametrize("recorded", ["²", "٣", "12²"])
 def test_a_lock_file_naming_no_ascii_pid_says_it_names_no_holder(tmp_path, recorded):
     """The lock file names its holder's PID; read with str.isdigit alone, a damaged one saying

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ember.events import Event, Events
+from ember.paths import open_own_file
 
 PLAIN_EVERY_SECONDS = 30.0
 GONE = (errno.EPIPE, errno.EIO, errno.ENXIO)  # its reader or its terminal is no more
@@ -93,10 +94,9 @@ def console_lost(fd: int, error: OSError) -> None:
         if fd in _lost:
             return
         _lost[fd] = error.strerror or str(error)
-        # never through a link: one someone left in the run folder would get the output
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        # never through a link (symbolic or hard): what one left in the run folder names would get the output
         try:
-            target = os.open(_fallback[0], flags, 0o644)
+            target = open_own_file(_fallback[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except (IndexError, OSError):
             target = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         os.dup2(target, fd)  # the stream keeps its descriptor; where it leads changes

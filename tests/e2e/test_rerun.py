@@ -185,16 +185,20 @@ def test_a_retired_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_p
     assert_same_result(out, uninterrupted("retire", RETIRE))
 
 
-def test_a_console_log_that_is_a_symbolic_link_is_not_followed(tmp_path):
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_console_log_that_is_a_link_is_not_followed(tmp_path, link):
     """A run folder someone else made with `console.log` a link to a file elsewhere (a folder
     holding only console.log is accepted as a run's start): when `ember run`'s console went away,
-    its output was appended to whatever file the link named (as root: any file)."""
+    its output was appended to whatever file the link named (as root: any file); a hard link too."""
     import errno
 
     from ember.cli import render
     precious = tmp_path / "precious"
     precious.write_text("keep me\n")
-    (tmp_path / "console.log").symlink_to(precious)
+    if link == "symbolic":
+        (tmp_path / "console.log").symlink_to(precious)
+    else:  # before, O_NOFOLLOW let it through: the output was appended to the file it shares
+        os.link(precious, tmp_path / "console.log")
     render.keep_output_in(tmp_path / "console.log")
     fd = os.open(os.devnull, os.O_WRONLY)  # stands for stdout: console_lost repoints it
     try:
