@@ -51,7 +51,12 @@ def servable_record(name: str, path: Path, spec: str, seed: int, files: dict | N
     """The run's record, if its adapter can be served on the base `spec` (initialised with `seed`,
     of model `files`); else RequestError."""
     record = RunDir.read(path).record
-    recipe = record.get("recipe", {})
+    recipe = record["recipe"]  # an object (ember.runfolder.read_record); the tables read here too:
+    for where, value in [("recipe.method", recipe.get("method", {})), ("recipe.model", recipe.get("model", {})),
+                         ("recipe.train", recipe.get("train", {})), ("model", record.get("model", {}))]:
+        if not isinstance(value, dict):  # before, a 500 from /v1/models and every request
+            raise RequestError(f"model {name!r}: {path / RUN_FILE}: its {where!r} is not an object; the record "
+                               f"was damaged or replaced: restore it from a backup, or serve another run", 409)
     if recipe.get("method", {}).get("kind") != "lora":
         raise RequestError(f"model {name!r}: {path} is a full fine-tuning run; this engine serves "
                            f"only LoRA adapters on its base model. Serve the run's weights as a "

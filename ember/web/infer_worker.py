@@ -105,6 +105,13 @@ def create_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         return await respond(engine, chat_request(await read_json(request), engine.default_model), request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Any:  # the service forwards it (an upstream engine may answer it)
+        raise RequestError("/v1/embeddings: ember's built-in engine (and a co-serving run) generates text "
+                           "and computes no embeddings; serve them from an engine that does (llama.cpp's "
+                           "llama-server started with --embeddings), through `ember serve` with [inference] "
+                           "upstream set to it", 404)
+
     return app
 
 

@@ -193,3 +193,34 @@ def test_a_client_that_leaves_before_the_whole_answer_frees_the_engine(engine, m
                    {"prompt": "In the beginning", "max_tokens": 100, "temperature": 0},
                    {"authorization": "Bearer the-token"})
     assert len(made) < 100, "the generation went on to its last token after its client had left"
+
+
+@pytest.mark.parametrize("record", [{"recipe": {"method": "lora"}}, {"recipe": {"method": {"kind": "lora"}, "model": 3}},
+                                    {"recipe": {"method": {"kind": "lora"}, "train": []}},
+                                    {"recipe": {"method": {"kind": "lora"}}, "model": "x"}])
+def test_a_run_whose_record_holds_a_table_as_another_type_is_left_out_not_a_500(tmp_path, record):
+    """A run folder whose run.json has an object's place taken by something else ([method] as a
+    string: `"method": "lora"`) made GET /v1/models and every request a 500 (AttributeError:
+    'str' object has no attribute 'get'). It is left out of the models, and a request naming it
+    is a 409 saying which entry and what to do; the base answers as before."""
+    import json
+    run = tmp_path / "odd"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps(record))
+    engine = Engine("builtin:tiny", [run], seed=7)
+    engine.load()
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        models = c.get("/v1/models")
+        assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["base"], models.text
+        r = c.post("/v1/completions", json={"model": "odd", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 409 and ("run.json: its 'recipe." in r.text or "run.json: its 'model'" in r.text), r.text
+        assert "is not an object" in r.text and "restore it from a backup" in r.text, r.text
+        assert greedy(c)
+
+
+def test_embeddings_on_the_built_in_engine_is_a_404_saying_where_they_are_served(client):
+    """POST /v1/embeddings (a route the service forwards) was Starlette's bare "Not Found": as
+    if the URL were mistyped. It says the built-in engine computes none and which engine does."""
+    r = client.post("/v1/embeddings", json={"input": "hi", "model": "base"})
+    assert r.status_code == 404 and "computes no embeddings" in r.json()["error"]["message"], r.text
+    assert "[inference] upstream" in r.json()["error"]["message"]
