@@ -327,6 +327,11 @@ def cmd_yield(args: argparse.Namespace) -> int:
         print("yield released: jobs may start again")
         return 0
     seconds = None if args.duration is None else parse_duration(args.duration)
+    from ember.sched.yield_hold import MAX_SECONDS
+    if seconds is not None and not 0 < seconds <= MAX_SECONDS:  # before, the API's refusal named its field
+        raise EmberError(f"--for {args.duration!r}: " + ("must be longer than 0" if seconds <= 0 else
+                         f"at most {MAX_SECONDS // 86400}d at once; for longer, run `ember yield` without "
+                         f"--for and end it with `ember yield --release`"))
     r = request("POST", "/api/yield", {"seconds": seconds}, timeout=900).json()
     until = "until `ember yield --release`" if seconds is None else f"for {args.duration}"
     print(f"devices free after {r['freed_after_seconds']:.2f} s; training held {until}")

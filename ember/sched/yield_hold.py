@@ -14,6 +14,7 @@ from ember.events import Events
 from ember.sched.owner_rules import Hold
 
 YIELD_FILE = "yield.json"
+MAX_SECONDS = 7 * 86400  # the longest hold one `ember yield --for` asks (longer: until released)
 
 
 class YieldHold:

@@ -62,6 +62,7 @@ from ember import __version__
 from ember.errors import BadInput
 from ember.paths import NAME_GRAMMAR
 from ember.sched.service import Service
+from ember.sched.yield_hold import MAX_SECONDS as MAX_YIELD_SECONDS
 from ember.web import dashboard, error_responses as errors, security
 from ember.web.dashboard import Dashboard
 from ember.web.disconnect import unless_left
@@ -145,7 +146,7 @@ class PauseBody(BaseModel):
 class YieldBody(BaseModel):
     """POST /api/yield (no body: until released)."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    seconds: float | None = Field(None, gt=0, le=7 * 86400, description="hold all training this long; null: until "
+    seconds: float | None = Field(None, gt=0, le=MAX_YIELD_SECONDS, description="hold all training this long; null: until "
                                                                         "released")
     release: bool = Field(False, description="end a yield now (`seconds` is then not read)")
 

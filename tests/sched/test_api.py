@@ -751,6 +751,20 @@ def test_an_empty_duration_is_refused_not_read_as_none(announced_stub, capsys, a
     assert announced_stub.seen == []
 
 
+@pytest.mark.parametrize("duration, says", [("10000d", "--for '10000d': at most 7d at once; for longer, run "
+                                                         "`ember yield` without --for"),
+                                              ("0s", "--for '0s': must be longer than 0")])
+def test_a_yield_beyond_its_bounds_is_refused_naming_the_option(announced_stub, capsys, duration, says):
+    """`ember yield --for 10000d` sent 864,000,000 s and printed the API's refusal, which names its
+    JSON field ("seconds: Input should be less than or equal to 604800"), not the option the user
+    typed; so did --for 0. Refused before anything is sent, saying the way to a longer hold."""
+    from ember.cli.main import main
+    assert main(["yield", "--for", duration]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+    assert announced_stub.seen == []
+
+
 def test_an_engine_that_fails_mid_answer_leaves_no_request_in_flight(service):
     """The engine died (or was restarted) half-way through an answer: the relay's error skipped the
     response's background task, so the gate kept the request in flight for ever, and training on
