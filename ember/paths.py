@@ -170,7 +170,7 @@ def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
     other names (a hard link: writing would change the file it shares) or is no regular file."""
     fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:  # 0: removed meanwhile, which changes nothing else
         return fd
     os.close(fd)
     what = f"a hard link (the file has {st.st_nlink} names)" if stat.S_ISREG(st.st_mode) else "not a regular file"
