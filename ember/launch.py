@@ -213,7 +213,7 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
         # Freeing a DDP model frees its process group, whose destructor joins the group's worker
         # thread holding the GIL; a worker still freeing the last collective's tensors waits for
         # the GIL: rank 0 hung there until the agent's SIGKILL, 30 s later, after its peer had
-        # already exited 75 (2-5 of 24 signalled runs beside other processes' load)
+        # already exited 75 (5 of 24 signalled runs beside other processes' load)
         outcome.kept = job
     return outcome
 

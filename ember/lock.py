@@ -84,8 +84,8 @@ def acquire(path: Path, what: str, wait: Callable[[str], None] | None = None) ->
     try:  # never through a link: this process truncates the file and writes its PID into it
         fd = open_own_file(path, os.O_RDWR | os.O_CREAT)
     except NotOwnFile as e:
-        raise EmberError(f"{what}: its lock file {path} is {e.strerror}, which ember does not write into: "
-                         f"it would truncate what else the file is; remove it, or use another folder") from None
+        raise EmberError(f"{what}: its lock file {path} is {e.strerror}, which ember does not write into "
+                         f"(its PID would overwrite what the file also is); remove it, or use another folder") from None
     except OSError as e:
         if e.errno != errno.ELOOP or not path.is_symlink():
             raise

@@ -69,8 +69,8 @@ def measure_peaks(folder: Path) -> Path:
     for the plans' times), measured by ember in a home of their own while the machine is still
     quiet: before the warm process and the workers start. (Measured among the workers' load, a
     4-bit call's extra time came out anything from 0 to 30 ms, and a plan's pick with it: a test
-    that asked --fit for LoRA got QLoRA once in seven runs.) tests.helpers.with_cpu_peak gives the record to every home
-    the tests hand ember, as a user's home has it after its first run. A record measured under
+    that asked --fit for LoRA got QLoRA once in seven runs.) tests.helpers.with_cpu_peak gives
+    the record to every home the tests hand ember, as a user's home has it after its first run. A record measured under
     load is measured again once the machine is quieter, so one measured among the tests' load was
     measured again tens of times a run, most of them in processes that then imported torch for it.
     Kept in the test cache for the next pytest run (`make test`'s serial part) while it is less

@@ -339,8 +339,9 @@ def time_dequant(threads: int, bytes_of: Callable[[int], int], rows: int = 4, wi
             points.append((float(bytes_of(n * n)), extra / 2))  # a forward and a backward call
         if not any(seconds > 0 for _, seconds in points):
             share = others()
-            raise NothingMeasured(f"bitsandbytes' NF4 linear timed no slower than a plain one (within {NOISE:.0%}) on this CPU" +
-                                  (f" (other processes using {share:.0%} of the cores)" if share is not None else ""))
+            raise NothingMeasured(f"bitsandbytes' NF4 linear timed no slower than a plain one (within {NOISE:.0%}) "
+                                  f"on this CPU" + (f" (other processes using {share:.0%} of the cores)"
+                                                    if share is not None else ""))
         per_call, per_byte = _line(points)
         return CpuPeak(1 / per_byte, time.time(), others(), per_call)
 
@@ -387,7 +388,7 @@ def _fastest_each(calls: list[Callable[[], object]], window: float, rounds: int 
     thread of) runs long and a short one mostly does not; taking turns keeps one call from being
     timed only while the machine was busy. Timed one after the other, each the best of three
     long windows, the difference came out anything from 0 to 30 ms a call under load (QLoRA's
-    4-bit calls priced free, and LoRA picked over nothing by `ember plan --fit`)."""
+    4-bit calls priced free, and `ember plan --fit` picked QLoRA over a faster LoRA)."""
     reps = []
     for call in calls:
         call()  # warm-up
