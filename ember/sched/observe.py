@@ -19,6 +19,7 @@ from collections import deque
 import psutil
 
 from ember.hardware import foreign_accelerator_pids
+from ember.paths import ascii_digits
 from ember.sched.owner_rules import Observation, OwnerRules
 
 
@@ -37,7 +38,7 @@ def idle_seconds() -> tuple[float | None, str]:
     """Seconds since the last input at the desktop, and where that came from."""
     if os.environ.get("DISPLAY") and shutil.which("xprintidle"):
         out = _answer(["xprintidle"])
-        if out is not None and out.strip().isdigit():
+        if out is not None and ascii_digits(out.strip()):
             return int(out) / 1000, "X11 screensaver extension (xprintidle)"
     if shutil.which("loginctl"):
         sessions = _answer(["loginctl", "list-sessions", "--no-legend"])
@@ -51,7 +52,7 @@ def idle_seconds() -> tuple[float | None, str]:
             if props.get("Type") not in ("x11", "wayland", "mir") or props.get("Active") != "yes":
                 continue
             idle = 0.0
-            if props.get("IdleHint") == "yes" and props.get("IdleSinceHint", "0").isdigit():
+            if props.get("IdleHint") == "yes" and ascii_digits(props.get("IdleSinceHint", "0")):
                 idle = max(0.0, time.time() - int(props["IdleSinceHint"]) / 1e6)
             best = idle if best is None else min(best, idle)
         if best is not None:
