@@ -49,7 +49,7 @@ from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth, select_peak, 
 from ember.models import check_against_model, config_fields
 from ember.plan.dequant import dequantize_once
 from ember.plan.memory import ModelShape, TrainShape, estimate
-from ember.plan.planner import Traced, estimated_seconds, planned_devices, priced_dequant, unmodelled_targets
+from ember.plan.planner import Traced, estimated_seconds, modelled_shape, planned_devices, priced_dequant
 from ember.plan.remedies import bitsandbytes_installed, divisors, fits, size, step_flops, train_shape
 from ember.recipe import MethodConfig, Recipe, get_dotted, load_recipe
 from ember.paths import ascii_digits
@@ -400,9 +400,7 @@ def fit_recipe(req: FitRequest, warn: Callable[[str], None] | None = None,
     for changes in methods().values():  # what `ember run` would refuse of each method, refused here
         check_against_model(r.data.seq_len, r.with_changes(changes, "--fit").method, cfg)
     try:
-        m: ModelShape | None = ModelShape.from_config(cfg)
-        if why := unmodelled_targets(r.method):
-            raise ValueError(why)
+        m: ModelShape | None = modelled_shape(cfg, r.method)
     except ValueError as e:
         if trace is None:
             raise EmberError(f"--fit: {e}, and no tracer was given to plan its steps") from None

@@ -9,6 +9,7 @@ import math
 import socket
 import sqlite3
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ember.ckpt.interval import Interval, recommend
 from ember.errors import EmberError
@@ -47,6 +48,15 @@ def unmodelled_targets(method: MethodConfig) -> str | None:
         return None
     return (f"[method] target_modules = {method.target_modules!r}: the formulas know LoRA adapters on the decoder "
             f"layers' linears ({', '.join(LINEARS)}), not on the others")
+
+
+def modelled_shape(config: Any, method: MethodConfig) -> ModelShape:
+    """The model's shape for the formulas, or ValueError saying why they cannot estimate the run:
+    a family without formulas (ModelShape.from_config), or LoRA on modules they do not know."""
+    m = ModelShape.from_config(config)
+    if why := unmodelled_targets(method):
+        raise ValueError(why)
+    return m
 
 
 class UnknownArchitecture(EmberError):

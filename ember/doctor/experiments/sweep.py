@@ -14,8 +14,8 @@ from ember.doctor.experiments.budget import MIN_SAMPLES, Budget, Stop
 from ember.doctor.experiments.protocol import Lab, Result, interleave, timed_step
 from ember.models import model_config
 from ember.hardware import for_run
-from ember.plan.memory import ModelShape, estimate
-from ember.plan.planner import unmodelled_targets
+from ember.plan.memory import estimate
+from ember.plan.planner import modelled_shape
 from ember.plan.remedies import fits, train_shape
 from ember.recipe import Recipe
 
@@ -83,9 +83,7 @@ def fitting_micro_batches(r: Recipe) -> dict[int, int]:
     """Micro batches 1, 2, 4, ... up to 4x the recipe's (at least 8) whose estimated peak fits,
     with that peak (memory arithmetic only: no calibration per size)."""
     try:
-        m = ModelShape.from_config(model_config(r.model.path))
-        if why := unmodelled_targets(r.method):
-            raise ValueError(why)
+        m = modelled_shape(model_config(r.model.path), r.method)
     except ValueError:  # an architecture (or adapters) the plan does not know: only the recipe's own size
         return {r.train.micro_batch: 0}
     free = for_run(r.train.device)[0].free
