@@ -189,6 +189,28 @@ def ember_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def cpu_group():
+    """A control group of the test's own (root and a writable hierarchy, else skipped saying so);
+    every process put in it is killed and the group removed after."""
+    from ember.cgroup import hierarchy
+    found = hierarchy()
+    if found is None or os.geteuid() != 0:
+        pytest.skip("a CPU rule scoped to a control group is tested in a group of the test's own: "
+                    "it takes root and a mounted cgroup hierarchy that counts CPU time")
+    group = found[0] / f"ember-test-cpu-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a control group in {found[0]} ({e.strerror})")
+    procs = []
+    yield group, procs
+    for p in procs:
+        p.kill()
+        p.wait()
+    group.rmdir()
+
+
+@pytest.fixture
 def small_disk(tmp_path):
     """small_disk("1m") mounts a tmpfs of that size: a real full disk. Needs root and mount(2);
     the test is skipped, with the reason, where that is not allowed."""

@@ -27,50 +27,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from ember.cgroup import group_of, hierarchy, join, usage_seconds
+
 ENV = "EMBER_TEST_CPU_CGROUP"  # the run's group: a folder in the hierarchy
 _serial = itertools.count()
-
-
-def hierarchy() -> tuple[Path, str] | None:
-    """The mounted CPU accounting hierarchy and its usage file: cgroup v1's cpuacct (nanoseconds)
-    or, where only v2 is mounted, its cpu.stat (usage_usec)."""
-    v2 = None
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _, where, kind, options, *_ = line.split()
-            if kind == "cgroup" and "cpuacct" in options.split(","):
-                return Path(where), "cpuacct.usage"
-            if kind == "cgroup2" and v2 is None:
-                v2 = Path(where)
-    return (v2, "cpu.stat") if v2 is not None else None
-
-
-def usage_seconds(group: Path) -> float:
-    """CPU seconds charged to `group` and the groups under it so far."""
-    if (group / "cpuacct.usage").exists():
-        return int((group / "cpuacct.usage").read_text()) / 1e9
-    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
-    return int(stat["usage_usec"]) / 1e6
-
-
-def join(group: Path, pid: int) -> None:
-    """Move process `pid`, all its threads, into `group`."""
-    (group / "cgroup.procs").write_text(str(pid))
-
-
-def group_of(pid: int) -> Path | None:
-    """The group of the accounting hierarchy that process `pid` is in, where $ENV is set."""
-    found = hierarchy()
-    if found is None:
-        return None
-    root, usage = found
-    v1 = usage == "cpuacct.usage"
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            if (v1 and "cpuacct" in controllers.split(",")) or (not v1 and controllers == ""):
-                return root / path.lstrip("/")
-    return None
 
 
 def start(log: Path) -> str | None:

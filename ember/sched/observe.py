@@ -1,5 +1,7 @@
 """Readings of the machine for the owner's rules: input idle time, other processes' CPU load,
 battery, running programs, foreign processes on accelerators. No torch; psutil and NVML.
+Other processes' load is the machine's busy CPU time, or [cpu] cgroup's usage (ember.cgroup),
+less that of ember's processes counted in it.
 
 Input idle time, first that answers: X11's screensaver extension through `xprintidle` (where
 DISPLAY is set and it is installed), then logind's IdleHint/IdleSinceHint of graphical sessions
@@ -18,9 +20,11 @@ from collections import deque
 
 import psutil
 
+from ember.cgroup import group_of, usage_seconds
+from ember.errors import EmberError
 from ember.hardware import foreign_accelerator_pids
 from ember.paths import ascii_digits
-from ember.sched.owner_rules import Observation, OwnerRules
+from ember.sched.owner_rules import Observation, OwnerRules, cpu_group
 
 
 def _answer(argv: list[str]) -> str | None:
@@ -60,6 +64,21 @@ def idle_seconds() -> tuple[float | None, str]:
     return None, "no graphical session"
 
 
+def machine_busy_seconds() -> float:
+    """The machine's busy CPU seconds so far, all cores: user, nice, system, irq, softirq, steal."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+
+
+def _inside(pid: int, group: str) -> bool:
+    """Whether process `pid` is in control group `group` (a path in the hierarchy) or under it."""
+    try:
+        mine = group_of(pid)
+        return mine is not None and cpu_group(group) in (mine, *mine.parents)
+    except (OSError, EmberError):
+        return False
+
+
 def process_tree(pids: set[int]) -> set[int]:
     """The PIDs and all their descendants that are alive."""
     out = set()
@@ -91,18 +110,24 @@ class WindowMean:
 
 class Observer:
     """Takes an Observation per call; CPU shares are over the time since the previous call,
-    averaged over [cpu] average_seconds."""
+    averaged over [cpu] average_seconds, of the machine or of [cpu] cgroup."""
 
     def __init__(self) -> None:
         self._busy: float | None = None
+        self._source: str | None = None  # what _busy counts: "" the machine, else the group's name
         self._when = time.monotonic()
         self._ours: dict[int, float] = {}
         self._mean = WindowMean()
 
-    def _cpu(self, ours: set[int], window: float) -> float:
-        t = psutil.cpu_times()
-        busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+    def _cpu(self, ours: set[int], rules: OwnerRules) -> float:
+        group = rules.cpu.cgroup
         now = time.monotonic()
+        try:
+            busy = machine_busy_seconds() if not group else usage_seconds(cpu_group(group))
+        except (OSError, EmberError):
+            busy = None  # the group is gone since the rules were read: nothing of it runs
+        if group:
+            ours = {pid for pid in ours if _inside(pid, group)}
         seconds = {}
         for pid in ours:
             try:
@@ -110,14 +135,14 @@ class Observer:
                 seconds[pid] = c.user + c.system
             except psutil.Error:
                 continue
-        if self._busy is None:
-            share, interval = 0.0, 0.0
+        if self._busy is None or busy is None or self._source != group:
+            share, interval = 0.0, 0.0  # no earlier reading of the same thing to take a difference from
         else:
             ours_delta = sum(s - self._ours.get(pid, 0.0) for pid, s in seconds.items())
             interval = max(1e-3, now - self._when)
             share = min(1.0, max(0.0, (busy - self._busy) - ours_delta) / (interval * (psutil.cpu_count() or 1)))
-        self._busy, self._when, self._ours = busy, now, seconds
-        return self._mean.add(now, interval, share, window)
+        self._busy, self._source, self._when, self._ours = busy, group, now, seconds
+        return self._mean.add(now, interval, share, rules.cpu.average_seconds)
 
     def observe(self, rules: OwnerRules, ours: set[int]) -> Observation:
         """What the rules need, read now; `ours`: the PIDs of ember's jobs and the service."""
@@ -134,4 +159,4 @@ class Observer:
             programs = frozenset(names)
         foreign = {i: (len(pids), 0) for i, pids in foreign_accelerator_pids(tree).items()}
         on_battery = None if battery is None else not battery.power_plugged
-        return Observation(idle, source, self._cpu(tree, rules.cpu.average_seconds), on_battery, programs, foreign)
+        return Observation(idle, source, self._cpu(tree, rules), on_battery, programs, foreign)

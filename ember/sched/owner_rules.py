@@ -15,7 +15,8 @@ hard (checkpoint and exit: the device is free). Soft holds become hard after
     activity.suspend_while_active  false         soft    every job, while input was seen within idle_minutes
     activity.accelerators_while_active false     soft    accelerator jobs, while the user is active
     cpu.max_other_load             0 (off)       soft    every job, while non-ember load (mean over
-                                                          cpu.average_seconds) exceeds the share
+                                                          cpu.average_seconds; of cpu.cgroup alone
+                                                          where set) exceeds the share
     schedule.<day>                 all day       hard    every job, outside the day's windows
     power.run_on_battery           false         hard    every job, on battery
     programs.suspend_while         []            soft    every job, while one of these programs runs
@@ -83,6 +84,13 @@ class CpuRules:
                                      "0.5 s), so that a burst shorter than this (a compile, a page "
                                      "load) does not pause training; 0 = the last reading alone.",
                                      min=0, max=600)
+    cgroup: str = setting("", "Count only the CPU time of this control group and the groups under "
+                          "it, a path in the cgroup hierarchy (/sys/fs/cgroup), e.g. 'user.slice' "
+                          "(systemd: what people logged in run, not system services) or "
+                          "'user.slice/user-1000.slice' (one person's): the kernel's own count "
+                          "(cpu.stat, or cgroup v1's cpuacct.usage), exited processes included, less "
+                          "ember's processes inside it. Empty: every process on the machine. It must "
+                          "exist when the rules are read; a group removed later counts as idle.")
 
 
 @dataclass
@@ -211,11 +219,32 @@ def load_rules(path: Path | None = None) -> OwnerRules:
         except RuntimeError as e:  # '~nosuchuser/x': checked at each submit, where it would be a 500
             raise EmberError(f"{source.where('service', 'allowed')}[{i}]: {folder!r}: {e} (no such user's "
                              f"home); write the folder's absolute path") from None
+    if rules.cpu.cgroup:
+        cpu_group(rules.cpu.cgroup, source.where("cpu", "cgroup"))
     parse_size(rules.accelerators.foreign_memory_max, source.where("accelerators", "foreign_memory_max"))
     if rules.inference.upstream and not re.match(r"^https?://[^/\s]+", rules.inference.upstream):
         raise EmberError(f"{source.where('inference', 'upstream')} = {rules.inference.upstream!r}: "
                          f"write a URL like 'http://127.0.0.1:8080'")
     return rules
+
+
+def cpu_group(name: str, where: str = "[cpu] cgroup") -> Path:
+    """The folder of control group `name` in the CPU accounting hierarchy; refused naming `where`
+    when the name is not a path inside it, no hierarchy is mounted or the group does not exist."""
+    from ember.cgroup import hierarchy
+    parts = Path(name).parts
+    if Path(name).is_absolute() or not parts or ".." in parts:
+        raise EmberError(f"{where} = {name!r}: write a group's path inside the cgroup hierarchy, "
+                         f"e.g. 'user.slice' (`systemd-cgls` lists them)")
+    found = hierarchy()
+    if found is None:
+        raise EmberError(f"{where} = {name!r}: no cgroup hierarchy that counts CPU time is mounted "
+                         f"here; remove the key to count every process")
+    group = found[0] / name
+    if not (group / found[1]).is_file():
+        raise EmberError(f"{where} = {name!r}: no such group in {found[0]} (no {group / found[1]}); "
+                         f"`systemd-cgls` lists the groups")
+    return group
 
 
 def merge(running: OwnerRules, new: OwnerRules) -> tuple[OwnerRules, list[dict]]:
@@ -265,8 +294,8 @@ class Observation:
     """The machine as the service saw it a moment ago (ember.sched.observe)."""
     idle_seconds: float | None                 # since the last input; None: no desktop session found
     idle_source: str
-    other_cpu_share: float                     # of all cores, processes other than ember's jobs,
-                                               # mean over [cpu] average_seconds
+    other_cpu_share: float                     # of all cores, processes other than ember's jobs
+                                               # (in [cpu] cgroup where set), mean over average_seconds
     on_battery: bool | None
     programs: frozenset[str] = frozenset()     # names of running processes the rules mention
     foreign: dict[int, tuple[int, int]] = field(default_factory=dict)  # accelerator -> (processes, bytes)
@@ -309,8 +338,9 @@ def holds(rules: OwnerRules, obs: Observation, now: dt.datetime) -> list[Hold]:
             out.append(Hold("activity.accelerators_while_active", "soft", None, True, idle))
     limit = rules.cpu.max_other_load
     if limit and obs.other_cpu_share > limit:
+        who = f"group {rules.cpu.cgroup} uses" if rules.cpu.cgroup else "other processes use"
         out.append(Hold("cpu.max_other_load", "soft", None, False,
-                        f"other processes use {obs.other_cpu_share:.0%} of all cores (mean over "
+                        f"{who} {obs.other_cpu_share:.0%} of all cores (mean over "
                         f"{rules.cpu.average_seconds:g} s), above {limit:.0%}"))
     ok, which = in_window(rules.schedule, now)
     if not ok:

@@ -181,3 +181,46 @@ def test_an_idle_reading_that_hangs_is_no_reading_not_the_end_of_scheduling(tmp_
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.setenv("DISPLAY", ":0")
     assert idle_seconds() == (None, "no graphical session")
+
+
+def test_bad_cgroups_are_refused_naming_the_key(tmp_path):
+    """[cpu] cgroup: a path inside the hierarchy that exists, or the file is refused."""
+    for name, words in [("/sys/fs/cgroup/user.slice", "path inside the cgroup hierarchy"),
+                        ("../etc", "path inside the cgroup hierarchy"),
+                        ("no-such-group-here", "no such group|no cgroup hierarchy")]:
+        with pytest.raises(EmberError, match=words) as e:
+            rules(tmp_path, f"[cpu]\nmax_other_load = 0.5\ncgroup = '{name}'\n")
+        assert "owner.toml:3: [cpu] cgroup" in str(e.value)
+
+
+def test_a_cpu_rule_scoped_to_a_group_counts_that_groups_time_less_embers(cpu_group):
+    """[cpu] cgroup: the share is the group's own CPU time (the kernel's count), not the machine's,
+    and an ember process inside the group is not counted: a busy loop there is seen whatever else
+    loads the machine, one of ember's is not."""
+    import subprocess
+    import sys
+    import time
+    import psutil
+    from ember.cgroup import join
+    from ember.sched.observe import Observer
+    group, procs = cpu_group
+    for _ in range(2):
+        procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        join(group, procs[-1].pid)
+    theirs, ours = (psutil.Process(p.pid) for p in procs)
+    r = OwnerRules()
+    r.cpu.cgroup, r.cpu.average_seconds = group.name, 0
+    observer = Observer()
+    observer.observe(r, {ours.pid})
+    before = sum(theirs.cpu_times()[:2])
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    share = observer.observe(r, {ours.pid}).other_cpu_share
+    seconds = (time.monotonic() - t0) * psutil.cpu_count()
+    used = sum(theirs.cpu_times()[:2]) - before
+    # the busy loop outside ember, alone: what it used, not twice that; 20 ms for the readings
+    # taken a moment apart
+    assert abs(share * seconds - used) <= 0.02 + 0.05 * used, (share, seconds, used)
+    r.cpu.max_other_load = 0.01
+    (h,) = holds(r, Observation(None, "no graphical session", share, None), MONDAY_NOON)
+    assert h.detail.startswith(f"group {group.name} uses"), h.detail
