@@ -83,7 +83,7 @@ class Between:
         self.record.pause(held, micro_batch=done)
         if held is not None:  # its seconds are the ledger's pause event: no part of the step's time or phases
             self.paused += held.end - held.start
-            self.job.timer.skip()
+            self.job.timer.skip(held.end - held.start)
         if not self.stop.requested:
             return False
         self.job.optimizer.zero_grad(set_to_none=True)  # the undone step's gradients

@@ -47,10 +47,12 @@ class StepTimer:
         self.t = now
         self.mark = self._event()
 
-    def skip(self) -> None:
-        """The host time since the last mark belongs to no phase: a soft pause inside the step,
-        accounted as its own goodput bucket (ember.train.between)."""
-        self.t = time.perf_counter()
+    def skip(self, seconds: float) -> None:
+        """`seconds` of the host time since the last mark belong to no phase: a soft pause inside
+        the step, accounted as its own goodput bucket (ember.train.between), and left out of the
+        step's seconds by the same figure. The rest of that time (checking for the pause, writing
+        its ledger event) stays with the next phase, as it does in a step that does not pause."""
+        self.t += seconds
         self.mark = self._event()
 
     def split(self, parts: dict[str, float], rest: str) -> None:
