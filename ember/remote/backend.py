@@ -21,7 +21,8 @@ a folder there, `stage_dir/NAME`: the staged datasets, the recipe the job runs, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -42,6 +43,8 @@ class Launch:
     budget_seconds: float                # the wall-clock it may hold over all its allocations (its limits)
     recipe: str = ""                     # a new job: the recipe it runs (its data at the staged copies)
     datasets: tuple[Dataset, ...] = ()   # a new job: the datasets to stage
+    digests: Mapping[str, str] = field(default_factory=dict)  # a new job: each file's SHA-256 as the
+                                         # gate read it; staging sends those bytes or nothing
 
 
 @dataclass(frozen=True)

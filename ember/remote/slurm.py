@@ -170,7 +170,7 @@ class SlurmBackend:
         """Stage into a new folder, write recipe, job.json and the batch script, sbatch it."""
         spec = job_spec(launch, target)
         with stage.new_folder(self.shell, launch.folder):
-            sums = stage.upload(self.shell, launch.folder, list(launch.datasets), events)
+            sums = stage.upload(self.shell, launch.folder, list(launch.datasets), events, launch.digests)
             stage.put_files(self.shell, launch.folder, {"recipe.toml": launch.recipe, SPEC_FILE: spec.to_json(),
                                                         SCRIPT_FILE: batch_script(spec), DATA_SUMS: sums})
             return sbatch(self.shell, f"{launch.folder}/{SCRIPT_FILE}")

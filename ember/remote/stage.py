@@ -16,7 +16,7 @@ import os
 import shlex
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -85,17 +85,21 @@ def new_folder(shell: Shell, folder: str) -> Iterator[None]:
         raise
 
 
-def upload(shell: Shell, folder: str, datasets: list[Dataset], events: Events) -> str:
+def upload(shell: Shell, folder: str, datasets: list[Dataset], events: Events,
+           digests: Mapping[str, str] | None = None) -> str:
     """Copy the datasets into `folder` there and verify them on arrival; data.sha256's text.
 
     What is sent is what was hashed. Each dataset's files (members: what its fingerprint covers,
-    nothing behind a link to a folder) are hashed here first, and a dataset that no longer has its
-    registered fingerprint is refused before a byte leaves. Then each file is read once more into
-    a spool and sent only if those bytes hash as they did: a file changed meanwhile cuts the copy
-    off before its bytes go."""
+    nothing behind a link to a folder) have their SHA-256 from the gate's decision (`digests`, by
+    path: the gate read every byte) or, for a file it did not read, from reading it here; a
+    dataset whose files no longer make its registered fingerprint is refused before a byte leaves.
+    Then each file is read once more into a spool and sent only if those bytes hash as the gate
+    saw them: a file changed meanwhile cuts the copy off before its bytes go. A dataset is read
+    twice in all, once to decide and once to send."""
+    digests = digests or {}
     checked: list[tuple[str, Path, str]] = []
     for ds in datasets:
-        files = [(place, f, sha256_file(f)) for place, f in members(ds.paths)]
+        files = [(place, f, digests.get(str(f)) or sha256_file(f)) for place, f in members(ds.paths)]
         got = fingerprint([(place, digest) for place, _, digest in files])
         if got != ds.fingerprint:
             raise EmberError(f"dataset '{ds.name}' changed since the gate checked it ({got[:19]}... now, "

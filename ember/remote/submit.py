@@ -37,7 +37,7 @@ from ember.ledger import audit
 from ember.ledger import database as ledger_store
 from ember.ledger import remote_rows as rows
 from ember.ledger.job_states import CONTINUABLE, REMOTE_FINAL, JobState
-from ember.paths import check_name, default_run_folder, name_from
+from ember.paths import cached_sha256, check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
 from ember.policy.registry import Registry, contents_of, fingerprint_files, holdings, load_registry
 from ember.policy.targets import Target, load_targets
@@ -72,6 +72,7 @@ class Decided:
     recipe: Recipe
     target: Target | None
     registry: Registry
+    digests: dict[str, str] = field(default_factory=dict)  # each file the decision read: its SHA-256
 
 
 class GateRefused(Refused):
@@ -102,7 +103,8 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
     # A staged dataset is sent whole: what each of its paths holds counts by content too.
     contents |= {p: contents_of([p], digest) for name in sorted(staged) for p in registry[name].paths
                  if p not in contents}
-    registered = {name: contents_of(ds.paths) for name, ds in registry.items()}
+    registered = {name: contents_of(ds.paths, lambda f: read.get(f) or cached_sha256(f))
+                  for name, ds in registry.items()}
     observed = {}
     for name in sorted(staged):
         try:
@@ -125,7 +127,7 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
             "reasons": [asdict(v) for v in decision.reasons]})
     finally:
         con.close()
-    return Decided(decision, row, recipe, target, registry)
+    return Decided(decision, row, recipe, target, registry, {str(f): d for f, d in read.items()})
 
 
 def predict(req: RemoteRequest, target: Target, events: Events) -> Prediction:
@@ -193,7 +195,8 @@ def submit(req: RemoteRequest, events: Events) -> Submitted:
     devices = req.nodes * target.devices_per_node
     launch = Launch(name, job_dir, target.interpreter(), req.nodes,
                     wall_budget_seconds(req.limits, devices, target.price),
-                    staged_recipe(decided.recipe, list(datasets), job_dir, target, devices), datasets)
+                    staged_recipe(decided.recipe, list(datasets), job_dir, target, devices), datasets,
+                    decided.digests)
     backend = backend_for(target.kind, target.host, target.ssh_options)
     con = ledger_store.connect(req.ledger)
     try:

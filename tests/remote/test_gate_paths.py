@@ -4,6 +4,7 @@ gate checked, and a request it must refuse is refused and audited, never a crash
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -144,3 +145,56 @@ def test_a_file_changed_after_the_check_is_not_sent(tmp_path, monkeypatch):
     monkeypatch.setattr(stage, "sha256_file", lambda f: before.get(f) or real(f))
     arrived, refused = staged(tmp_path / "stage" / "job2", ds, secret)
     assert arrived == [] and refused is not None and "changed while it was staged" in refused
+
+
+def read_so_far() -> int:
+    """Bytes this thread has read through read(2) and its kind so far: /proc/thread-self/io's
+    rchar (the process's own figure takes in its children's once they are reaped: here, the
+    far side's tar and sha256sum)."""
+    with open("/proc/thread-self/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+
+
+def test_a_staged_dataset_is_read_twice_once_to_decide_and_once_to_send(tmp_path, monkeypatch):
+    """Staging read each file of a staged dataset three times on this machine (the gate's
+    decision, a second hash before sending, and the copy, hashed as it is sent), and four on
+    a first submit (the overlap check's content cache): minutes each for tens of GB. The copy is
+    now held to the gate's own digests: what is sent is still what the gate read, and nothing is
+    read a third time."""
+    folder, reg, targets = project(tmp_path, monkeypatch)
+    size = 24 << 20
+    big = os.urandom(size)
+    (folder / "big.bin").write_bytes(big)
+    register(reg, "corpus", [folder], "alice", "CC0-1.0", "public", ["lab"], "")  # with big.bin
+    recipe = write_recipe(tmp_path / "project", data={"files": [str(folder / "a.jsonl")]})
+    req = RemoteRequest(recipe, "lab", LIMITS, registry=reg, targets=targets, ledger=tmp_path / "ledger.db")
+    job = tmp_path / "stage" / "job"
+    before = read_so_far()
+    decided = decide(req, "submit", Events())
+    assert decided.decision.allowed, decided.decision.reasons
+    datasets = [decided.registry[u.name] for u in decided.decision.datasets if u.staged]
+    stage.upload(Shell(), str(job), datasets, Events(), decided.digests)
+    read = read_so_far() - before
+    assert 2 * size <= read < 2.5 * size, f"the dataset was read {read / size:.2f} times"
+    assert (job / "data" / "corpus" / "0" / "corpus" / "big.bin").read_bytes() == big
+
+
+def test_a_file_changed_after_the_decision_is_not_sent_with_the_gates_digests(tmp_path, monkeypatch):
+    """With the gate's digests, staging hashes nothing before it sends: a file changed after the
+    decision is still cut off before its bytes go, by the hash taken as it is sent."""
+    folder, reg, targets = project(tmp_path, monkeypatch)
+    recipe = write_recipe(tmp_path / "project", data={"files": [str(folder / "a.jsonl")]})
+    req = RemoteRequest(recipe, "lab", LIMITS, registry=reg, targets=targets, ledger=tmp_path / "ledger.db")
+    decided = decide(req, "submit", Events())
+    assert decided.decision.allowed, decided.decision.reasons
+    secret = b'{"text": "written after the gate decided"}\n'
+    (folder / "b.jsonl").write_bytes(secret)
+    datasets = [decided.registry[u.name] for u in decided.decision.datasets if u.staged]
+    job = tmp_path / "stage" / "job"
+    try:
+        stage.upload(Shell(), str(job), datasets, Events(), decided.digests)
+        refused = None
+    except EmberError as e:
+        refused = str(e)
+    assert refused is not None and "changed while it was staged" in refused, refused
+    assert not [p for p in job.rglob("*") if p.is_file() and p.read_bytes() == secret]

@@ -45,7 +45,7 @@ class ProcessBackend:
 
     def submit(self, launch: Launch, target: Target, events: Events) -> str:
         with stage.new_folder(Shell(), launch.folder):
-            sums = stage.upload(Shell(), launch.folder, list(launch.datasets), events)
+            sums = stage.upload(Shell(), launch.folder, list(launch.datasets), events, launch.digests)
             stage.put_files(Shell(), launch.folder, {"recipe.toml": launch.recipe, "data.sha256": sums})
             return self._start(Path(launch.folder), launch)
 
