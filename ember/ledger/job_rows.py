@@ -127,6 +127,21 @@ def remove(con: sqlite3.Connection, job_id: int, expect: str, why: str) -> bool:
     return cur.rowcount == 1
 
 
+def waited_seconds(con: sqlite3.Connection, job: JobRow, now: float) -> float:
+    """Seconds `job` has spent queued since it was submitted (or requeued by hand): the time it
+    waited, not the time it ran between a start and a preemption or a yield."""
+    total, since = 0.0, None
+    for t in con.execute("SELECT time, from_state, to_state FROM job_transitions WHERE job_id = ? AND time >= ? "
+                         "ORDER BY rowid", (job.id, job.submitted)):
+        if t["to_state"] == "queued" and since is None:
+            since = t["time"]
+        elif t["from_state"] == "queued" and t["to_state"] != "queued" and since is not None:
+            total, since = total + t["time"] - since, None
+    if job.state == "queued":
+        total += now - (job.submitted if since is None else since)
+    return max(0.0, total)
+
+
 def transitions(con: sqlite3.Connection, job_id: int) -> list[sqlite3.Row]:
     return con.execute("SELECT * FROM job_transitions WHERE job_id = ? ORDER BY rowid", (job_id,)).fetchall()
 

@@ -21,8 +21,8 @@ a folder there, `stage_dir/NAME`: the staged datasets, the recipe the job runs, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 

@@ -4,8 +4,9 @@
 
 Rules, in order:
   - Order: effective priority = priority + seconds waited / AGEING_SECONDS (one level per ten
-    minutes), ties by submission. Ageing is the no-starvation rule: a job that waits long
-    enough overtakes any newer job of a higher priority.
+    minutes), ties by the longer wait. Ageing is the no-starvation rule: a job that waits long
+    enough overtakes any newer job of a higher priority. Waited is time spent queued: a job back
+    from a preemption or a yield ages from where it left off, not over the time it ran.
   - Packing: a job needs `count` devices with `memory` bytes each (its plan's peak with margin).
     It goes to the devices with the least room that still fit it (best fit), so small jobs share
     a device and a large one keeps a whole device; jobs already placed count against a device.
@@ -30,7 +31,7 @@ AGEING_SECONDS = 600.0
 class Want:
     job: int
     priority: int
-    submitted: float      # when it joined the queue (ageing counts from here)
+    submitted: float      # now less the seconds it has waited queued (ageing counts from here)
     memory: int           # bytes per device
     count: int = 1        # devices
 

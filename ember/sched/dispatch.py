@@ -123,7 +123,9 @@ class Dispatcher:
     def admit(self, holds: list[owner.Hold], now: float) -> None:
         """Start what fits (ember.sched.admission); preempt lower priorities for higher ones."""
         capacities = {d.index: self.capacity(d) for d in self.scheduler.devices}
-        decision = self.scheduler.admit(self.jobs.queued(), self.jobs.live(), holds, capacities, now)
+        queued = self.jobs.queued()
+        waited = {j.id: self.jobs.waited(j, now) for j in queued}  # ageing: time waited, not time run
+        decision = self.scheduler.admit(queued, self.jobs.live(), holds, capacities, now, waited)
         for victim in decision.preempt:
             job = self.jobs.get(victim)
             if job.state in LIVE and job.state != "preempting":

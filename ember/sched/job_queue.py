@@ -62,6 +62,10 @@ class JobQueue:
         """The queued jobs admission may start: those without a hold."""
         return [j for j in rows.all_jobs(self.con, ("queued",)) if j.hold is None]
 
+    def waited(self, job: JobRow, now: float) -> float:
+        """Seconds the job has spent queued since it was submitted (or requeued by hand)."""
+        return rows.waited_seconds(self.con, job, now)
+
     def run_of(self, job: JobRow) -> str | None:
         """The ledger's id of the run in the job's folder; None before it trained."""
         return latest_run_at(self.con, Path(job.out))

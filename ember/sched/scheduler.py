@@ -108,9 +108,12 @@ class Scheduler:
         return Steering(Act.PAUSE, reason=reason)
 
     def admit(self, queued: list[JobRow], live: list[JobRow], holds: list[owner.Hold],
-              capacities: dict[int, int], now: float) -> admission.Decision:
+              capacities: dict[int, int], now: float, waited: dict[int, float] | None = None) -> admission.Decision:
         """Which of the `queued` jobs start where, and which `live` ones make room
-        (ember.sched.admission), on the devices no hold blocks. Only jobs without a hold wait."""
+        (ember.sched.admission), on the devices no hold blocks. Only jobs without a hold wait;
+        each ages by the seconds it has waited (`waited`, by job: ember.ledger.job_rows.
+        waited_seconds), else since it was submitted."""
+        waited = waited or {}
         waiting = [j for j in queued if j.state == "queued" and j.hold is None]
         if not waiting:
             self.waiting = {}
@@ -121,8 +124,8 @@ class Scheduler:
         rooms = [admission.Room(d.index, capacities[d.index]) for d in self.devices if d.index not in blocked]
         running = [admission.Holding(j.id, j.priority, j.started or 0, j.request["memory"], tuple(j.devices))
                    for j in live if j.state in LIVE]
-        wants = [admission.Want(j.id, j.priority, j.submitted, j.request["memory"], j.request.get("count", 1))
-                 for j in waiting]
+        wants = [admission.Want(j.id, j.priority, now - waited.get(j.id, now - j.submitted), j.request["memory"],
+                                j.request.get("count", 1)) for j in waiting]
         decision = admission.decide(wants, running, rooms, now)
         self.waiting = decision.waiting
         return decision

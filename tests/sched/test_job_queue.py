@@ -2,6 +2,7 @@
 that belong to one job, what admission may start, state changes through the state machine,
 requeue and purge refusing what they cannot do; the plan's request, planned once per content."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -120,6 +121,41 @@ def test_a_requeued_job_ages_from_its_requeue_not_from_its_first_submit(queue, t
     urgent = add(queue, tmp_path, "urgent", priority=5)
     wants = [Want(j.id, j.priority, j.submitted, j.request["memory"]) for j in (again, urgent)]
     assert decide(wants, [], [Room(0, REQUEST["memory"])], time.time()).start == {urgent.id: (0,)}
+
+def test_a_job_back_from_preemption_ages_by_the_time_it_waited_not_the_time_it_ran(queue, tmp_path):
+    """A job submitted an hour ago, started at once and preempted a minute ago counted the hour it
+    ran as waiting: +6 priority levels, and the queue turned strict behind it at once, so a small
+    job could not take the room left beside the job that preempted it. It ages by its time queued
+    now: 10 s before it started and 50 s since it came back."""
+    import time
+    from ember.hardware import Device
+    from ember.sched.scheduler import Scheduler
+    now = time.time()
+    job = add(queue, tmp_path, "long")
+    for dst in ("starting", "running", "preempting", "queued"):
+        job = queue.move(job, dst, "as the service moves it", **({"pid": None} if dst == "starting" else {}))
+    con = queue.con
+    con.execute("UPDATE jobs SET submitted = ? WHERE id = ?", (now - 3600, job.id))
+    for to_state, at in (("queued", now - 3600), ("starting", now - 3590), ("running", now - 3580),
+                         ("preempting", now - 60), ("queued", now - 50)):
+        con.execute("UPDATE job_transitions SET time = ? WHERE rowid = (SELECT min(rowid) FROM job_transitions "
+                    "WHERE job_id = ? AND to_state = ? AND time > ?)", (at, job.id, to_state, now - 1))
+    con.commit()
+    job = queue.get(job.id)
+    assert queue.waited(job, now) == pytest.approx(60.0)
+    # The job that preempted it holds 6 of 8 MiB; "long" needs 4, a small job 1.
+    small = add(queue, tmp_path, "small")
+    big = Device(0, "sim:0", "sim", 8 << 20, 8 << 20)
+    running = queue.move(queue.move(add(queue, tmp_path, "urgent", priority=5), "starting", "admitted", pid=None,
+                                    devices=[0]), "running", "started")
+    long_job = dataclasses.replace(job, request={"memory": 4 << 20})
+    waiting = [long_job, queue.get(small.id)]
+    live = [dataclasses.replace(running, request={"memory": 6 << 20})]
+    d = Scheduler((big,)).admit(waiting, live, [], {0: 8 << 20}, now,
+                                {j.id: queue.waited(j, now) for j in waiting})
+    assert d.start == {small.id: (0,)}, d.waiting  # backfilled beside the others
+    assert "no backfill" not in d.waiting.get(small.id, "")
+
 
 def test_a_job_that_kept_its_admitted_recipe_is_requeued_without_the_file(queue, tmp_path):
     """The job trains the recipe as admitted (its request keeps it, ember.launchspec): a requeue
