@@ -74,18 +74,24 @@ class Shell:
             raise EmberError(f"copying to {remote} on {self.where()} failed: {err.decode(errors='replace').strip()}")
 
     def get(self, remote: str, local: Path, exclude: tuple[str, ...] = ()) -> None:
-        """Copy the contents of folder `remote` into `local` (created), leaving out `exclude` patterns."""
+        """Copy the contents of folder `remote` into `local` (created), leaving out `exclude` patterns.
+        The folder may be a live run's: a file appended to while it is read (metrics.jsonl) comes
+        as far as it was read, which the next copy completes; tar says so with exit status 1."""
         local.mkdir(parents=True, exist_ok=True)
         skip = [f"--exclude={p}" for p in exclude]
         self._pipe(self.argv(["tar", "-C", remote, *skip, "-cf", "-", "."]), ["tar", "-C", str(local), "-xf", "-"],
-                   f"copying from {remote}")
+                   f"copying from {remote}", live=True)
 
-    def _pipe(self, source: list[str], sink: list[str], what: str) -> None:
+    def _pipe(self, source: list[str], sink: list[str], what: str, live: bool = False) -> None:
         with subprocess.Popen(source, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as a:
             b = subprocess.run(sink, stdin=a.stdout, capture_output=True, timeout=3600)
             a.stdout.close()
             a_err = a.stderr.read()
             a.wait(timeout=60)
+        said = [line for line in a_err.decode(errors="replace").splitlines() if line.strip()]
+        if live and a.returncode == 1 and not b.returncode and said and \
+                all(line.endswith(": file changed as we read it") for line in said):
+            return  # GNU tar's exit 1 with --create: files changed while archived, nothing else
         if a.returncode or b.returncode:
             err = (a_err + b.stderr).decode(errors="replace").strip()
             raise EmberError(f"{what} on {self.where()} failed: {err}")
