@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import time
 from collections import deque
+from pathlib import Path
 
 import psutil
 
@@ -70,13 +71,13 @@ def machine_busy_seconds() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
 
 
-def _inside(pid: int, group: str) -> bool:
-    """Whether process `pid` is in control group `group` (a path in the hierarchy) or under it."""
+def _inside(pid: int, group: Path) -> bool:
+    """Whether process `pid` is in control group `group` (its folder in the hierarchy) or under it."""
     try:
         mine = group_of(pid)
-        return mine is not None and cpu_group(group) in (mine, *mine.parents)
-    except (OSError, EmberError):
+    except OSError:  # gone
         return False
+    return mine is not None and group in (mine, *mine.parents)
 
 
 def process_tree(pids: set[int]) -> set[int]:
@@ -122,12 +123,13 @@ class Observer:
     def _cpu(self, ours: set[int], rules: OwnerRules) -> float:
         group = rules.cpu.cgroup
         now = time.monotonic()
-        try:
-            busy = machine_busy_seconds() if not group else usage_seconds(cpu_group(group))
+        try:  # the group's folder, found once a reading
+            where = cpu_group(group) if group else None
+            busy = machine_busy_seconds() if where is None else usage_seconds(where)
         except (OSError, EmberError):
-            busy = None  # the group is gone since the rules were read: nothing of it runs
+            where, busy = None, None  # the group is gone since the rules were read: nothing of it runs
         if group:
-            ours = {pid for pid in ours if _inside(pid, group)}
+            ours = {pid for pid in ours if where is not None and _inside(pid, where)}
         seconds = {}
         for pid in ours:
             try:
