@@ -16,13 +16,31 @@ import psutil
 from tests.helpers import ROOT, ember_cmd, run_ember, with_cpu_peak
 
 
+def warm_jobs_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables that make a service started with `env` start its jobs' training processes
+    and its plans forked from the pytest run's warm process (tests/warm_jobs/sitecustomize.py);
+    none with EMBER_TEST_COLD."""
+    if os.environ.get("EMBER_TEST_COLD"):
+        return {}
+    from tests import warm
+    site = str(ROOT / "tests" / "warm_jobs")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])),
+            "EMBER_TEST_WARM_JOBS": warm.stand_in_path()}
+
+
 class Serve:
-    def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None):
+    def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None,
+                 warm_jobs: bool = True):
+        """`warm_jobs`: the jobs' training processes and the service's plans are forked from the
+        pytest run's warm process (tests/warm_jobs/sitecustomize.py); False for a test about the
+        processes a fresh start leaves (the trainer's own CPU time in the owner's group)."""
         self.home, self.devices = home, devices
         home.mkdir(parents=True, exist_ok=True)
         with_cpu_peak(home)
         (home / "owner.toml").write_text(owner)
         self.env = {**os.environ, "EMBER_HOME": str(home), **(env or {})}
+        if warm_jobs and "PYTHONPATH" not in (env or {}):
+            self.env.update(warm_jobs_env(self.env))
         self.proc: subprocess.Popen | None = None
         self.http: httpx.Client | None = None
         self.seen: dict[int, psutil.Process] = {}  # job processes, known with their start time
@@ -90,6 +108,18 @@ class Serve:
             con.close()
         return row[0] if row else None
 
+    def trainer(self, name: str, timeout: float = 120) -> psutil.Process:
+        """The training process of job `name`, which runs: its supervisor's child, or with warm
+        jobs the command that child stands in for (known once the warm process forked it)."""
+        from tests import warm
+        from tests.helpers import wait_until
+        child = wait_until(f"job {name}'s supervisor's child", lambda: psutil.Process(self.job_pid(name)).children(),
+                           timeout, every=0.02)[0]
+        if "EMBER_TEST_WARM_JOBS" not in self.env:
+            return child
+        return psutil.Process(wait_until(f"the command of job {name}'s stand-in {child.pid}",
+                                         lambda: warm.command_of(child.pid), timeout, every=0.02))
+
     def wait(self, what, timeout: float = 180, every: float = 0.1):
         """Poll `what(jobs)` until it returns something truthy; bounded."""
         deadline = time.monotonic() + timeout
@@ -119,6 +149,8 @@ class Serve:
                 tree = [proc] + proc.children(recursive=True)
             except psutil.Error:
                 continue
+            from tests import warm
+            tree += [p for p in warm.tree(proc.pid) if p.pid not in {q.pid for q in tree}]  # warm jobs' commands
             for p in tree:
                 try:
                     p.send_signal(signal.SIGKILL)

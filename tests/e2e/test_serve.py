@@ -126,7 +126,7 @@ def test_sigkilled_service_finds_every_job_in_every_state(reference):
         before = {n: s.job_pid(n) for n in ("run", "soft")}
         # Stopped while no service watches, the running job is still running when one starts again
         # (on a loaded machine it once completed meanwhile: 'completed' != 'running').
-        running = psutil.Process(before["run"]).children()[0]  # its training process
+        running = s.trainer("run")
         running.suspend()
         try:
             s.kill()
@@ -145,7 +145,7 @@ def test_sigkilled_service_finds_every_job_in_every_state(reference):
         s.wait(lambda j: j["held"]["state"] == "starting", every=0.02)
         s.wait(lambda j: j["run"]["step"] >= 3)
         supervisor = psutil.Process(s.job_pid("run"))
-        trainer = supervisor.children()[0]  # the job's training process, under its supervisor
+        trainer = s.trainer("run")
         # Stopped, it takes the preemption only once continued: the service dies while the job is
         # preempting (its supervisor, torch-free, exits at once after the trainer; no race).
         trainer.suspend()

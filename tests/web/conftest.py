@@ -3,6 +3,8 @@ known spike, a run whose name is HTML, and a live run (its attempt is this proce
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -12,6 +14,7 @@ from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
 from tests.helpers import run_ember, with_cpu_peak, write_recipe
+from tests.serve_harness import warm_jobs_env
 from tests.web.runs import make_run
 
 TOKEN = "s3cret-token"
@@ -40,6 +43,8 @@ def ledger_dir(tmp_path_factory):
 def service(ledger_dir, tmp_path, monkeypatch):
     base, ledger, _ = ledger_dir
     monkeypatch.setenv("EMBER_HOME", str(with_cpu_peak(tmp_path / "home")))
+    for name, value in warm_jobs_env(dict(os.environ)).items():  # its jobs' training processes forked warm
+        monkeypatch.setenv(name, value)
     rules = OwnerRules()
     rules.service.allowed = [str(base)]
     return Service(rules, "sim:2x1GiB", Events(), ledger)
