@@ -42,6 +42,11 @@ SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tes
          "tests/e2e/test_distributed_lora.py", "tests/e2e/test_distributed_tp_lora.py",
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py",
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
+# The files whose tests start ranks from a forkserver (tests/parallel/ranks.py): one unit, so that
+# one worker starts one forkserver for all of them (its preload imports transformers, ~3.5 CPU-s),
+# not each worker that drew one of them.
+ONE_FORKSERVER = {"tests/parallel/test_ddp.py", "tests/parallel/test_fsdp.py", "tests/parallel/test_fsdp_tp.py",
+                  "tests/parallel/test_tp.py"}
 LONGEST_FIRST = ["tests/remote/test_slurm.py", "tests/e2e/test_serve.py", "tests/e2e/test_resume.py",
                  "tests/e2e/test_compile.py", "tests/plan/test_traced.py", "tests/e2e/test_crash_consistency.py",
                  "tests/e2e/test_rerun.py", "tests/e2e/test_distributed_faults.py", "tests/infer/test_export.py",
@@ -170,6 +175,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class FileOrTest(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
+            if file in ONE_FORKSERVER:
+                return "tests/parallel/ranks.py"
             return nodeid if file in SPLIT else file
     return FileOrTest(config, log)
 

@@ -78,6 +78,19 @@ def run_ember(*args: str, env: dict | None = None, timeout: float = 300) -> subp
                           env={**os.environ, **(env or {})}, cwd=ROOT)
 
 
+def warm_children_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables that make a fresh interpreter started with `env` (a service, bench/gpu.py)
+    have the `python -m ember ...` it starts, but a supervisor, forked from the pytest run's warm
+    process (tests/warm_jobs/sitecustomize.py): a service's jobs' training processes and its
+    plans. None with EMBER_TEST_COLD."""
+    if os.environ.get("EMBER_TEST_COLD"):
+        return {}
+    from tests import warm
+    site = str(ROOT / "tests" / "warm_jobs")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])),
+            "EMBER_TEST_WARM_JOBS": warm.stand_in_path()}
+
+
 def warm_cmd(*args: str) -> list[str]:
     """`ember_cmd(*args)`, but the process it starts has the command forked from the warm process
     (tests/warm.py's stand-in; a fresh interpreter with EMBER_TEST_COLD=1). It is a process of

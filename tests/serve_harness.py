@@ -13,19 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.helpers import ROOT, ember_cmd, run_ember, with_cpu_peak
-
-
-def warm_jobs_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables that make a service started with `env` start its jobs' training processes
-    and its plans forked from the pytest run's warm process (tests/warm_jobs/sitecustomize.py);
-    none with EMBER_TEST_COLD."""
-    if os.environ.get("EMBER_TEST_COLD"):
-        return {}
-    from tests import warm
-    site = str(ROOT / "tests" / "warm_jobs")
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])),
-            "EMBER_TEST_WARM_JOBS": warm.stand_in_path()}
+from tests.helpers import ROOT, ember_cmd, run_ember, warm_children_env, with_cpu_peak
 
 
 class Serve:
@@ -40,7 +28,7 @@ class Serve:
         (home / "owner.toml").write_text(owner)
         self.env = {**os.environ, "EMBER_HOME": str(home), **(env or {})}
         if warm_jobs and "PYTHONPATH" not in (env or {}):
-            self.env.update(warm_jobs_env(self.env))
+            self.env.update(warm_children_env(self.env))
         self.proc: subprocess.Popen | None = None
         self.http: httpx.Client | None = None
         self.seen: dict[int, psutil.Process] = {}  # job processes, known with their start time

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, warm_children_env
 
 ROWS = ["full, eager", "full, compiled", "doctor, full, eager", "LoRA, eager", "checkpoint, synchronous",
         "checkpoint, asynchronous", "memory, full", "QLoRA", "memory, QLoRA", "full, 8-bit optimizer states", "memory, LoRA", "LoRA, compiled",
@@ -29,6 +29,7 @@ def gpu_sh(*args: str, out: Path, timeout: float = 900) -> subprocess.CompletedP
     """`bash bench/gpu.sh ARGS` with this test's Python; told to stop (and so to stop its command)
     when it outlives `timeout`."""
     env = {**os.environ, "OUT": str(out), "EMBER_PYTHON": sys.executable}
+    env.update(warm_children_env(env))  # the ember commands bench/gpu.py starts are forked warm: they skip the imports
     proc = subprocess.Popen(["bash", "bench/gpu.sh", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

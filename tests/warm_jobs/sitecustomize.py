@@ -1,9 +1,10 @@
-"""Loaded (PYTHONPATH) by every interpreter of a service a test starts with warm jobs
-(tests.serve_harness.Serve): the service, its jobs' supervisors, and what they start. Each
-`python -m ember ...` such a process starts, but a job's supervisor (`--restarts`), starts the
-warm process's stand-in instead (tests/warm.py), which has the command forked from the warm
-process of the pytest run: a supervisor's training child, the service's `ember plan` child. They
-skip ~2.7 s of imports each, as the tests' own commands do.
+"""Loaded (PYTHONPATH, tests.helpers.warm_children_env) by every interpreter of a service a test
+starts (tests.serve_harness.Serve: the service, its jobs' supervisors and what they start), and of
+bench/gpu.py under tests/bench/test_gpu_script.py. Each `python -m ember ...` such a process
+starts, but a job's supervisor (`--restarts`), starts the warm process's stand-in instead
+(tests/warm.py), which has the command forked from the warm process of the pytest run: a
+supervisor's training child, the service's `ember plan` child, the script's runs. They skip ~2.7 s
+of imports each, as the tests' own commands do.
 
 The supervisor stays a fresh interpreter, as the service starts it: the service signals it, kills
 its tree, and adopts it after a restart by PID and start time. Its child is the stand-in, a real

@@ -13,8 +13,7 @@ from ember.ledger import database as store
 from ember.sched.owner_rules import OwnerRules
 from ember.sched.service import Service
 from ember.web.api import create_app
-from tests.helpers import run_ember, with_cpu_peak, write_recipe
-from tests.serve_harness import warm_jobs_env
+from tests.helpers import run_ember, warm_children_env, with_cpu_peak, write_recipe
 from tests.web.runs import make_run
 
 TOKEN = "s3cret-token"
@@ -43,7 +42,7 @@ def ledger_dir(tmp_path_factory):
 def service(ledger_dir, tmp_path, monkeypatch):
     base, ledger, _ = ledger_dir
     monkeypatch.setenv("EMBER_HOME", str(with_cpu_peak(tmp_path / "home")))
-    for name, value in warm_jobs_env(dict(os.environ)).items():  # its jobs' training processes forked warm
+    for name, value in warm_children_env(dict(os.environ)).items():  # its jobs' training processes forked warm
         monkeypatch.setenv(name, value)
     rules = OwnerRules()
     rules.service.allowed = [str(base)]
