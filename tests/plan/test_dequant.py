@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ember.hardware import Device, Kind
+from ember.metrics import peaks
 from ember.metrics.peaks import Bandwidth, Peak, memory_bandwidth
 from ember.models import config_fields
 from ember.plan.fit import candidates, qlora_searched, search
@@ -167,7 +168,11 @@ def test_a_cpu_measures_its_dequantization_rate_once(tmp_path, monkeypatch):
     # and each call's fixed seconds: the fit's intercept, which noise can take to 0 on a loaded
     # machine (ember.metrics.peaks._line clamps it there; a 0 is left out of the record)
     assert record.get("per_call", 0.0) == first.per_call_s >= 0
-    assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first  # read back, not measured again
+    # Read back, not measured again, while the machine is as loaded as when it was measured (a
+    # record measured under load is measured again once the machine is quieter: run X's failure,
+    # when the tests around it left it 75% loaded, then 50%; ember.metrics.peaks.stale)
+    monkeypatch.setattr(peaks, "others_share", lambda window=0.1: record.get("others"))
+    assert memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once) == first
     assert memory_bandwidth(3.0, "cpu", "cpu", 1, dequantize_once).bytes_per_s == 3e9
     assert memory_bandwidth(0.0, "cuda", "NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
     assert memory_bandwidth(0.0, "cuda", "test").bytes_per_s is None
