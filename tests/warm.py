@@ -25,8 +25,9 @@ A test that walks the process tree under a stand-in sees through it with `tree` 
 command, and what that started, count as its children) and signals the command itself: a rank
 SIGKILLed at a random moment is the rank, and its stand-in dies of the same signal after it.
 What must be a real start stays one: `start_ember` without `warm` (signals to a process group,
-reached by every process in it; a lock holder named by its PID) and everything under it, and the
-service and its jobs, are fresh interpreters.
+reached by every process in it; a lock holder named by its PID) and everything under it, and a
+service and its jobs' supervisors, are fresh interpreters; what those start is forked here too,
+through tests/warm_jobs/sitecustomize.py (a service's jobs' training processes, its plans).
 
 Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
 descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper
