@@ -17,17 +17,15 @@ from tests.helpers import ROOT, ember_cmd, run_ember, warm_children_env, with_cp
 
 
 class Serve:
-    def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None,
-                 warm_jobs: bool = True):
-        """`warm_jobs`: the jobs' training processes and the service's plans are forked from the
-        pytest run's warm process (tests/warm_jobs/sitecustomize.py); False for a test about the
-        processes a fresh start leaves (the trainer's own CPU time in the owner's group)."""
+    def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None):
+        """The jobs' training processes and the service's plans are forked from the pytest run's
+        warm process (tests/warm_jobs/sitecustomize.py), unless `env` sets PYTHONPATH itself."""
         self.home, self.devices = home, devices
         home.mkdir(parents=True, exist_ok=True)
         with_cpu_peak(home)
         (home / "owner.toml").write_text(owner)
         self.env = {**os.environ, "EMBER_HOME": str(home), **(env or {})}
-        if warm_jobs and "PYTHONPATH" not in (env or {}):
+        if "PYTHONPATH" not in (env or {}):
             self.env.update(warm_children_env(self.env))
         self.proc: subprocess.Popen | None = None
         self.http: httpx.Client | None = None
