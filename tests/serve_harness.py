@@ -19,7 +19,11 @@ from tests.helpers import ROOT, ember_cmd, run_ember, warm_children_env, with_cp
 class Serve:
     def __init__(self, home: Path, owner: str, devices: str | None = None, env: dict | None = None):
         """The jobs' training processes and the service's plans are forked from the pytest run's
-        warm process (tests/warm_jobs/sitecustomize.py), unless `env` sets PYTHONPATH itself."""
+        warm process (tests/warm_jobs/sitecustomize.py), unless `env` sets PYTHONPATH itself. A
+        forked training process is not under its supervisor: an owner rule that counts ember's
+        own processes by the service's process tree (a CPU rule without [cpu] cgroup, programs,
+        foreign processes on a GPU) would count it as another's; such a test passes a
+        PYTHONPATH of its own, for fresh jobs."""
         self.home, self.devices = home, devices
         home.mkdir(parents=True, exist_ok=True)
         with_cpu_peak(home)
@@ -99,7 +103,9 @@ class Serve:
         jobs the command that child stands in for (known once the warm process forked it)."""
         from tests import warm
         from tests.helpers import wait_until
-        child = wait_until(f"job {name}'s supervisor's child", lambda: psutil.Process(self.job_pid(name)).children(),
+        pid = self.job_pid(name)
+        assert pid is not None, f"job {name} has no process: {self.jobs().get(name)}"
+        child = wait_until(f"job {name}'s supervisor's child", lambda: psutil.Process(pid).children(),
                            timeout, every=0.02)[0]
         if "EMBER_TEST_WARM_JOBS" not in self.env:
             return child
