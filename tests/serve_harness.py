@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.helpers import ROOT, ember_cmd, run_ember, warm_children_env, with_cpu_peak
+from tests import warm
+from tests.helpers import ROOT, ember_cmd, run_ember, wait_until, warm_children_env, with_cpu_peak
 
 
 class Serve:
@@ -101,8 +102,6 @@ class Serve:
     def trainer(self, name: str, timeout: float = 120) -> psutil.Process:
         """The training process of job `name`, which runs: its supervisor's child, or with warm
         jobs the command that child stands in for (known once the warm process forked it)."""
-        from tests import warm
-        from tests.helpers import wait_until
         pid = self.job_pid(name)
         assert pid is not None, f"job {name} has no process: {self.jobs().get(name)}"
         child = wait_until(f"job {name}'s supervisor's child", lambda: psutil.Process(pid).children(),
@@ -136,14 +135,10 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for proc in self.seen.values():  # job processes this test's service started, and their children
-            try:  # psutil refuses a PID that now names another process (start time differs)
-                tree = [proc] + proc.children(recursive=True)
-            except psutil.Error:
+        for proc in self.seen.values():  # job processes this test's service started, and all under them
+            if not proc.is_running():  # gone, or its PID now names another process (start time differs)
                 continue
-            from tests import warm
-            tree += [p for p in warm.tree(proc.pid) if p.pid not in {q.pid for q in tree}]  # warm jobs' commands
-            for p in tree:
+            for p in [proc, *warm.tree(proc.pid)[1:]]:  # with warm jobs, the commands under their stand-ins too
                 try:
                     p.send_signal(signal.SIGKILL)
                 except psutil.Error:
