@@ -4,8 +4,11 @@ variable at import time, and while a forked command behaves as a fresh one."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -67,6 +70,41 @@ def test_a_timed_out_warm_command_is_killed(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid), f"the timed-out command (PID {pid}) still runs after 60 s"
+
+
+def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_path):
+    """A client that sends its request and goes away at once (a pytest worker killed, a stand-in
+    SIGKILLed just after it asked) leaves no command running: the warm process cannot tell it the
+    PID, and kills what it forked. The command runs in a folder of its own, by which it is found."""
+    import psutil
+    folder = tmp_path / "cwd"
+    folder.mkdir()
+    recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
+    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
+    request = json.dumps({"argv": ["run", str(recipe), "--out", str(tmp_path / "run")], "cwd": str(folder),
+                          "env": env})
+    stdio = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY)]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(warm._instance().path)
+        socket.send_fds(conn, [request.encode() + b"\n"], stdio)
+    finally:
+        conn.close()  # before the answer
+        for fd in stdio:
+            os.close(fd)
+    assert warm.run(["--version"], env, ROOT, timeout=120).returncode == 0  # served after the one above
+
+    def in_folder() -> list[int]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.cwd() == str(folder) and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+        return found
+    deadline = time.monotonic() + 60
+    while (left := in_folder()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes still running in {folder} 60 s after their client left: {left}"
 
 
 def _alive(pid: int) -> bool:
