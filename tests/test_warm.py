@@ -7,6 +7,7 @@ import ast
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -72,10 +73,12 @@ def test_a_timed_out_warm_command_is_killed(tmp_path):
     assert not _alive(pid), f"the timed-out command (PID {pid}) still runs after 60 s"
 
 
-def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_path):
-    """A client that sends its request and goes away at once (a pytest worker killed, a stand-in
-    SIGKILLed just after it asked) leaves no command running: the warm process cannot tell it the
-    PID, and kills what it forked. The command runs in a folder of its own, by which it is found."""
+@pytest.mark.parametrize("leaves", ["at once", "with the PID unread"])
+def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_path, leaves):
+    """A client that sends its request and goes away (a pytest worker killed, a stand-in SIGKILLed
+    just after it asked) leaves no command running: at once, before the warm process could send
+    the PID; or after the PID line came, unread (its socket is then reset, not closed). The
+    command runs in a folder of its own, by which it is found."""
     import psutil
     folder = tmp_path / "cwd"
     folder.mkdir()
@@ -88,8 +91,10 @@ def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_pat
     try:
         conn.connect(warm._instance().path)
         socket.send_fds(conn, [request.encode() + b"\n"], stdio)
+        if leaves == "with the PID unread":
+            assert select.select([conn], [], [], 120)[0], "no PID line from the warm process within 120 s"
     finally:
-        conn.close()  # before the answer
+        conn.close()  # before reading the answer
         for fd in stdio:
             os.close(fd)
     assert warm.run(["--version"], env, ROOT, timeout=120).returncode == 0  # served after the one above

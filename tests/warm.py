@@ -30,7 +30,7 @@ service and its jobs' supervisors, are fresh interpreters; what those start is f
 through tests/warm_jobs/sitecustomize.py (a service's jobs' training processes, its plans).
 
 Protocol on a Unix socket: the client sends one JSON line {argv, env, cwd, fds} with the
-descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; a forked helper
+descriptors named in fds (its stdin, stdout and stderr at least) as SCM_RIGHTS; the warm process
 forks the command, says its PID as one JSON line, waits for it and answers with its exit status
 as another; if the client goes away first, the command's process group is killed. While the
 command runs, the file `of-<client PID>` beside the socket holds the command's PID (`command_of`).
@@ -87,6 +87,9 @@ def serve(path: str) -> None:
     _Server(listener, os.path.dirname(path)).loop()
 
 
+ASKS = "asks"  # a client's connection before its request is read
+
+
 class _Server:
     """The warm process's one loop: it accepts a client, forks its command and answers when the
     command ends, for many clients at once. No process stands between it and its commands: each
@@ -103,35 +106,55 @@ class _Server:
         while True:
             for key, _ in self.sel.select():
                 try:
-                    if key.fileobj is self.listener:
-                        self._start(*self.listener.accept())
+                    if key.fileobj is self.listener:  # a client: its request is read once it has come
+                        self.sel.register(self.listener.accept()[0], selectors.EVENT_READ, ASKS)
                     elif isinstance(key.fileobj, int):
                         self._ended(key.fileobj)
+                    elif key.data is ASKS:
+                        self.sel.unregister(key.fileobj)
+                        self._start(key.fileobj)
                     else:  # the client went away first (it sends nothing more while it waits)
                         self.sel.unregister(key.fileobj)
-                        if not key.fileobj.recv(1, socket.MSG_PEEK):
+                        try:
+                            gone = not key.fileobj.recv(1, socket.MSG_PEEK)
+                        except OSError:  # reset: it closed with our PID line unread
+                            gone = True
+                        if gone:
                             _kill(key.data)
                 except Exception:  # one client's trouble is not the others': said, and served on
                     import traceback
                     traceback.print_exc()
 
-    def _start(self, conn: socket.socket, _address) -> None:
+    def _start(self, conn: socket.socket) -> None:
         """Fork the command the client on `conn` asks for, and say its PID."""
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        client = struct.unpack("3i", creds)[0]
-        known = os.path.join(self.folder, f"of-{client}")  # the client's PID
+        fds: list[int] = []
+        pid = 0
         try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            client = struct.unpack("3i", creds)[0]
+            known = os.path.join(self.folder, f"of-{client}")  # the client's PID
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
+            if not msg and not fds:  # gone before it asked (a stand-in killed as it started)
+                conn.close()
+                return
             request = json.loads(msg)
-        except (OSError, ValueError):  # gone before it asked, or asked for nothing we know
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    self._child(conn, request, fds, client)
+                finally:
+                    os._exit(1)  # _child ends in os._exit: this is for what raised before
+            pidfd = os.pidfd_open(pid)
+        except BaseException:  # nothing of this client kept: its descriptors, its command
+            for fd in fds:
+                os.close(fd)
             conn.close()
+            if pid:
+                _kill(pid)
+                os.waitpid(pid, 0)
             raise
-        pid = os.fork()
-        if pid == 0:
-            self._child(conn, request, fds, client)
         for fd in fds:
             os.close(fd)
-        pidfd = os.pidfd_open(pid)
         self.running[pidfd] = (conn, pid, known)
         self.sel.register(pidfd, selectors.EVENT_READ, pid)
         self.sel.register(conn, selectors.EVENT_READ, pid)
@@ -229,7 +252,7 @@ def stand_in(path: str) -> None:
     keep them). Signals in PASSED_ON go on to the command itself, not to its group: a supervisor
     and a test signal their child by its PID; torchrun's agent signals the rank's group, where the
     rank's own workers ignore a SIGTERM that is not their parent's (ember.proc). SIGKILL here kills
-    the command (the helper sees this end of the socket close); the exit is the command's, a
+    the command (the warm process sees this end of the socket close); the exit is the command's, a
     signal's death included."""
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # held until the command's PID is known
     fds = []
@@ -278,7 +301,7 @@ def _kill(pid: int) -> None:
 
 def _command(request: dict, fds: list[int]) -> None:
     """The child: becomes the command (own process group, as `start_new_session` would not do:
-    the helper kills the group) and exits the way the interpreter would."""
+    the warm process kills the group) and exits the way the interpreter would."""
     import atexit
     import runpy
     import threading
@@ -386,7 +409,7 @@ class _Warm:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)  # a helper may still write its of-* file
+        shutil.rmtree(self.folder, ignore_errors=True)  # killed while it wrote an of-* file
 
 
 _warm: _Warm | None = None
