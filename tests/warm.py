@@ -101,17 +101,21 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.running: dict[int, tuple[socket.socket, int, str]] = {}  # pidfd: (conn, pid, of-file)
+        self.asking: set[socket.socket] = set()  # accepted, their requests not read yet
 
     def loop(self) -> None:
         while True:
             for key, _ in self.sel.select():
                 try:
                     if key.fileobj is self.listener:  # a client: its request is read once it has come
-                        self.sel.register(self.listener.accept()[0], selectors.EVENT_READ, ASKS)
+                        conn = self.listener.accept()[0]
+                        self.asking.add(conn)
+                        self.sel.register(conn, selectors.EVENT_READ, ASKS)
                     elif isinstance(key.fileobj, int):
                         self._ended(key.fileobj)
                     elif key.data is ASKS:
                         self.sel.unregister(key.fileobj)
+                        self.asking.discard(key.fileobj)
                         self._start(key.fileobj)
                     else:  # the client went away first (it sends nothing more while it waits)
                         self.sel.unregister(key.fileobj)
@@ -176,6 +180,8 @@ class _Server:
             conn.close()
             for pidfd, (other, _, _) in self.running.items():
                 os.close(pidfd)
+                other.close()
+            for other in self.asking:
                 other.close()
             if "EMBER_TEST_CPU_CGROUP" in request["env"]:  # pytest --cpu-by-test
                 from tests.cpu_by_test import join_the_clients
