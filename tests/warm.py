@@ -101,21 +101,17 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.running: dict[int, tuple[socket.socket, int, str]] = {}  # pidfd: (conn, pid, of-file)
-        self.asking: set[socket.socket] = set()  # accepted, their requests not read yet
 
     def loop(self) -> None:
         while True:
             for key, _ in self.sel.select():
                 try:
                     if key.fileobj is self.listener:  # a client: its request is read once it has come
-                        conn = self.listener.accept()[0]
-                        self.asking.add(conn)
-                        self.sel.register(conn, selectors.EVENT_READ, ASKS)
+                        self.sel.register(self.listener.accept()[0], selectors.EVENT_READ, ASKS)
                     elif isinstance(key.fileobj, int):
                         self._ended(key.fileobj)
                     elif key.data is ASKS:
                         self.sel.unregister(key.fileobj)
-                        self.asking.discard(key.fileobj)
                         self._start(key.fileobj)
                     else:  # the client went away first (it sends nothing more while it waits)
                         self.sel.unregister(key.fileobj)
@@ -175,13 +171,14 @@ class _Server:
         the end: a copy of its socket here would hold it until this command ends), the client's
         own group (under `pytest --cpu-by-test`), then the command. It never returns."""
         try:
+            for key in self.sel.get_map().values():  # clients not read yet among them
+                if key.data is ASKS:
+                    key.fileobj.close()
             self.sel.close()
             self.listener.close()
             conn.close()
             for pidfd, (other, _, _) in self.running.items():
                 os.close(pidfd)
-                other.close()
-            for other in self.asking:
                 other.close()
             if "EMBER_TEST_CPU_CGROUP" in request["env"]:  # pytest --cpu-by-test
                 from tests.cpu_by_test import join_the_clients
@@ -196,7 +193,7 @@ class _Server:
         """The command of `pidfd` ended: reap it and tell its client how."""
         conn, pid, known = self.running.pop(pidfd)
         self.sel.unregister(pidfd)
-        if conn in {key.fileobj for key in self.sel.get_map().values()}:
+        with contextlib.suppress(KeyError):  # unregistered already if its client went away first
             self.sel.unregister(conn)
         os.close(pidfd)
         _, wait_status = os.waitpid(pid, 0)
@@ -210,9 +207,9 @@ def _no_exit_finalizers_of_the_imports() -> None:
     """The finalizers the imports registered (torch.library's, one for each library of operators
     it defines: ~250) do not run at a command's exit. A fresh interpreter runs them, to unregister
     the operators from torch's dispatcher just before the process ends, which nothing outside the
-    process can see; in a fork they copy ~10,000 shared pages, ~40 ms of CPU for each of the
-    suite's ~1,200 commands. The finalizers a command registers itself (a temporary folder's) run
-    as they would."""
+    process can see; in a fork they copy ~10,000 shared pages, ~40 ms of CPU for a short command
+    (one that trains has copied most of them itself by then). The finalizers a command registers
+    itself (a temporary folder's) run as they would."""
     import weakref
     for f in list(weakref.finalize._registry):  # no public way to list them
         f.atexit = False
