@@ -79,7 +79,6 @@ def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_pat
     just after it asked) leaves no command running: at once, before the warm process could send
     the PID; or after the PID line came, unread (its socket is then reset, not closed). The
     command runs in a folder of its own, by which it is found."""
-    import psutil
     folder = tmp_path / "cwd"
     folder.mkdir()
     recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
@@ -98,6 +97,38 @@ def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_pat
         for fd in stdio:
             os.close(fd)
     assert warm.run(["--version"], env, ROOT, timeout=120).returncode == 0  # served after the one above
+    _none_left_in(folder, "their client left")
+
+
+def test_a_command_ends_with_the_warm_process_that_forked_it(tmp_path):
+    """The warm process dies with the pytest run that started it; its commands die with it rather
+    than train on with no one to answer or stop them (a run of 100,000 steps here, its client
+    still connected). A warm process of this test's own, SIGKILLed."""
+    own = warm._Warm.start()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        own.wait_ready()
+        folder = tmp_path / "cwd"
+        folder.mkdir()
+        request = json.dumps({"argv": ["run", str(write_recipe(tmp_path, train={"max_steps": 100_000})), "--out",
+                                       str(tmp_path / "run")], "cwd": str(folder),
+                              "env": {**os.environ, "EMBER_HOME": str(tmp_path / "home")}})
+        stdio = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY)]
+        conn.connect(own.path)
+        socket.send_fds(conn, [request.encode() + b"\n"], stdio)
+        for fd in stdio:
+            os.close(fd)
+        assert b"pid" in conn.makefile("rb").readline()  # forked
+        os.kill(own.pid, signal.SIGKILL)
+        _none_left_in(folder, "the warm process was killed")
+    finally:
+        conn.close()
+        own.close()
+
+
+def _none_left_in(folder, since: str) -> None:
+    """No process but zombies has `folder` as its working folder, at the latest 60 s from now."""
+    import psutil
 
     def in_folder() -> list[int]:
         found = []
@@ -109,7 +140,7 @@ def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_pat
     deadline = time.monotonic() + 60
     while (left := in_folder()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"processes still running in {folder} 60 s after their client left: {left}"
+    assert not left, f"processes still running in {folder} 60 s after {since}: {left}"
 
 
 def _alive(pid: int) -> bool:

@@ -101,6 +101,7 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.running: dict[int, tuple[socket.socket, int, str]] = {}  # pidfd: (conn, pid, of-file)
+        self.pid = os.getpid()
 
     def loop(self) -> None:
         while True:
@@ -169,7 +170,8 @@ class _Server:
     def _child(self, conn: socket.socket, request: dict, fds: list[int], client: int) -> None:
         """In the forked command: none of the server's descriptors (a client reads its answer to
         the end: a copy of its socket here would hold it until this command ends), the client's
-        own group (under `pytest --cpu-by-test`), then the command. It never returns."""
+        own group (under `pytest --cpu-by-test`), death with this process, then the command. It
+        never returns."""
         try:
             for key in self.sel.get_map().values():  # clients not read yet among them
                 if key.data is ASKS:
@@ -183,6 +185,8 @@ class _Server:
             if "EMBER_TEST_CPU_CGROUP" in request["env"]:  # pytest --cpu-by-test
                 from tests.cpu_by_test import join_the_clients
                 join_the_clients(client)
+            from ember.proc import die_with_parent
+            die_with_parent(signal.SIGKILL, self.pid)  # no one would answer its client or stop it
         except BaseException:
             import traceback
             traceback.print_exc()
