@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_OK, Ember
 from ember.events import Events
 from ember.lock import LAUNCHER
 from ember.parallel.placement import rank_name
-from ember.paths import ascii_digits
+from ember.paths import ascii_digits, scratch_dir
 
 SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
 PEER_LOST = "a collective failed: another rank is gone"  # what a rank leaves the launcher then
@@ -79,7 +80,7 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
     """Run `python rank_argv...` as every rank of this node; the exit code the run ends with.
     `newest()`: the run's newest committed checkpoint step (None: not known on this node);
     `named(rank)`: how the message names the rank that ended the run (its pipeline stage)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -91,9 +92,12 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
         rdzv = {"rdzv_backend": "static", "rdzv_endpoint": t.rdzv, "rdzv_configs": {"rank": t.node_rank}}
     else:
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_configs": {}}
+    # The agent keeps the ranks' error files in a folder it never removes (a /tmp/torchelastic_*
+    # each launch, by default): this one goes once their ends are read (ProcessFailure reads them).
+    logs = scratch_dir("ranks-")
     config = LaunchConfig(min_nodes=t.nnodes, max_nodes=t.nnodes, nproc_per_node=t.nproc,
                           run_id=f"ember-{run_name}", max_restarts=0, monitor_interval=0.1,
-                          shutdown_timeout=SHUTDOWN_SECONDS, **rdzv)
+                          shutdown_timeout=SHUTDOWN_SECONDS, logs_specs=DefaultLogsSpecs(log_dir=str(logs)), **rdzv)
     os.environ[LAUNCHER] = str(os.getpid())
     events.stage(f"starting {t.nproc} ranks" + (f" on node {t.node_rank} of {t.nnodes}" if t.nnodes > 1 else ""))
     try:
@@ -106,6 +110,7 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
         return ended(e.failures, events, newest(), named)
     finally:
         os.environ.pop(LAUNCHER, None)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def ended(failures: dict, events: Events, newest: int | None = None, name: Callable[[int], str] = rank_name) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from ember.train.watchdog import Watchdog, Where, bound_seconds
 from ember.parallel.placement import rank_name
 from ember.ranks import PEER_LOST, Topology, ended
 from ember.world import World
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -195,3 +198,20 @@ def test_the_rank_the_others_wait_for():
     s = summarize(2, [fast, slow])
     assert (s.slowest, s.slowest_cause) == (1, "input")
     assert s.tokens_per_second == pytest.approx(200.0) and s.sync_share == pytest.approx((0.25 + 0.01) / 2)
+
+
+def test_the_launcher_leaves_no_folder_behind(tmp_path):
+    """torchrun's agent keeps the ranks' error files in a folder it never removes: each launch
+    left a /tmp/torchelastic_* behind (122 after two runs of the suite). The launcher's folder is
+    now under $EMBER_HOME/scratch, removed once the ranks' ends are read, whether they succeeded
+    or failed. A fresh interpreter: the agent sets signal handlers of its own in the process."""
+    tmp, home = tmp_path / "tmp", tmp_path / "home"
+    tmp.mkdir()
+    code = ("import sys; from ember.events import Events; from ember.ranks import Topology, launch; "
+            "sys.exit(launch(Topology(2), sys.argv[1:], 'leftovers', Events()))")
+    for rank, code_out in [("pass", 0), ("import sys; sys.exit(3)", EXIT_ERROR)]:
+        done = subprocess.run([sys.executable, "-c", code, "-c", rank], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "TMPDIR": str(tmp), "EMBER_HOME": str(home)}, timeout=300)
+        assert done.returncode == code_out, done.stderr
+        assert list(tmp.iterdir()) == [], f"left in $TMPDIR by ranks of {rank!r}"
+        assert list(home.glob("scratch/*")) == [], f"left in $EMBER_HOME/scratch by ranks of {rank!r}"
