@@ -43,8 +43,8 @@ SPLIT = {"tests/e2e/test_crash_consistency.py", "tests/e2e/test_resume.py", "tes
          "tests/e2e/test_plan.py", "tests/e2e/test_guards.py", "tests/e2e/test_supervise.py",
          "tests/e2e/test_rerun.py", "tests/e2e/test_serve.py"}
 # The files whose tests start ranks from a forkserver (tests/parallel/ranks.py): one unit, so that
-# one worker starts one forkserver for all of them (its preload imports transformers, ~3.5 CPU-s),
-# not each worker that drew one of them.
+# one worker starts one forkserver for all of them (its preload imports torch, the Llama model's
+# module and peft, ~6 CPU-s), not each worker that drew one of them.
 ONE_FORKSERVER = {"tests/parallel/test_ddp.py", "tests/parallel/test_fsdp.py", "tests/parallel/test_fsdp_tp.py",
                   "tests/parallel/test_tp.py"}
 # test_serve.py's tests mostly wait (paced jobs, forked warm) and each is a unit: handed out

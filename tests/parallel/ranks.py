@@ -89,6 +89,10 @@ def _worker(rank: int, world: int, name: str, tp_size: int, folder: str, lora: b
 
 def apply_on_ranks(name: str, world: int, folder: Path, tp_size: int = 2, lora: bool = False) -> list[dict]:
     """Each rank's figures for strategy `name` applied on `world` ranks."""
-    mp.set_forkserver_preload(["transformers", "ember.models", "ember.parallel.registry"])
+    # What every rank imports, once in the forkserver: the model's module itself (the top-level
+    # `transformers` is a lazy module that imports none of it: each rank paid ~4 CPU-s), peft for
+    # the LoRA ranks (~1.6 CPU-s each), and this module with torch.
+    mp.set_forkserver_preload([__name__, "transformers.models.llama.modeling_llama", "peft", "ember.models",
+                               "ember.parallel.registry"])
     mp.start_processes(_worker, args=(world, name, tp_size, str(folder), lora), nprocs=world, start_method="forkserver")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
