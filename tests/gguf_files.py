@@ -5,6 +5,7 @@ the shipped GGUF), each kind of decoder matrix quantized by gguf-py to another t
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -23,16 +24,25 @@ TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q
 F32_LAYER = "blk.1.ffn_down"  # this one stays f32 in the file, and an nn.Linear in the model
 
 
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer_fields() -> list[tuple]:
+    """The shipped SmolLM2 GGUF's tokenizer keys (ember.infer.gguf_export.gguf_tokenizer_fields),
+    parsed once per process: ~3-4 CPU-s a parse here, and a worker writes several tiny files."""
+    from ember.infer.gguf_export import gguf_tokenizer_fields
+    return gguf_tokenizer_fields(resolve_path(SMOLLM2_GGUF))
+
+
 def write_tiny_gguf(path: Path, types: dict[str, str], f32: tuple[str, ...] = (F32_LAYER,)) -> Path:
     """TINY, seeded, as a GGUF file whose decoder matrices are quantized by gguf-py to `types`."""
     import gguf
-    from ember.infer.gguf_export import copy_gguf_tokenizer, llama_tensors, write_hparams
+    from ember.infer.gguf_export import llama_tensors, write_hparams
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name("tiny")
     write_hparams(writer, TINY, "f32")
-    copy_gguf_tokenizer(writer, resolve_path(SMOLLM2_GGUF))
+    for key, value, vtype, sub in smollm2_tokenizer_fields():  # as copy_gguf_tokenizer writes them
+        writer.add_key_value(key, value, vtype, sub_type=sub)
     for name, array in llama_tensors(model.state_dict(), TINY, "f32"):
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if kind in types and not name.startswith(f32):

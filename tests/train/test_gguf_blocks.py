@@ -6,6 +6,7 @@ uses, the plan's trace against a measured step, and the refusals. The demo job's
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -215,7 +216,7 @@ def test_a_first_run_of_a_gguf_file_parses_it_once(tmp_path, monkeypatch):
     from tests.helpers import with_cpu_peak, write_recipe
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))  # nothing converted or indexed yet
     with_cpu_peak(tmp_path / "home")
-    path = write_tiny_gguf(tmp_path / "once.gguf", TYPES)
+    path = Path(shutil.copy(shared_tiny_gguf(), tmp_path / "once.gguf"))  # write_tiny_gguf's file of TYPES
     recipe = load_recipe(write_recipe(tmp_path / "r", model={"path": str(path)}, train={"max_steps": 1},
                                       method={**LORA, "quantize": "gguf"}))
     for out, parsed in (("first", 1), ("again", 0)):
