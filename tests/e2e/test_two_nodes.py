@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests import netns
-from tests.helpers import ROOT, assert_same_result, write_recipe
+from tests.helpers import ROOT, assert_same_result, run_ember, write_recipe
 
 WHY = netns.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two-node tests need network namespaces: {WHY}")
@@ -41,8 +41,8 @@ def on_both(a: netns.Node, b: netns.Node, *args: str, timeout: float = 300) -> t
 
 def test_two_nodes_train_what_two_local_ranks_train(tmp_path):
     r = write_recipe(tmp_path, train={"max_steps": 8, "grad_accum": 2}, checkpoint={"every_steps": 5})
-    local = subprocess.run([sys.executable, "-m", "ember", "run", str(r), "--out", str(tmp_path / "local"),
-                            "--no-ledger", "--nproc", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    # The reference: two ranks on this node, forked warm (only the nodes must start in their namespaces)
+    local = run_ember("run", r, "--out", tmp_path / "local", "--no-ledger", "--nproc", "2")
     assert local.returncode == 0, local.stderr[-3000:]
     with netns.two_nodes() as (a, b):
         on_both(a, b, "run", str(r), "--out", str(tmp_path / "nodes"), "--no-ledger", "--nproc", "1")
