@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,24 +80,13 @@ def test_a_command_whose_client_left_before_it_learned_the_pid_is_killed(tmp_pat
     just after it asked) leaves no command running: at once, before the warm process could send
     the PID; or after the PID line came, unread (its socket is then reset, not closed). The
     command runs in a folder of its own, by which it is found."""
-    folder = tmp_path / "cwd"
-    folder.mkdir()
-    recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
-    env = {**os.environ, "EMBER_HOME": str(tmp_path / "home")}
-    request = json.dumps({"argv": ["run", str(recipe), "--out", str(tmp_path / "run")], "cwd": str(folder),
-                          "env": env})
-    stdio = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY)]
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn, folder = _ask_for_a_long_run(warm._instance().path, tmp_path)
     try:
-        conn.connect(warm._instance().path)
-        socket.send_fds(conn, [request.encode() + b"\n"], stdio)
         if leaves == "with the PID unread":
             assert select.select([conn], [], [], 120)[0], "no PID line from the warm process within 120 s"
     finally:
         conn.close()  # before reading the answer
-        for fd in stdio:
-            os.close(fd)
-    assert warm.run(["--version"], env, ROOT, timeout=120).returncode == 0  # served after the one above
+    assert warm.run(["--version"], dict(os.environ), ROOT, timeout=120).returncode == 0  # served after the one above
     _none_left_in(folder, "their client left")
 
 
@@ -105,25 +95,38 @@ def test_a_command_ends_with_the_warm_process_that_forked_it(tmp_path):
     than train on with no one to answer or stop them (a run of 100,000 steps here, its client
     still connected). A warm process of this test's own, SIGKILLed."""
     own = warm._Warm.start()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         own.wait_ready()
-        folder = tmp_path / "cwd"
-        folder.mkdir()
-        request = json.dumps({"argv": ["run", str(write_recipe(tmp_path, train={"max_steps": 100_000})), "--out",
-                                       str(tmp_path / "run")], "cwd": str(folder),
-                              "env": {**os.environ, "EMBER_HOME": str(tmp_path / "home")}})
-        stdio = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY)]
-        conn.connect(own.path)
+        conn, folder = _ask_for_a_long_run(own.path, tmp_path)
+        with conn:
+            assert b"pid" in conn.makefile("rb").readline()  # forked
+            os.kill(own.pid, signal.SIGKILL)
+            _none_left_in(folder, "the warm process was killed")
+    finally:
+        own.close()
+
+
+def _ask_for_a_long_run(path: str, tmp_path: Path) -> tuple[socket.socket, Path]:
+    """Connected to the warm process at `path`, asked for a run of 100,000 steps whose working
+    folder is its own (returned, with the connection, by which the test finds its processes);
+    its stdio is /dev/null, this process's copies closed once sent."""
+    folder = tmp_path / "cwd"
+    folder.mkdir()
+    recipe = write_recipe(tmp_path, train={"max_steps": 100_000})
+    request = json.dumps({"argv": ["run", str(recipe), "--out", str(tmp_path / "run")], "cwd": str(folder),
+                          "env": {**os.environ, "EMBER_HOME": str(tmp_path / "home")}})
+    stdio = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY)]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
         socket.send_fds(conn, [request.encode() + b"\n"], stdio)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
         for fd in stdio:
             os.close(fd)
-        assert b"pid" in conn.makefile("rb").readline()  # forked
-        os.kill(own.pid, signal.SIGKILL)
-        _none_left_in(folder, "the warm process was killed")
-    finally:
-        conn.close()
-        own.close()
+    return conn, folder
 
 
 def _none_left_in(folder, since: str) -> None:
