@@ -9,7 +9,8 @@ hashes of large files.
       machine.toml              this machine's prices and power (docs/machine.md)
       runs/NAME/                default run folders of jobs
       models/                   GGUF files dequantized into model folders
-      scratch/                  private working folders (the doctor's jobs)
+      scratch/                  private working folders: the doctor's and preflight's jobs, the
+                                ranks' error files (ember.scratch: one made removes those of dead owners)
       cache/tokens/KEY/         token caches of training data
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
@@ -30,7 +31,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,13 +216,6 @@ def default_run_folder(name: str) -> Path:
         raise Refused(f"run folder {root / name} resolves to {folder}, outside {root}; remove "
                       f"the link or give the job an --out")
     return folder
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A new private folder under $EMBER_HOME/scratch (on the same disk as the runs' caches)."""
-    root = home().scratch
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
 def cached_sha256(path: Path) -> str:

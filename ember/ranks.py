@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -35,7 +34,8 @@ from ember.errors import EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_OK, Ember
 from ember.events import Events
 from ember.lock import LAUNCHER
 from ember.parallel.placement import rank_name
-from ember.paths import ascii_digits, scratch_dir
+from ember.paths import ascii_digits
+from ember.scratch import scratch
 
 SHUTDOWN_SECONDS = 120  # after a signal: a checkpoint's time for the ranks, then SIGKILL
 PEER_LOST = "a collective failed: another rank is gone"  # what a rank leaves the launcher then
@@ -94,23 +94,22 @@ def launch(topology: Topology, rank_argv: list[str], run_name: str, events: Even
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_configs": {}}
     # The agent keeps the ranks' error files in a folder it never removes (a /tmp/torchelastic_*
     # each launch, by default): this one goes once their ends are read (ProcessFailure reads them).
-    logs = scratch_dir("ranks-")
-    config = LaunchConfig(min_nodes=t.nnodes, max_nodes=t.nnodes, nproc_per_node=t.nproc,
-                          run_id=f"ember-{run_name}", max_restarts=0, monitor_interval=0.1,
-                          shutdown_timeout=SHUTDOWN_SECONDS, logs_specs=DefaultLogsSpecs(log_dir=str(logs)), **rdzv)
-    os.environ[LAUNCHER] = str(os.getpid())
-    events.stage(f"starting {t.nproc} ranks" + (f" on node {t.node_rank} of {t.nnodes}" if t.nnodes > 1 else ""))
-    try:
-        elastic_launch(config, sys.executable)(*rank_argv)
-        return EXIT_OK
-    except SignalException as e:  # the agent forwarded it and waited for the ranks
-        events.info(f"{e.sigval.name}: the ranks were asked to checkpoint and stop")
-        return EXIT_INTERRUPTED
-    except ChildFailedError as e:
-        return ended(e.failures, events, newest(), named)
-    finally:
-        os.environ.pop(LAUNCHER, None)
-        shutil.rmtree(logs, ignore_errors=True)
+    with scratch("ranks-") as logs:
+        config = LaunchConfig(min_nodes=t.nnodes, max_nodes=t.nnodes, nproc_per_node=t.nproc,
+                              run_id=f"ember-{run_name}", max_restarts=0, monitor_interval=0.1,
+                              shutdown_timeout=SHUTDOWN_SECONDS, logs_specs=DefaultLogsSpecs(log_dir=str(logs)), **rdzv)
+        os.environ[LAUNCHER] = str(os.getpid())
+        events.stage(f"starting {t.nproc} ranks" + (f" on node {t.node_rank} of {t.nnodes}" if t.nnodes > 1 else ""))
+        try:
+            elastic_launch(config, sys.executable)(*rank_argv)
+            return EXIT_OK
+        except SignalException as e:  # the agent forwarded it and waited for the ranks
+            events.info(f"{e.sigval.name}: the ranks were asked to checkpoint and stop")
+            return EXIT_INTERRUPTED
+        except ChildFailedError as e:
+            return ended(e.failures, events, newest(), named)
+        finally:
+            os.environ.pop(LAUNCHER, None)
 
 
 def ended(failures: dict, events: Events, newest: int | None = None, name: Callable[[int], str] = rank_name) -> int:

@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ember"
 
 LAYERS = [
-    {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "device", "hardware", "control", "cgroup",
-     "world"},  # base
+    {"errors", "faults", "proc", "jsonl", "durable", "paths", "events", "lock", "scratch", "device", "hardware",
+     "control", "cgroup", "world"},  # base
     {"config", "recipe", "models", "parallel"},  # parallel: the strategies' descriptions, which the recipe names
     {"ckpt", "ledger", "metrics", "runfolder", "launchspec"},
     {"data", "train", "plan", "policy", "infer"},

@@ -25,7 +25,7 @@ from ember.doctor.measure import build_for_measurement, calibrate, loader_rate
 from ember.errors import EmberError
 from ember.events import Events
 from ember.metrics.compare import weight_differences
-from ember.paths import scratch_dir
+from ember.scratch import scratch
 from ember.plan.planner import make_plan
 from ember.recipe import Recipe
 from ember.data.loader import data_fingerprint, tokenize
@@ -94,8 +94,7 @@ def _ember(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
-    work = scratch_dir("preflight-")
-    try:
+    with scratch("preflight-") as work:
         short = r.with_changes({"train.max_steps": steps, "checkpoint.every_steps": steps - 1,
                                 "checkpoint.every_seconds": 0.0, "checkpoint.keep_last": 2,
                                 "train.restarts": 0}, "preflight's short run")
@@ -138,5 +137,3 @@ def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:
                             + ("loss and final weights bit-identical" if not diffs else "; ".join(diffs))
                             + f" ({took:.1f} s)", {"differences": diffs}))
         return checks
-    finally:
-        shutil.rmtree(work, ignore_errors=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from ember.doctor.diagnose import DdpFigures, difference
 from ember.doctor.experiments.budget import MIN_SAMPLES, Budget, Stop
 from ember.doctor.experiments.protocol import Lab, Result
 from ember.doctor.measure import synthetic
-from ember.paths import scratch_dir
+from ember.scratch import scratch
 from ember.train.loop import train_step
 
 MAX_ROUNDS = 16
@@ -53,11 +52,8 @@ class Ddp:
             return out.skip(f"{self.world} processes need ~{need:.0f} s to start and measure here; "
                             f"{stop.left():.1f} s left of the budget")
         self.lab.events.stage(f"doctor: DDP over gloo, {self.world} processes on loopback")
-        folder = scratch_dir("doctor-ddp-")
-        try:
+        with scratch("doctor-ddp-") as folder:
             result = self._spawn(folder / "result.json", stop, budget.deadline)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
         if result is None:
             return out.skip("the processes were still starting at the budget's deadline")
         if "skipped" in result:

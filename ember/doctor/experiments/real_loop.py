@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import json
 import math
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from ember.doctor.experiments.budget import MIN_SAMPLES
 from ember.events import Event, Events
 from ember.metrics.flops import mfu
 from ember.metrics.stats import percentile
-from ember.paths import scratch_dir
+from ember.scratch import scratch
 from ember.recipe import Recipe
 from ember.train.job import Job, performance, prepare
 from ember.train.loop import train
@@ -125,8 +124,7 @@ def measure_baselines(recipes: list[Recipe], seconds: float, events: Events) -> 
     """The doctor's baseline (the real loop as written) of each recipe, their stretches taken in
     turn for about `seconds`, so a load that comes and goes falls on all of them: a remedy's
     measured effect, to hold its prediction against (tests, bench/doctor_accuracy.py)."""
-    work = scratch_dir("doctor-compare-")
-    try:
+    with scratch("doctor-compare-") as work:
         loops = []
         for i, r in enumerate(recipes):
             loop = RealLoop(events)
@@ -143,5 +141,3 @@ def measure_baselines(recipes: list[Recipe], seconds: float, events: Events) -> 
         return [baseline_figures(loop.job, r, ([w for w, _, _ in got], [p for _, p, _ in got],
                                                 [s for _, _, s in got]), None)
                 for loop, r, got in zip(loops, recipes, found)]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)

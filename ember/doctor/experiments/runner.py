@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from ember.doctor.experiments.sweep import Sweep
 from ember.errors import EmberError
 from ember.events import Events
 from ember.metrics.peaks import measured_cpu_peak
-from ember.paths import scratch_dir
+from ember.scratch import scratch
 from ember.recipe import Recipe
 from ember.train.job import prepare
 
@@ -42,9 +41,8 @@ def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) ->
     budget.pending = ["baseline", "checkpoint", "contention", "input", "sweep", "loader", "profile"]
     budget.pending += ["ddp"] if ddp > 1 else []
     skipped: list[Skipped] = []
-    work = scratch_dir("doctor-")
     loop = RealLoop(events)
-    try:
+    with scratch("doctor-") as work:
         est, cold_start = _warm_up(loop, r, budget, work, events)
         before = cpu_snapshot()
         base = LoopExperiment(loop, endless(r), est, events, mtbf).run(budget)
@@ -65,8 +63,6 @@ def run_all(r: Recipe, budget: Budget, ddp: int, events: Events, mtbf: float) ->
             _record(f, skipped, experiments[name].run(budget))
             budget.done(name)
         loop.job.writer.wait()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     f.step_seconds = reference_step(f)
     return f, skipped
 

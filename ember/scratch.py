@@ -1,0 +1,88 @@
+"""Private working folders under $EMBER_HOME/scratch, each held by the process that made it.
+
+`with scratch("doctor-") as folder:` makes a new folder, holds the lock in it (ember.lock: a
+flock the kernel drops however the process ends) for the block's length, and removes the folder
+after. A process killed inside the block (SIGKILL, a power cut) cannot remove its folder; the
+next folder made under the same $EMBER_HOME does: each one made first removes every folder whose
+lock no process holds any more.
+
+A folder is locked microseconds after it is made, so one whose lock is free is only removed once
+it is older than STALE_AFTER (its last change, not its birth: a dead owner changes nothing). A
+folder with no lock file at all (made by an ember before this module, or whose owner died
+between making it and locking it) is removed once older than UNLOCKED_AFTER: an older ember that
+still runs might be using it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ember.lock import acquire
+from ember.paths import home
+
+LOCK = ".lock"
+STALE_AFTER = 60.0               # seconds since a free folder last changed
+UNLOCKED_AFTER = 24 * 3600.0     # seconds since a folder without a lock file last changed
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A new folder under $EMBER_HOME/scratch (on the same disk as the runs' caches), held by this
+    process while the block runs and removed after it; stale folders of dead owners go first."""
+    root = home().scratch
+    root.mkdir(parents=True, exist_ok=True)
+    reap(root)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    lock = acquire(folder / LOCK, f"the scratch folder {folder}")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.release()
+
+
+def reap(root: Path, now: float | None = None) -> list[Path]:
+    """Remove the folders under `root` that no live process holds (see the module's docstring);
+    the ones removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        age = 0.0
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+            if age < STALE_AFTER:
+                continue
+            fd = os.open(Path(entry.path) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # no lock file (or the folder went meanwhile)
+            if age >= UNLOCKED_AFTER and os.path.isdir(entry.path):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+            continue
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EACCES, errno.ENOTDIR):
+                continue  # not a lock file ember wrote, or not ours to open: left alone
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner lives
+        else:  # held by us now, so no other reaper removes it meanwhile
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+        finally:
+            os.close(fd)
+    return removed
