@@ -116,6 +116,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE remote_jobs RENAME COLUMN slurm_id TO backend_id;
     ALTER TABLE remote_jobs ADD COLUMN backend TEXT NOT NULL DEFAULT 'slurm';
     """,
+    # 8: a local job's own hold after each transition, and a hold set or lifted is a transition of
+    # its own: ageing counts the time a job could have started (ember.ledger.job_rows.waited_seconds).
+    # Transitions before this one read as unheld.
+    """
+    ALTER TABLE job_transitions ADD COLUMN hold TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

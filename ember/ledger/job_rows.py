@@ -24,7 +24,7 @@ class JobRow:
     submitted: float                 # when it joined the queue: submitted, or requeued by hand
     updated: float
     request: dict[str, Any]
-    hold: str | None = None          # why a queued job may not start: "user", "yield"
+    hold: str | None = None          # why it may not start: "user" (held by hand), "interrupted", "cancel"
     started: float | None = None
     pid: int | None = None
     pid_start: str | None = None     # the process's start time (/proc), so a reused PID is not it
@@ -51,7 +51,7 @@ def insert(con: sqlite3.Connection, name: str, recipe: str, out: str, overrides:
                     "updated, request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job_id, name, recipe, out, json.dumps(overrides), priority, state, now, now,
                      json.dumps(request)))
-        con.execute("INSERT INTO job_transitions VALUES (?, ?, NULL, ?, 'submitted')", (job_id, now, state))
+        con.execute("INSERT INTO job_transitions VALUES (?, ?, NULL, ?, 'submitted', NULL)", (job_id, now, state))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -95,16 +95,19 @@ def next_id(con: sqlite3.Connection) -> int:
 def set_state(con: sqlite3.Connection, job_id: int, expect: str, state: str, why: str,
               fields: dict[str, Any]) -> bool:
     """Compare-and-set: move the job from `expect` to `state` with `fields`, in one transaction,
-    logging the transition. False (nothing changed) if the job was not in `expect`."""
+    logging the transition (a change of state, or of the job's hold). False (nothing changed) if
+    the job was not in `expect`."""
     sets = {**{k: json.dumps(v) if k in JSON_FIELDS else v for k, v in fields.items()},
             "state": state, "updated": time.time()}
     con.execute("BEGIN IMMEDIATE")
     try:
+        before = con.execute("SELECT hold FROM jobs WHERE id = ? AND state = ?", (job_id, expect)).fetchone()
         cur = con.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ? AND state = ?",
                           (*sets.values(), job_id, expect))
-        if cur.rowcount == 1 and state != expect:
-            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, ?, ?)",
-                        (job_id, sets["updated"], expect, state, why))
+        hold = fields.get("hold", before["hold"] if before else None)
+        if cur.rowcount == 1 and (state != expect or hold != before["hold"]):
+            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, ?, ?, ?)",
+                        (job_id, sets["updated"], expect, state, why, hold))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -119,7 +122,8 @@ def remove(con: sqlite3.Connection, job_id: int, expect: str, why: str) -> bool:
     try:
         cur = con.execute("DELETE FROM jobs WHERE id = ? AND state = ?", (job_id, expect))
         if cur.rowcount == 1:
-            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, 'purged', ?)", (job_id, time.time(), expect, why))
+            con.execute("INSERT INTO job_transitions VALUES (?, ?, ?, 'purged', ?, NULL)",
+                        (job_id, time.time(), expect, why))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -128,16 +132,21 @@ def remove(con: sqlite3.Connection, job_id: int, expect: str, why: str) -> bool:
 
 
 def waited_seconds(con: sqlite3.Connection, job: JobRow, now: float) -> float:
-    """Seconds `job` has spent queued since it was submitted (or requeued by hand): the time it
-    waited, not the time it ran between a start and a preemption or a yield."""
+    """Seconds `job` has spent queued without a hold of its own since it was submitted (or
+    requeued by hand): the time it could have started, not the time it ran between a start and a
+    preemption or a yield, nor the time it was held by hand (else holding a job and releasing it
+    would raise its priority: as Slurm's age factor, which held jobs do not accrue). The holds of
+    the whole machine (the owner's rules, `ember yield`) hold every job alike and are not counted
+    here."""
     total, since = 0.0, None
-    for t in con.execute("SELECT time, from_state, to_state FROM job_transitions WHERE job_id = ? AND time >= ? "
+    for t in con.execute("SELECT time, to_state, hold FROM job_transitions WHERE job_id = ? AND time >= ? "
                          "ORDER BY rowid", (job.id, job.submitted)):
-        if t["to_state"] == "queued" and since is None:
+        eligible = t["to_state"] == "queued" and t["hold"] is None
+        if eligible and since is None:
             since = t["time"]
-        elif t["from_state"] == "queued" and t["to_state"] != "queued" and since is not None:
+        elif not eligible and since is not None:
             total, since = total + t["time"] - since, None
-    if job.state == "queued":
+    if job.state == "queued" and job.hold is None:
         total += now - (job.submitted if since is None else since)
     return max(0.0, total)
 

@@ -5,8 +5,9 @@
 Rules, in order:
   - Order: effective priority = priority + seconds waited / AGEING_SECONDS (one level per ten
     minutes), ties by the longer wait. Ageing is the no-starvation rule: a job that waits long
-    enough overtakes any newer job of a higher priority. Waited is time spent queued: a job back
-    from a preemption or a yield ages from where it left off, not over the time it ran.
+    enough overtakes any newer job of a higher priority. Waited is time spent queued without a
+    hold of its own: a job back from a preemption or a yield ages from where it left off, not
+    over the time it ran, nor over the time it was held by hand (ember.ledger.job_rows.waited_seconds).
   - Packing: a job needs `count` devices with `memory` bytes each (its plan's peak with margin).
     It goes to the devices with the least room that still fit it (best fit), so small jobs share
     a device and a large one keeps a whole device; jobs already placed count against a device.

@@ -157,6 +157,39 @@ def test_a_job_back_from_preemption_ages_by_the_time_it_waited_not_the_time_it_r
     assert "no backfill" not in d.waiting.get(small.id, "")
 
 
+def test_a_job_held_by_hand_does_not_age_while_held(queue, tmp_path):
+    """A job queued an hour ago and held by hand for 40 minutes of it counted the hold as waiting:
+    +6 priority levels on release, so holding a job of priority 0 and releasing it put it before a
+    job of priority 3 submitted a minute ago (the way to raise one's own job that Slurm's age
+    factor closes: held jobs do not accrue it). It ages by the 20 minutes it could have started."""
+    import time
+    from ember.hardware import Device
+    from ember.sched.scheduler import Scheduler
+    now = time.time()
+    job = add(queue, tmp_path, "held")
+    job = queue.move(job, "queued", "held by hand", hold="user")
+    job = queue.move(job, "queued", "resumed by hand", hold=None)
+    assert job.hold is None
+    con = queue.con
+    con.execute("UPDATE jobs SET submitted = ? WHERE id = ?", (now - 3600, job.id))
+    for why, at in (("submitted", now - 3600), ("held by hand", now - 3000), ("resumed by hand", now - 600)):
+        con.execute("UPDATE job_transitions SET time = ? WHERE job_id = ? AND why = ?", (at, job.id, why))
+    con.commit()
+    job = queue.get(job.id)
+    assert queue.waited(job, now) == pytest.approx(1200.0)
+    urgent = add(queue, tmp_path, "urgent", priority=3)
+    con.execute("UPDATE jobs SET submitted = ? WHERE id = ?", (now - 60, urgent.id))
+    con.execute("UPDATE job_transitions SET time = ? WHERE job_id = ?", (now - 60, urgent.id))
+    con.commit()
+    waiting = [job, queue.get(urgent.id)]
+    one = Device(0, "sim:0", "sim", 1 << 20, 1 << 20)  # room for one of them
+    d = Scheduler((one,)).admit(waiting, [], [], {0: 1 << 20}, now, {j.id: queue.waited(j, now) for j in waiting})
+    assert d.start == {urgent.id: (0,)}, d.waiting
+    # Held again now: it waits no longer, whatever the time.
+    held = queue.move(job, "queued", "held by hand", hold="user")
+    assert queue.waited(held, now + 3600) == pytest.approx(queue.waited(held, now + 1), abs=2.0)
+
+
 def test_a_job_that_kept_its_admitted_recipe_is_requeued_without_the_file(queue, tmp_path):
     """The job trains the recipe as admitted (its request keeps it, ember.launchspec): a requeue
     does not need the file, which may since have been moved or edited."""
