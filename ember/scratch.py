@@ -6,6 +6,10 @@ after. A process killed inside the block (SIGKILL, a power cut) cannot remove it
 next folder made under the same $EMBER_HOME does: each one made first removes every folder whose
 lock no process holds any more.
 
+Only this host's folders are judged (their names end with `.HOST`): a $EMBER_HOME shared over
+NFS by the nodes of a distributed run holds every node's, and a flock need not be seen across
+hosts (NFS mounted with local_lock), so another host's live folder could look free from here.
+
 A folder is locked microseconds after it is made, so one whose lock is free is only removed once
 it is older than STALE_AFTER (its last change, not its birth: a dead owner changes nothing). A
 folder with no lock file at all (made by an ember before this module, or whose owner died
@@ -19,7 +23,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,7 +46,7 @@ def scratch(prefix: str) -> Iterator[Path]:
     root = home().scratch
     root.mkdir(parents=True, exist_ok=True)
     reap(root)
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=_host_suffix(), dir=root))
     lock = acquire(folder / LOCK, f"the scratch folder {folder}")
     try:
         yield folder
@@ -53,6 +59,7 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
     """Remove the folders under `root` that no live process holds (see the module's docstring);
     the ones removed."""
     now = time.time() if now is None else now
+    mine = _host_suffix()
     removed = []
     try:
         entries = list(os.scandir(root))
@@ -61,8 +68,8 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
     for entry in entries:
         age = 0.0
         try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
+            if not entry.is_dir(follow_symlinks=False) or ("." in entry.name and not entry.name.endswith(mine)):
+                continue  # not a folder, or another host's (a folder without a host is an older ember's)
             age = now - entry.stat(follow_symlinks=False).st_mtime
             if age < STALE_AFTER:
                 continue
@@ -86,3 +93,7 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def _host_suffix() -> str:
+    return "." + (re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host")

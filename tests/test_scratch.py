@@ -1,6 +1,7 @@
 """$EMBER_HOME/scratch keeps no folder of a dead process (ember.scratch): a launcher, doctor or
 preflight SIGKILLed inside its working folder left it there for good before; the next folder
-made now removes it, and never one whose owner lives or that was only just made."""
+made now removes it, and never one whose owner lives, that was only just made, or that another
+host made (a $EMBER_HOME shared over NFS)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def test_the_folder_of_a_killed_owner_goes_with_the_next_one_made(tmp_path, monk
         recent_no_lock.mkdir()
         aged(str(no_lock), UNLOCKED_AFTER + 5)
         aged(str(recent_no_lock), STALE_AFTER + 5)  # may still be in use by that older ember
+        # Another node's, through a $EMBER_HOME on NFS whose flocks this host may not see.
+        other_host = tmp_path / "scratch" / "ranks-x1y2z3.another-node"
+        other_host.mkdir()
+        (other_host / ".lock").write_text("4242\n")
+        aged(str(other_host), UNLOCKED_AFTER + 5)
 
         with scratch("next-") as mine:
             assert mine.is_dir() and mine.parent == tmp_path / "scratch"
@@ -61,6 +67,7 @@ def test_the_folder_of_a_killed_owner_goes_with_the_next_one_made(tmp_path, monk
             assert os.path.exists(just_killed_folder), "a free folder changed a moment ago was removed"
             assert os.path.exists(f"{living_folder}/work"), "a living owner's folder was removed"
             assert recent_no_lock.is_dir(), "an unlocked folder younger than a day was removed"
+            assert other_host.is_dir(), "another host's folder was judged from here"
         assert not mine.exists(), "the block's own folder was left"
     finally:
         living.stdin.close()
