@@ -149,7 +149,8 @@ def _inherited(path: Path) -> Lock | None:
         return None
     try:
         fd = int(value)
-        same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        mine, theirs = os.fstat(fd), os.stat(path)
+        same = (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)  # an inode number is per disk
     except (ValueError, OSError):
         return None
     if not same:

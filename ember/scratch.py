@@ -47,7 +47,11 @@ def scratch(prefix: str) -> Iterator[Path]:
     root.mkdir(parents=True, exist_ok=True)
     reap(root)
     folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=_host_suffix(), dir=root))
-    lock = acquire(folder / LOCK, f"the scratch folder {folder}")
+    try:
+        lock = acquire(folder / LOCK, f"the scratch folder {folder}")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     try:
         yield folder
     finally:
@@ -73,7 +77,9 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
             age = now - entry.stat(follow_symlinks=False).st_mtime
             if age < STALE_AFTER:
                 continue
-            fd = os.open(Path(entry.path) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+            # Open for writing, as its owner did: where NFS makes flock a POSIX lock, an
+            # exclusive one needs a file open for writing.
+            fd = os.open(Path(entry.path) / LOCK, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:  # no lock file (or the folder went meanwhile)
             if age >= UNLOCKED_AFTER and os.path.isdir(entry.path):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -85,8 +91,8 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its owner lives
+        except OSError:  # its owner lives (EWOULDBLOCK); or no lock to be had here (ENOLCK): kept
+            continue
         else:  # held by us now, so no other reaper removes it meanwhile
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))

@@ -118,9 +118,12 @@ MIGRATIONS: list[str] = [
     """,
     # 8: a local job's own hold after each transition, and a hold set or lifted is a transition of
     # its own: ageing counts the time a job could have started (ember.ledger.job_rows.waited_seconds).
-    # Transitions before this one read as unheld.
+    # Transitions before this one read as unheld; a job held as it runs gets a row saying so, from
+    # its last change (the hold's, as likely as not), so its hold stops its ageing from there.
     """
     ALTER TABLE job_transitions ADD COLUMN hold TEXT;
+    INSERT INTO job_transitions SELECT id, updated, state, state, 'held (as the ledger was upgraded)', hold
+        FROM jobs WHERE hold IS NOT NULL;
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

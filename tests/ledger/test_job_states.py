@@ -76,3 +76,28 @@ def test_a_ledger_from_before_backends_opens_with_its_remote_jobs_kept(tmp_path)
     (job,) = remote_rows.find(con, "81234")
     assert (job.name, job.backend, job.backend_id, job.state, job.cost) == ("old", "slurm", "81234", "completed", 2.5)
     assert remote_rows.month_spend(con, "hpc", 0.0, job_states.REMOTE_FINAL) == 2.5
+
+
+def test_a_job_held_as_the_ledger_is_upgraded_stops_ageing_from_its_hold(tmp_path):
+    """Schema 7 wrote no row for a hold: a job held by hand before the upgrade and released after
+    it would have counted its whole hold as waiting. Migrated, it has a row from its last change
+    (when it was held), and ages only while it could start."""
+    path = tmp_path / "ledger.db"
+    old = sqlite3.connect(path)
+    for script in store.MIGRATIONS[:7]:
+        old.executescript(script)
+    old.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (7);")
+    for job_id, name, hold in ((1, "held", "user"), (2, "free", None)):
+        old.execute("INSERT INTO jobs (id, name, recipe, out, overrides, priority, state, hold, submitted, updated, "
+                    "request) VALUES (?, ?, '/r.toml', ?, '[]', 0, 'queued', ?, 1000.0, 1600.0, '{}')",
+                    (job_id, name, f"/runs/{name}", hold))
+        old.execute("INSERT INTO job_transitions VALUES (?, 1000.0, NULL, 'queued', 'submitted')", (job_id,))
+    old.commit()
+    old.close()
+    con = store.connect(path)
+    held, free = job_rows.get(con, 1), job_rows.get(con, 2)
+    assert job_rows.waited_seconds(con, held, 5000.0) == pytest.approx(600.0)  # queued 1000 -> held 1600
+    assert job_rows.waited_seconds(con, free, 5000.0) == pytest.approx(4000.0)  # never held: no row added
+    assert [t["why"] for t in job_rows.transitions(con, 2)] == ["submitted"]
+    released = move(con, held, "queued", "resumed by hand", hold=None)
+    assert job_rows.waited_seconds(con, released, released.updated + 100) == pytest.approx(700.0)
