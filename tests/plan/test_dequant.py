@@ -185,26 +185,21 @@ def test_a_4_bit_call_timed_no_slower_than_a_plain_one_leaves_its_time_unknown_n
     its bytes at 1e-12 s: about 5e9 GB/s, QLoRA's 4-bit calls free, and `ember plan --fit` picked
     QLoRA over a faster LoRA (tests/plan/test_fit.py, seen in a parallel run of the suite). Now the
     rate is unknown, said why, and QLoRA is left out of the search with that reason, as where no
-    rate can be measured. A 4-bit linear whose calls are the plain one's stands in for the noise."""
+    rate can be measured. A 4-bit "linear" cheaper than the plain one stands in for the noise: one
+    that called the plain linear itself timed >10% slower than it at 64x64 once, at 75% load (its
+    codes' `.t()` and the lookups around it are a few µs of a ~20 µs call)."""
     import bitsandbytes
 
     from ember.metrics import peaks
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
 
-    class NoExtra:  # bitsandbytes, its 4-bit matmul costing what a plain linear costs
+    class NoExtra:  # bitsandbytes, its 4-bit matmul costing less than a plain linear
         functional = bitsandbytes.functional
 
         @staticmethod
         def matmul_4bit(x, codes_t, quant_state):
-            return torch.nn.functional.linear(x, quant_state.weight)
-    originals = bitsandbytes.functional.quantize_4bit
-
-    def quantize(w, **kwargs):  # the codes as bitsandbytes packs them, the weight kept for the stand-in
-        codes, state = originals(w, **kwargs)
-        state.weight = w
-        return codes, state
+            return x.sum(-1, keepdim=True)  # a gradient to x, as the linear's, without its product
     monkeypatch.setattr(peaks, "_quiet_bitsandbytes", lambda: NoExtra)
-    monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", quantize)
     rate = memory_bandwidth(0.0, "cpu", "cpu", 1, dequantize_once)
     assert rate.bytes_per_s is None, rate
     assert "NF4 linear timed no slower than a plain one (within 10%) on this CPU" in rate.source and "set [cost] memory_gbps" in rate.source

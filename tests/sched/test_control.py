@@ -1,6 +1,7 @@
 """The soft-pause files between the service and a training process."""
 
 import threading
+import time
 
 from ember import control
 from ember.control import PausePoint
@@ -11,13 +12,20 @@ def test_pause_waits_until_lifted_and_reports_its_reason(tmp_path):
     point = PausePoint(tmp_path, lambda: False, lambda: released.append(1))
     assert point.check() is None  # no file: one stat, nothing else
     seq = control.request(tmp_path, "inference")
-    lift = threading.Timer(0.3, control.request, (tmp_path, None))
-    lift.start()
     result = []
     waiter = threading.Thread(target=lambda: result.append(point.check()), daemon=True)
     waiter.start()
-    waiter.join(timeout=60)  # returns once lifted; 60 s is 200x the lift's 0.3 s
-    assert result, "the pause was lifted after 0.3 s, but check() had not returned 60 s later"
+    # Lifted 0.3 s after the waiter said it paused, not 0.3 s after the request: on a loaded
+    # machine the thread once began its check() after a timer had lifted the pause already, and
+    # found nothing to pause for (a `make test` run beside the suite).
+    deadline = time.monotonic() + 60
+    while (control.acknowledged(tmp_path) or {}).get("state") != "paused":
+        assert time.monotonic() < deadline, f"no 'paused' acknowledgement in 60 s: {control.acknowledged(tmp_path)}"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    control.request(tmp_path, None)
+    waiter.join(timeout=60)  # returns once lifted; 60 s is 200x the 0.3 s it was paused
+    assert result, "the pause was lifted, but check() had not returned 60 s later"
     held = result[0]
     assert held is not None and held.kind == "pause_inference" and held.end - held.start >= 0.25
     assert released == [1]
