@@ -124,7 +124,7 @@ class Dispatcher:
         """Start what fits (ember.sched.admission); preempt lower priorities for higher ones."""
         capacities = {d.index: self.capacity(d) for d in self.scheduler.devices}
         queued = self.jobs.queued()
-        waited = {j.id: self.jobs.waited(j, now) for j in queued}  # ageing: time waited, not time run
+        waited = self.jobs.waited_all(queued, now)  # ageing: time it could have started, not time run
         decision = self.scheduler.admit(queued, self.jobs.live(), holds, capacities, now, waited)
         for victim in decision.preempt:
             job = self.jobs.get(victim)

@@ -63,8 +63,12 @@ class JobQueue:
         return [j for j in rows.all_jobs(self.con, ("queued",)) if j.hold is None]
 
     def waited(self, job: JobRow, now: float) -> float:
-        """Seconds the job has spent queued since it was submitted (or requeued by hand)."""
+        """Seconds the job could have started since it was submitted (or requeued by hand)."""
         return rows.waited_seconds(self.con, job, now)
+
+    def waited_all(self, jobs: list[JobRow], now: float) -> dict[int, float]:
+        """`waited` of each of these queued jobs, by id, in one query."""
+        return rows.waited_seconds_of(self.con, jobs, now)
 
     def run_of(self, job: JobRow) -> str | None:
         """The ledger's id of the run in the job's folder; None before it trained."""

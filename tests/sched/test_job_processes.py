@@ -3,6 +3,7 @@ started and reaped with its exit code and its log; an adopted process known by P
 time, signalled only while it is that process; its tree killed; the soft-pause requests written
 to its control folder; its files removed by a purge. Every process here is one this test started."""
 
+import dataclasses
 import json
 import signal
 import sys
@@ -37,7 +38,7 @@ def sleeper(tmp_path, argv=("sleep", "60")) -> process.Spawned:
 def test_a_started_job_is_its_own_ember_run_reaped_with_its_exit_code_and_log(procs, tmp_path):
     j = job(tmp_path)
     spawned = procs.start(j, (Device(1, "sim:1", "sim", 1 << 30, 1 << 30),))
-    j.pid, j.pid_start = spawned.pid, spawned.start
+    j = dataclasses.replace(j, pid=spawned.pid, pid_start=spawned.start)  # as the service's row says after the start
     code = wait_until("ember run to refuse the missing recipe", lambda: procs.exit_code(j), timeout=120)
     assert code == 1
     log = procs.log_path(j).read_text()
