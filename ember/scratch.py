@@ -47,28 +47,23 @@ def scratch(prefix: str) -> Iterator[Path]:
     root.mkdir(parents=True, exist_ok=True)
     reap(root)
     folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=_host_suffix(), dir=root))
+    lock = None
     try:
         lock = acquire(folder / LOCK, f"the scratch folder {folder}")
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    try:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
-def reap(root: Path, now: float | None = None) -> list[Path]:
-    """Remove the folders under `root` that no live process holds (see the module's docstring);
-    the ones removed."""
-    now = time.time() if now is None else now
-    mine = _host_suffix()
-    removed = []
+def reap(root: Path) -> None:
+    """Remove the folders under `root` that no live process holds (see the module's docstring)."""
+    now, mine = time.time(), _host_suffix()
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
-        return removed
+        return
     for entry in entries:
         age = 0.0
         try:
@@ -83,7 +78,6 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
         except FileNotFoundError:  # no lock file (or the folder went meanwhile)
             if age >= UNLOCKED_AFTER and os.path.isdir(entry.path):
                 shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
             continue
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EACCES, errno.ENOTDIR):
@@ -95,10 +89,8 @@ def reap(root: Path, now: float | None = None) -> list[Path]:
             continue
         else:  # held by us now, so no other reaper removes it meanwhile
             shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
         finally:
             os.close(fd)
-    return removed
 
 
 def _host_suffix() -> str:

@@ -3,9 +3,9 @@ may follow which, and who may change it, is ember.ledger.job_states."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,25 +39,19 @@ class JobRow:
 # a second, and decoding each one's request (its whole resolved recipe, ~2 KB of JSON) was most
 # of a tick's CPU with many jobs queued (bench/queue_tick.py). A row whose values are the same
 # makes the same JobRow, so nothing here goes stale; the JobRows are shared, and never changed.
-_made: dict[tuple, JobRow] = {}
-_made_lock = threading.Lock()
 ROWS_KEPT = 2048
 
 
 def _row(r: sqlite3.Row) -> JobRow:
-    key = tuple(r)
-    made = _made.get(key)
-    if made is not None:
-        return made
-    d = dict(r)
+    return _made(tuple(r), tuple(r.keys()))
+
+
+@functools.lru_cache(maxsize=ROWS_KEPT)
+def _made(values: tuple, columns: tuple) -> JobRow:
+    d = dict(zip(columns, values))
     for k in JSON_FIELDS:
         d[k] = json.loads(d[k]) if d[k] is not None else ([] if k != "request" else {})
-    made = JobRow(**d)
-    with _made_lock:
-        _made[key] = made
-        while len(_made) > ROWS_KEPT:
-            _made.pop(next(iter(_made)))
-    return made
+    return JobRow(**d)
 
 
 def insert(con: sqlite3.Connection, name: str, recipe: str, out: str, overrides: list[str],
