@@ -25,6 +25,7 @@ from ember.doctor.measure import build_for_measurement, calibrate, loader_rate
 from ember.errors import EmberError
 from ember.events import Events
 from ember.metrics.compare import weight_differences
+from ember.proc import dies_with_us
 from ember.scratch import scratch
 from ember.plan.planner import make_plan
 from ember.recipe import Recipe
@@ -89,8 +90,10 @@ def preflight(r: Recipe, recipe_file: Path, steps: int, events: Events) -> list[
 
 
 def _ember(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`ember ARGS` in a child that dies with this process: a preflight killed (SIGKILL, its
+    terminal closed) takes its short run with it rather than leaving it training unwatched."""
     return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, preexec_fn=dies_with_us())
 
 
 def _loss_and_resume(r: Recipe, recipe_file: Path, steps: int) -> list[Check]:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
+import subprocess
+import time
 
+import psutil
 import pytest
 
 from ember.cli.plan import cmd_plan
@@ -14,7 +19,7 @@ from ember.hardware import Device, Kind
 from ember.plan.planner import make_plan
 from ember.recipe import load_recipe
 from ember.data.tokenizer import ByteTokenizer
-from tests.helpers import run_ember, write_recipe
+from tests.helpers import ROOT, ember_cmd, run_ember, write_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -144,6 +149,60 @@ def test_preflight_catches_a_state_that_does_not_resume(tmp_path):
                        env={"EMBER_FAULT_FLAGS": "resume.fresh_optimizer"})
     assert result.returncode == 1
     assert "FAIL  resume" in result.stdout and "differs" in result.stdout
+
+
+def test_preflights_short_run_ends_with_a_killed_preflight(tmp_path):
+    """`ember preflight` SIGKILLed while its short run trains: the run (and anything under it) goes
+    with it, rather than training on to its end unwatched. Before, it trained on and wrote final/."""
+    steps = 5000  # far more than the short run reaches before the kill (a few ms a step)
+    preflight = subprocess.Popen(ember_cmd("preflight", write_recipe(tmp_path), "--steps", str(steps)),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                 start_new_session=True)
+    run, seen = None, []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and preflight.poll() is None:
+            run = next((p for p in psutil.Process(preflight.pid).children() if "run" in cmdline(p)), None)
+            seen = sorted((tmp_path / "ember_home" / "scratch").glob("preflight-*/a/metrics.jsonl"))
+            if run and seen and seen[0].read_text().count("\n") >= 1:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"preflight's short run never logged a step (preflight's exit code "
+                                 f"{preflight.poll()}, its run {run}, metrics {seen}): "
+                                 f"{preflight.stderr.read()[-2000:] if preflight.poll() is not None else ''}")
+        under = [run, *run.children(recursive=True)]
+        preflight.kill()
+        preflight.wait()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and any(alive(p) for p in under):
+            time.sleep(0.05)
+        left = [(p, cmdline(p)) for p in under if alive(p)]
+        assert not left, f"still running 300 s after preflight was killed: {left}"
+        folder = seen[0].parent
+        logged = folder.joinpath("metrics.jsonl").read_text().count("\n")
+        assert not (folder / "final").exists() and logged < steps, \
+            f"the short run trained on to its end after preflight was killed ({logged} steps logged)"
+    finally:
+        try:
+            os.killpg(preflight.pid, signal.SIGKILL)  # the group this test made
+        except ProcessLookupError:
+            pass
+        preflight.wait()
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone meanwhile
+        return []
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_plan_fit_searches_a_family_without_formulas(tmp_path):
