@@ -19,6 +19,7 @@ still runs might be using it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -27,6 +28,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +57,24 @@ def scratch(prefix: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
         if lock is not None:
             lock.release()
+
+
+def for_this_process(prefix: str) -> Path:
+    """A scratch folder held until this process ends: removed at its exit, and by the next folder
+    made (`reap`) once a SIGKILL or a power cut ended it. Forked children that do not exec share
+    it (and its lock) and must not remove it themselves; they end with os._exit, as
+    multiprocessing's do, which runs no atexit handler."""
+    with _FOR_LIFE_LOCK:
+        if prefix not in _FOR_LIFE:
+            if not _FOR_LIFE:
+                atexit.register(_FOR_LIFE_STACK.close)
+            _FOR_LIFE[prefix] = _FOR_LIFE_STACK.enter_context(scratch(prefix))
+        return _FOR_LIFE[prefix]
+
+
+_FOR_LIFE: dict[str, Path] = {}
+_FOR_LIFE_STACK = contextlib.ExitStack()
+_FOR_LIFE_LOCK = threading.Lock()
 
 
 def reap(root: Path) -> None:

@@ -6,13 +6,18 @@ host made (a $EMBER_HOME shared over NFS)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+import psutil
 
 from ember.scratch import STALE_AFTER, UNLOCKED_AFTER, scratch
-from tests.helpers import ROOT
+from tests.helpers import ROOT, ember_cmd, write_recipe
 
 # Makes a scratch folder, says where, and waits inside it until its stdin closes (or it is killed).
 OWNER = """
@@ -73,3 +78,50 @@ def test_the_folder_of_a_killed_owner_goes_with_the_next_one_made(tmp_path, monk
         living.stdin.close()
         living.wait(60)
     assert not os.path.exists(living_folder), "an owner that ended normally left its folder"
+
+
+def test_a_killed_runs_loader_workers_leave_their_folders_to_scratch_not_to_tmp(tmp_path, monkeypatch, request):
+    """A run's data-loader workers each get a folder from multiprocessing (pymp-*) for the socket
+    their batches are handed over by. A run SIGKILLed takes its workers along, and nothing removed
+    those folders: every such kill left two in /tmp for good. They are made in the run's scratch
+    folder now, which the next folder made under $EMBER_HOME removes once it is free."""
+    # A short $EMBER_HOME: the workers' sockets are bound in it, and a socket's path holds at
+    # most 107 bytes (under a longer one they stay in tempfile's folder, as before).
+    home = Path(tempfile.mkdtemp(prefix="ember-home-"))
+    monkeypatch.setenv("EMBER_HOME", str(home))
+    request.addfinalizer(lambda: shutil.rmtree(home, ignore_errors=True))
+    recipe = write_recipe(tmp_path, data={"workers": 2}, train={"max_steps": 100_000},
+                          checkpoint={"every_steps": 0})
+    run = subprocess.Popen(ember_cmd("run", recipe, "--out", tmp_path / "run", "--no-ledger"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                           env={**os.environ, "EMBER_HOME": str(home)}, start_new_session=True)
+    workers, sockets = [], []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.poll() is None and len(sockets) < 2:
+            workers = [p for p in psutil.Process(run.pid).children(recursive=True) if p.name() == "pt_data_worker"]
+            sockets = [c.laddr for w in workers for c in listening(w)]
+            time.sleep(0.05)
+        assert len(sockets) >= 2, (f"waited for the run's two loader workers to listen; saw workers "
+                                   f"{[w.pid for w in workers]}, sockets {sockets}, the run's exit code "
+                                   f"{run.poll()}")
+        outside = [s for s in sockets if not Path(s).is_relative_to(home / "scratch")]
+        assert not outside, f"loader workers' sockets outside $EMBER_HOME/scratch: {outside}"
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the group this test made: the run and its workers
+        run.wait(60)
+    psutil.wait_procs(workers, timeout=60)
+    folders = {Path(s).parents[1] for s in sockets}  # scratch/loader-*.HOST/pymp-*/listener-*
+    assert all(f.is_dir() for f in folders), folders
+    for f in folders:
+        aged(str(f), STALE_AFTER + 5)
+    with scratch("next-"):
+        left = [f for f in folders if f.exists()]
+        assert not left, f"the killed run's loader folders were kept: {left}"
+
+
+def listening(p: psutil.Process) -> list:
+    try:
+        return [c for c in p.net_connections(kind="unix") if c.laddr]
+    except psutil.Error:  # gone meanwhile
+        return []

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -34,6 +35,7 @@ from ember.events import Events
 from ember.paths import home
 from ember.proc import born_blocking, die_with_parent, ended_only_by
 from ember.recipe import DataConfig, DataFormat, EvalConfig
+from ember.scratch import for_this_process
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
 from ember.data.sources import held_out, source_sha256  # noqa: F401  (held_out re-exported: the split rule)
@@ -300,7 +302,15 @@ def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(sorted(set(bounds)), dtype=np.int64)
 
 
-def _worker_start(parent: int, _worker_id: int) -> None:
+def _workers_tmp() -> str | None:
+    """The folder the loader workers' multiprocessing folders go in (`_worker_start`): this
+    process's scratch folder, unless its path is too long for the socket a worker binds in it
+    (then None: tempfile's own, as before)."""
+    folder = str(for_this_process("loader-"))
+    return folder if len(os.fsencode(folder)) <= SOCKET_FOLDER_MAX else None
+
+
+def _worker_start(parent: int, tmp: str | None, _worker_id: int) -> None:
     # Ctrl-C (and a terminal's hang-up) reaches the whole process group; the training process
     # decides what to do with it. So does a SIGTERM to the group (a service manager's stop), but
     # the training process's shutdown ends a straggler with SIGTERM too: ember.proc says why
@@ -311,6 +321,17 @@ def _worker_start(parent: int, _worker_id: int) -> None:
     # A SIGKILLed training process takes its workers along at once, not at torch's next
     # watchdog check (up to 5 s later). (The run folder's lock is not theirs: ember.lock.)
     die_with_parent(signal.SIGKILL, parent)
+    # multiprocessing makes this worker a folder for the socket its batches' file descriptors
+    # are handed over by (pymp-*), under tempfile's folder, and removes it at the worker's exit;
+    # a worker killed with its training process cannot. Here it sits in the training process's
+    # scratch folder, which the next one made under $EMBER_HOME removes with it (ember.scratch).
+    if tmp is not None:
+        tempfile.tempdir = tmp
+
+
+# An AF_UNIX socket's path holds at most 107 bytes, and multiprocessing puts a worker's at
+# FOLDER/pymp-XXXXXXXX/listener-XXXXXXXX: 32 more.
+SOCKET_FOLDER_MAX = 107 - 32
 
 
 class SkippingSampler:
@@ -377,7 +398,7 @@ def make_loader(batches: PackedBatches, count: int, workers: int, pin: bool,
     return _Loader(
         batches, batch_size=None, sampler=RankShare(sampler, rank, ranks, parts) if ranks > 1 else sampler,
         num_workers=workers, pin_memory=pin,
-        worker_init_fn=partial(_worker_start, os.getpid()) if workers else None,
+        worker_init_fn=partial(_worker_start, os.getpid(), _workers_tmp()) if workers else None,
         # Its own generator: otherwise creating the iterator draws from the global torch RNG,
         # and a resumed run's dropout stream would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(0),
