@@ -10,7 +10,8 @@ hashes of large files.
       runs/NAME/                default run folders of jobs
       models/                   GGUF files dequantized into model folders
       scratch/                  private working folders: the doctor's and preflight's jobs, the
-                                ranks' error files (ember.scratch: one made removes those of dead owners)
+                                ranks' error files, the data-loader workers' sockets (ember.scratch:
+                                one made removes those of dead owners)
       cache/tokens/KEY/         token caches of training data
       cache/sha256.json         content hashes by (path, size, mtime)
       cache/cpu_peak.json       measured CPU peaks, per machine
