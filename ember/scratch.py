@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ember.lock import acquire
+from ember.lock import Lock, acquire
 from ember.paths import home
 
 LOCK = ".lock"
@@ -45,36 +45,52 @@ UNLOCKED_AFTER = 24 * 3600.0     # seconds since a folder without a lock file la
 def scratch(prefix: str) -> Iterator[Path]:
     """A new folder under $EMBER_HOME/scratch (on the same disk as the runs' caches), held by this
     process while the block runs and removed after it; stale folders of dead owners go first."""
-    root = home().scratch
-    root.mkdir(parents=True, exist_ok=True)
-    reap(root)
-    folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=_host_suffix(), dir=root))
-    lock = None
+    folder, lock = _made(prefix)
     try:
-        lock = acquire(folder / LOCK, f"the scratch folder {folder}")
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        if lock is not None:
-            lock.release()
+        _removed(folder, lock)
 
 
 def for_this_process(prefix: str) -> Path:
     """A scratch folder held until this process ends: removed at its exit, and by the next folder
-    made (`reap`) once a SIGKILL or a power cut ended it. Forked children that do not exec share
-    it (and its lock) and must not remove it themselves; they end with os._exit, as
-    multiprocessing's do, which runs no atexit handler."""
+    made (`reap`) once a SIGKILL or a power cut ended it. A child forked from this process gets
+    its own if it asks, and its exit removes only that: the exit handler it inherits checks
+    whose process it runs in."""
+    pid = os.getpid()
     with _FOR_LIFE_LOCK:
-        if prefix not in _FOR_LIFE:
-            if not _FOR_LIFE:
-                atexit.register(_FOR_LIFE_STACK.close)
-            _FOR_LIFE[prefix] = _FOR_LIFE_STACK.enter_context(scratch(prefix))
-        return _FOR_LIFE[prefix]
+        if (pid, prefix) not in _FOR_LIFE:
+            folder, lock = _made(prefix)
+            _FOR_LIFE[pid, prefix] = folder
+            atexit.register(_end_of_life, pid, folder, lock)
+        return _FOR_LIFE[pid, prefix]
 
 
-_FOR_LIFE: dict[str, Path] = {}
-_FOR_LIFE_STACK = contextlib.ExitStack()
+_FOR_LIFE: dict[tuple[int, str], Path] = {}
 _FOR_LIFE_LOCK = threading.Lock()
+
+
+def _end_of_life(pid: int, folder: Path, lock: Lock) -> None:
+    if os.getpid() == pid:
+        _removed(folder, lock)
+
+
+def _made(prefix: str) -> tuple[Path, Lock]:
+    """A new folder, locked, once the stale ones are gone."""
+    root = home().scratch
+    root.mkdir(parents=True, exist_ok=True)
+    reap(root)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=_host_suffix(), dir=root))
+    try:
+        return folder, acquire(folder / LOCK, f"the scratch folder {folder}")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _removed(folder: Path, lock: Lock) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    lock.release()
 
 
 def reap(root: Path) -> None:

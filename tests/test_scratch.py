@@ -125,3 +125,30 @@ def listening(p: psutil.Process) -> list:
         return [c for c in p.net_connections(kind="unix") if c.laddr]
     except psutil.Error:  # gone meanwhile
         return []
+
+
+# A process's lifelong scratch folder, and a forked child's (which exits through atexit, as a
+# forked `ember` command of the tests' warm process does).
+LIFELONG = """
+import os, sys
+from ember.scratch import for_this_process
+mine = for_this_process("life-")
+assert for_this_process("life-") == mine
+pid = os.fork()
+if pid == 0:
+    print(for_this_process("life-"), flush=True)
+    sys.exit(0)
+os.waitpid(pid, 0)
+print(mine, mine.is_dir(), flush=True)
+"""
+
+
+def test_a_lifelong_folder_is_the_process_own_and_goes_at_its_exit_not_at_a_forked_childs(tmp_path):
+    done = subprocess.run([sys.executable, "-c", LIFELONG], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "EMBER_HOME": str(tmp_path)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child, parent = done.stdout.splitlines()
+    mine, there = parent.rsplit(" ", 1)
+    assert child != mine, "a forked child was handed its parent's folder"
+    assert there == "True", "a forked child's exit removed its parent's folder"
+    assert not os.path.exists(mine) and not os.path.exists(child), "a folder was left at exit"
