@@ -105,19 +105,28 @@ SCENARIOS = {  # name: (recipe sections, environment, the cause it injects)
 
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory, in_process) -> dict:
-    """Each scenario's recipe and the doctor's report on it."""
+    """Each scenario's recipe, the doctor's report on it, and, measured right after the report,
+    the recipe and its remedied form with the doctor's own baseline (the real loop), their
+    stretches in turn. Right after: the share a remedy saves cancels a load that slows the whole
+    step alike, not one that slows its parts unlike (a CPU-heavy neighbour slows the compute, not
+    the fsync of a checkpoint), so the measurement follows the report it checks as closely as it can.
+    (Measured at the end of the module, after the other scenarios' reports, a synchronous
+    checkpoint's saving came out 0.59 of the step against 0.82 predicted, beside a `make demo`.)"""
     out = {}
     for name, (sections, env, _) in SCENARIOS.items():
         recipe = write_recipe(tmp_path_factory.mktemp("doctor"), **sections)
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)  # read at each micro-batch (ember.faults)
-            out[name] = (recipe, env, in_process(recipe))
+            report = in_process(recipe)
+            r = load_recipe(recipe)
+            measured = measure_baselines([r, r.with_changes(top(report)["changes"])], 4.0, Events())
+        out[name] = (recipe, env, report, measured)
     return out
 
 
 def test_slow_input_pipeline_is_input_bound(injected):
-    _, _, report = injected["slow input"]
+    _, _, report, _ = injected["slow input"]
     first = top(report)
     assert first["cause"] == "input-bound"
     assert "with an in-memory micro-batch" in first["evidence"][0]
@@ -126,7 +135,7 @@ def test_slow_input_pipeline_is_input_bound(injected):
 
 
 def test_synchronous_checkpoint_every_step_is_checkpoint_bound(injected):
-    _, _, report = injected["sync checkpoint every step"]
+    _, _, report, _ = injected["sync checkpoint every step"]
     first = top(report)
     assert first["cause"] == "checkpoint-bound"
     # a time-based interval: every_steps must stop forcing its saves
@@ -138,7 +147,7 @@ def test_synchronous_checkpoint_every_step_is_checkpoint_bound(injected):
 
 
 def test_micro_batch_one_is_overhead_bound(injected):
-    _, _, report = injected["micro batch 1"]
+    _, _, report, _ = injected["micro batch 1"]
     first = top(report)
     assert first["cause"] == "overhead-bound"
     assert first["changes"]["train.micro_batch"] >= 4
@@ -156,14 +165,9 @@ SHARE_TOLERANCE = 0.20
 
 def test_each_top_remedy_applied_saves_what_it_predicted(injected):
     """The recipe and its remedied form measured with the doctor's own baseline (the real loop),
-    their stretches in turn, so the load of other test runs falls on both."""
-    for name, (recipe, env, report) in injected.items():
+    their stretches in turn, so the load of other test runs falls on both (`injected`)."""
+    for name, (recipe, env, report, (before, after)) in injected.items():
         first = top(report)
-        r = load_recipe(recipe)
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            before, after = measure_baselines([r, r.with_changes(first["changes"])], 4.0, Events())
         f = report["figures"]["shape"]
         changed = {"train.micro_batch": f["micro_batch"], "train.grad_accum": f["grad_accum"], **first["changes"]}
         # per the original step's tokens: a remedy that grows the optimizer step is scaled back
