@@ -302,6 +302,11 @@ def greedy_packs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(sorted(set(bounds)), dtype=np.int64)
 
 
+# An AF_UNIX socket's path holds at most 107 bytes, and multiprocessing puts a worker's at
+# FOLDER/pymp-XXXXXXXX/listener-XXXXXXXX: 32 more.
+SOCKET_FOLDER_MAX = 107 - 32
+
+
 def _workers_tmp() -> str | None:
     """The folder the loader workers' multiprocessing folders go in (`_worker_start`): this
     process's scratch folder, unless its path is too long for the socket a worker binds in it
@@ -327,11 +332,6 @@ def _worker_start(parent: int, tmp: str | None, _worker_id: int) -> None:
     # scratch folder, which the next one made under $EMBER_HOME removes with it (ember.scratch).
     if tmp is not None:
         tempfile.tempdir = tmp
-
-
-# An AF_UNIX socket's path holds at most 107 bytes, and multiprocessing puts a worker's at
-# FOLDER/pymp-XXXXXXXX/listener-XXXXXXXX: 32 more.
-SOCKET_FOLDER_MAX = 107 - 32
 
 
 class SkippingSampler:

@@ -105,7 +105,7 @@ SCENARIOS = {  # name: (recipe sections, environment, the cause it injects)
 
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory, in_process) -> dict:
-    """Each scenario's recipe, the doctor's report on it, and, measured right after the report,
+    """Each scenario's doctor's report, and, measured right after the report,
     the recipe and its remedied form with the doctor's own baseline (the real loop), their
     stretches in turn. Right after: the share a remedy saves cancels a load that slows the whole
     step alike, not one that slows its parts unlike (a CPU-heavy neighbour slows the compute, not
@@ -121,12 +121,12 @@ def injected(tmp_path_factory, in_process) -> dict:
             report = in_process(recipe)
             r = load_recipe(recipe)
             measured = measure_baselines([r, r.with_changes(top(report)["changes"])], 4.0, Events())
-        out[name] = (recipe, env, report, measured)
+        out[name] = (report, measured)
     return out
 
 
 def test_slow_input_pipeline_is_input_bound(injected):
-    _, _, report, _ = injected["slow input"]
+    report, _ = injected["slow input"]
     first = top(report)
     assert first["cause"] == "input-bound"
     assert "with an in-memory micro-batch" in first["evidence"][0]
@@ -135,7 +135,7 @@ def test_slow_input_pipeline_is_input_bound(injected):
 
 
 def test_synchronous_checkpoint_every_step_is_checkpoint_bound(injected):
-    _, _, report, _ = injected["sync checkpoint every step"]
+    report, _ = injected["sync checkpoint every step"]
     first = top(report)
     assert first["cause"] == "checkpoint-bound"
     # a time-based interval: every_steps must stop forcing its saves
@@ -147,7 +147,7 @@ def test_synchronous_checkpoint_every_step_is_checkpoint_bound(injected):
 
 
 def test_micro_batch_one_is_overhead_bound(injected):
-    _, _, report, _ = injected["micro batch 1"]
+    report, _ = injected["micro batch 1"]
     first = top(report)
     assert first["cause"] == "overhead-bound"
     assert first["changes"]["train.micro_batch"] >= 4
@@ -166,7 +166,7 @@ SHARE_TOLERANCE = 0.20
 def test_each_top_remedy_applied_saves_what_it_predicted(injected):
     """The recipe and its remedied form measured with the doctor's own baseline (the real loop),
     their stretches in turn, so the load of other test runs falls on both (`injected`)."""
-    for name, (recipe, env, report, (before, after)) in injected.items():
+    for name, (report, (before, after)) in injected.items():
         first = top(report)
         f = report["figures"]["shape"]
         changed = {"train.micro_batch": f["micro_batch"], "train.grad_accum": f["grad_accum"], **first["changes"]}

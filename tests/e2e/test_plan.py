@@ -19,6 +19,7 @@ from ember.hardware import Device, Kind
 from ember.plan.planner import make_plan
 from ember.recipe import load_recipe
 from ember.data.tokenizer import ByteTokenizer
+from tests.e2e.test_orphans import assert_gone, command
 from tests.helpers import ROOT, ember_cmd, run_ember, write_recipe
 
 
@@ -162,7 +163,7 @@ def test_preflights_short_run_ends_with_a_killed_preflight(tmp_path):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and preflight.poll() is None:
-            run = next((p for p in psutil.Process(preflight.pid).children() if "run" in cmdline(p)), None)
+            run = next((p for p in psutil.Process(preflight.pid).children() if " run " in command(p)), None)
             seen = sorted((tmp_path / "ember_home" / "scratch").glob("preflight-*/a/metrics.jsonl"))
             if run and seen and seen[0].read_text().count("\n") >= 1:
                 break
@@ -174,11 +175,7 @@ def test_preflights_short_run_ends_with_a_killed_preflight(tmp_path):
         under = [run, *run.children(recursive=True)]
         preflight.kill()
         preflight.wait()
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and any(alive(p) for p in under):
-            time.sleep(0.05)
-        left = [(p, cmdline(p)) for p in under if alive(p)]
-        assert not left, f"still running 300 s after preflight was killed: {left}"
+        assert_gone(under, "preflight's short run")
         folder = seen[0].parent
         logged = folder.joinpath("metrics.jsonl").read_text().count("\n")
         assert not (folder / "final").exists() and logged < steps, \
@@ -189,20 +186,6 @@ def test_preflights_short_run_ends_with_a_killed_preflight(tmp_path):
         except ProcessLookupError:
             pass
         preflight.wait()
-
-
-def cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:  # gone meanwhile
-        return []
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_plan_fit_searches_a_family_without_formulas(tmp_path):
