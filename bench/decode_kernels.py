@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
     args = ap.parse_args()
+    if args.rounds < 1 or args.tokens < 2:
+        raise SystemExit("--rounds must be at least 1 and --tokens at least 2 (a decode step is the gap between two)")
     torch.set_num_threads(1)
     engines: dict[str, object] = {}
     for arm in args.arms:

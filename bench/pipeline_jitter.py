@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.trials < 1 or args.forward <= 0 or args.backward <= 0 or min(args.cv) < 0:
+        raise SystemExit("--trials must be at least 1, --forward and --backward above 0, every --cv at least 0")
     rng = random.Random(args.seed)
     seconds = {"F": args.forward, "B": args.backward}
     cases = [(m, s) for m in (2, 4, 8) for s in ("gpipe", "1f1b")]
