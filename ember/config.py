@@ -17,6 +17,7 @@ so that their errors have the same shape.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import json
 import re
@@ -213,6 +214,8 @@ def check_value(where: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> A
         if value != value or value in (float("inf"), float("-inf")):
             raise EmberError(f"{where} = {value!r}: must be a finite number")
     elif hint is str:
+        if isinstance(value, (datetime.date, datetime.time)):  # TOML reads an unquoted date as one
+            raise EmberError(f"{where} = {value.isoformat()}: must be a string; quote it: \"{value.isoformat()}\"")
         if not isinstance(value, str):
             raise EmberError(f"{where} = {value!r}: must be a string")
         return value

@@ -9,19 +9,25 @@ classification, and which remote targets it may go to.
     classification = "public"                 # public | internal | restricted | personal
     allowed_targets = ["cluster"]             # default none: local only
     expires = "2027-06-30"                    # optional: the permission ends after this day (UTC)
+    files = ["<sha256>  0/genesis.jsonl"]     # written by `ember data register`: each file as registered
 
 Two files are read: the project's (`./datasets.toml`) and the machine's
 (`$EMBER_HOME/datasets.toml`); a name in both is refused rather than one silently winning.
 `--registry FILE` reads that file alone. The fingerprint is a SHA-256 over every file's place in
 the dataset and its content hash (`fingerprint()`), the same whether computed here or over the
 staged copy on a cluster; a file that changed is refused until the dataset is registered again.
+`files` keeps each file's SHA-256 and place as registered (sha256sum's format), so that a copy of
+what was registered is known by its content after the original changed, moved or went away, and
+`ember data verify` names the files that changed.
 
 A file may be in several datasets: listed in one, inside a folder listed in another, or a copy of
 another's file. It counts as every dataset that holds it, by path (after realpath) or by content
 (its SHA-256 among a dataset's files'): the gate applies each one's permission, and the most
 restrictive classification (`holdings`). Registering a dataset that overlaps one of another
 classification is refused, naming both, unless `--override` asks for it; the override is a row of
-the audit log (`register`).
+the audit log (`register`). So is registering a name again with a looser permission than it had
+(a less restrictive classification, a target it could not go to, a later or no expiry, another
+owner): the same `--override`, the same audit row.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import getpass
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -60,6 +67,9 @@ class Dataset:
     allowed_targets: list[str] = setting(list, "Targets (targets.toml) it may be staged to; none: "
                                          "local only.", factory=True)
     expires: str = setting("", "Last day (YYYY-MM-DD, UTC) the permission holds; '' never ends.")
+    files: list[str] = setting(list, "Each file's SHA-256 and place as registered ('HEX  0/a.jsonl', "
+                               "sha256sum's format; ember data register writes them): a copy of a registered "
+                               "file is known by content after the original changed or moved.", factory=True)
     name: str = derived("set from the table name")
     source: str = derived("the file it was read from")
 
@@ -70,15 +80,31 @@ class Dataset:
         day = dt.date.fromisoformat(self.expires)
         return dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc).timestamp()
 
+    def registered_files(self) -> dict[str, str]:
+        """{place: SHA-256} of the files as registered ({} for an entry written before `files`)."""
+        return {line[66:]: line[:64] for line in self.files}
+
 
 Registry = dict[str, Dataset]
 
 
 def registry_files(explicit: Path | None = None) -> list[Path]:
-    """The files a registry is read from: `explicit` alone, else the project's and the machine's."""
+    """The files a registry is read from: `explicit` alone, else the project's and the machine's
+    (once, when they are the same file: run from $EMBER_HOME, or one a link to the other)."""
     if explicit is not None:
         return [explicit]
-    return [Path("datasets.toml"), home().datasets_toml]
+    return distinct([Path("datasets.toml"), home().datasets_toml])
+
+
+def distinct(paths: list[Path]) -> list[Path]:
+    """`paths` without those that name a file already listed (after realpath)."""
+    seen: set[str] = set()
+    out = []
+    for p in paths:
+        if os.path.realpath(p) not in seen:
+            seen.add(os.path.realpath(p))
+            out.append(p)
+    return out
 
 
 def load_registry(explicit: Path | None = None) -> Registry:
@@ -118,8 +144,18 @@ def _read(path: Path) -> Registry:
             except ValueError:
                 raise EmberError(f"{at('datasets', name, 'expires')} = {ds.expires!r}: write a date, "
                                  f"YYYY-MM-DD") from None
+        bad = next((line for line in ds.files if not FILE_LINE.match(line)), None)
+        if bad is not None:
+            raise EmberError(f"{at('datasets', name, 'files')}: {bad!r} is not '<64 hex digits>  <place>'; "
+                             f"run `ember data register` again")
+        if ds.files and fingerprint(list(ds.registered_files().items())) != ds.fingerprint:
+            raise EmberError(f"{at('datasets', name, 'files')}: the files' hashes do not make the registered "
+                             f"fingerprint (edited by hand?); run `ember data register` again")
         ds.name, ds.source = name, str(path)
     return out
+
+
+FILE_LINE = re.compile(r"^[0-9a-f]{64}  \S.*$")  # sha256sum's format: HEX, two spaces, the place
 
 
 HEADER = """# The dataset registry (`datasets.toml`)
@@ -164,10 +200,15 @@ def fingerprint(hashes: list[tuple[str, str]]) -> str:
 def fingerprint_files(paths: list[str], digest: Callable[[Path], str] = sha256_file) -> str:
     """The fingerprint of the files as they are now (every byte read: no cache, this is the gate;
     `digest` may remember what it read in this decision)."""
+    return fingerprint(list(hash_files(paths, digest).items()))
+
+
+def hash_files(paths: list[str], digest: Callable[[Path], str] = sha256_file) -> dict[str, str]:
+    """{place: SHA-256} of the files as they are now."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise EmberError(f"{missing[0]}: no such file or folder")
-    return fingerprint([(place, digest(f)) for place, f in members(paths)])
+    return {place: digest(f) for place, f in members(paths)}
 
 
 @dataclass(frozen=True)
@@ -226,6 +267,12 @@ def contents_of(paths: list[str], digest: Callable[[Path], str] = cached_sha256)
     return frozenset(digest(f) for _, f in members([p for p in paths if Path(p).exists()])) - {EMPTY}
 
 
+def dataset_contents(ds: Dataset, digest: Callable[[Path], str] = cached_sha256) -> frozenset[str]:
+    """What a dataset holds by content: its files as registered and as they are now. A copy of
+    what was registered stays the dataset's after the original changed, moved or was deleted."""
+    return contents_of(ds.paths, digest) | (frozenset(ds.registered_files().values()) - {EMPTY})
+
+
 def most_restrictive(classifications: list[str]) -> str:
     return max(classifications, key=CLASSIFICATIONS.index)
 
@@ -258,7 +305,7 @@ def overlaps(name: str, paths: list[str], digests: dict[str, str], classificatio
         if pair is not None:
             out.append(Overlap(other, max(pair, key=len), "by path"))
             continue
-        shared = contents_of(other.paths)
+        shared = dataset_contents(other)
         same = next((f for f, d in sorted(digests.items()) if d in shared and d != EMPTY), None)
         if same is not None:
             out.append(Overlap(other, same, "by content"))
@@ -269,8 +316,9 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
              allowed_targets: list[str], expires: str, *, override: bool = False,
              ledger: Path | None = None) -> Dataset:
     """Add or replace `name` in registry file `file`, fingerprinting its files now. An overlap
-    with a dataset of another classification is refused, or with `override` appended to the
-    audit log in `ledger` (default $EMBER_HOME/ledger.db) and registered."""
+    with a dataset of another classification, or a looser permission for a name registered
+    before, is refused, or with `override` appended to the audit log in `ledger` (default
+    $EMBER_HOME/ledger.db) and registered."""
     if not NAME.match(name):
         raise EmberError(f"dataset name {name!r}: letters, digits, '_', '.' and '-'")
     if classification not in CLASSIFICATIONS:
@@ -283,30 +331,57 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
         except ValueError:
             raise EmberError(f"--expires {expires!r}: write a date, YYYY-MM-DD") from None
     absolute = [str(p.resolve()) for p in paths]
+    inside = next((p for p in absolute if nested(os.path.realpath(file), p)), None)
+    if inside is not None:
+        raise EmberError(f"{file}: the registry file is inside the dataset ({inside}): writing it would change "
+                         f"the files it fingerprints, and it would be staged with them; keep the registry "
+                         f"outside the dataset (run from another folder, or pass --registry FILE)")
     digests: dict[str, str] = {}
 
     def digest(f: Path) -> str:
         digests[str(f)] = sha256_file(f)
         return digests[str(f)]
 
-    ds = Dataset(absolute, fingerprint_files(absolute, digest), owner, licence, classification,
-                 list(allowed_targets), expires)
+    hashes = hash_files(absolute, digest)
+    ds = Dataset(absolute, fingerprint(list(hashes.items())), owner, licence, classification,
+                 list(allowed_targets), expires, [f"{h}  {place}" for place, h in sorted(hashes.items())])
     entries = _read(file)
-    found = overlaps(name, absolute, digests, classification, _others(file, entries))
-    if found and not override:
-        raise EmberError("\n".join(o.message(name, classification) for o in found)
-                         + "\nnothing was registered: register it with the same classification, leave the shared "
-                         "files out, or pass --override to register it anyway (audited; the gate still treats "
-                         "each shared file as the most restrictive dataset that holds it)")
+    others = _others(file, entries)
+    found = overlaps(name, absolute, digests, classification, others)
+    looser = loosened(others[name], ds) if name in others else []
+    if (found or looser) and not override:
+        was = others.get(name)
+        raise EmberError("\n".join([o.message(name, classification) for o in found]
+                                   + [f"'{name}' is registered in {was.source if was else file} with a stricter "
+                                      f"permission: {change}" for change in looser])
+                         + "\nnothing was registered: keep the classification, targets, expiry and owner it had, "
+                         "leave the shared files out, or pass --override to register it anyway (audited; the gate "
+                         "still treats each shared file as the most restrictive dataset that holds it)")
     ds.name, ds.source = name, str(file)
-    if found:
-        _audit_override(ds, found, ledger)
+    if found or looser:
+        _audit_override(ds, found, looser, others.get(name), ledger)
     entries[name] = ds
     text = "".join(_toml(n, d) for n, d in sorted(entries.items()))
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, file)
     return ds
+
+
+def loosened(old: Dataset, new: Dataset) -> list[str]:
+    """How `new` permits more than `old` did (pure): a less restrictive classification, a target
+    it could not go to, a later or no end, another owner answering for it."""
+    out = []
+    if CLASSIFICATIONS.index(new.classification) < CLASSIFICATIONS.index(old.classification):
+        out.append(f"classification {old.classification} -> {new.classification}")
+    added = sorted(set(new.allowed_targets) - set(old.allowed_targets))
+    if added:
+        out.append(f"may now go to {', '.join(added)}")
+    if old.expires and (not new.expires or new.expires > old.expires):
+        out.append(f"expires {old.expires} -> {new.expires or 'never'}")
+    if new.owner != old.owner:
+        out.append(f"owner {old.owner} -> {new.owner}")
+    return out
 
 
 def _others(file: Path, entries: Registry) -> Registry:
@@ -320,16 +395,19 @@ def _others(file: Path, entries: Registry) -> Registry:
     return out
 
 
-def _audit_override(ds: Dataset, found: list[Overlap], ledger: Path | None) -> None:
-    """The override, as a row of the gate's audit log: who registered which overlap."""
+def _audit_override(ds: Dataset, found: list[Overlap], looser: list[str], was: Dataset | None,
+                    ledger: Path | None) -> None:
+    """The override, as a row of the gate's audit log: who registered which overlap, or which
+    looser permission over what the name had."""
     con = ledger_store.connect(ledger)
     try:
         audit.append(con, {
             "time": time.time(), "who": f"{getpass.getuser()}@{socket.gethostname()}", "action": "register",
             "recipe": ds.source, "recipe_digest": "", "target": "",
-            "datasets": [_entry(ds)] + [_entry(o.other) for o in found], "limits": {}, "prediction": {},
-            "decision": "override",
-            "reasons": [{"code": "overlap", "message": o.message(ds.name, ds.classification)} for o in found]})
+            "datasets": [_entry(ds)] + [_entry(o.other) for o in found] + ([_entry(was)] if looser and was else []),
+            "limits": {}, "prediction": {}, "decision": "override",
+            "reasons": [{"code": "overlap", "message": o.message(ds.name, ds.classification)} for o in found]
+            + [{"code": "loosened", "message": f"'{ds.name}': {change}"} for change in looser]})
     finally:
         con.close()
 
@@ -340,20 +418,37 @@ def _entry(ds: Dataset) -> dict:
 
 
 def _toml(name: str, ds: Dataset) -> str:
-    keys = ("paths", "fingerprint", "owner", "licence", "classification", "allowed_targets", "expires")
-    lines = [f"[datasets.{json.dumps(name)}]"] + [f"{k} = {toml_value(getattr(ds, k))}" for k in keys
+    keys = ("paths", "fingerprint", "owner", "licence", "classification", "allowed_targets", "expires", "files")
+    lines = [f"[datasets.{json.dumps(name)}]"] + [f"{k} = {_value(k, getattr(ds, k))}" for k in keys
                                                   if getattr(ds, k) or k == "allowed_targets"]
     return "\n".join(lines) + "\n\n"
 
 
+def _value(key: str, value: object) -> str:
+    """A key's TOML value; `files` one a line, as sha256sum prints them."""
+    if key == "files":
+        return "[\n" + "".join(f"  {toml_value(line)},\n" for line in value) + "]"  # type: ignore[union-attr]
+    return toml_value(value)
+
+
 def verify(ds: Dataset) -> str | None:
-    """None when the files still have the registered fingerprint, else what is wrong."""
+    """None when the files still have the registered fingerprint, else what is wrong (which files
+    changed, came or went, where the registry keeps each file's hash)."""
     try:
-        now = fingerprint_files(ds.paths)
+        now = hash_files(ds.paths)
     except EmberError as e:
         return str(e)
-    return None if now == ds.fingerprint else f"changed since it was registered ({now[:19]}... now, " \
-                                              f"{ds.fingerprint[:19]}... registered)"
+    print_now = fingerprint(list(now.items()))
+    if print_now == ds.fingerprint:
+        return None
+    then = ds.registered_files()
+    parts = [f"{print_now[:19]}... now, {ds.fingerprint[:19]}... registered"]
+    for what, places in (("changed", [p for p in now.keys() & then.keys() if now[p] != then[p]]),
+                         ("added", list(now.keys() - then.keys())), ("gone", list(then.keys() - now.keys()))):
+        if then and places:
+            places.sort()
+            parts.append(f"{len(places)} {what}: {', '.join(places[:3])}{', ...' * (len(places) > 3)}")
+    return f"changed since it was registered ({'; '.join(parts)})"
 
 
 def verify_all(registry: Registry, names: list[str]) -> dict[str, str | None]:

@@ -42,7 +42,7 @@ from pathlib import Path
 from ember.config import build_entries, derived, read_toml, reference, rows, setting
 from ember.errors import EmberError
 from ember.paths import home
-from ember.policy.registry import CLASSIFICATIONS
+from ember.policy.registry import CLASSIFICATIONS, distinct
 
 CAPS = ("max_nodes", "max_wall_hours", "max_device_hours", "max_cost_per_job", "max_cost_per_month")
 
@@ -100,7 +100,8 @@ def load_targets(kinds: Collection[str], explicit: Path | None = None) -> Target
     named explicitly)."""
     if explicit is not None and not explicit.is_file():
         raise EmberError(f"--targets {explicit}: no such file")
-    files = [explicit] if explicit is not None else [Path("targets.toml"), home().targets_toml]
+    # the project's and the machine's: once, when they are the same file (run from $EMBER_HOME)
+    files = [explicit] if explicit is not None else distinct([Path("targets.toml"), home().targets_toml])
     out: Targets = {}
     sources: dict[str, Path] = {}
     for path in files:

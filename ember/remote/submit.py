@@ -39,7 +39,7 @@ from ember.ledger import remote_rows as rows
 from ember.ledger.job_states import CONTINUABLE, REMOTE_FINAL, JobState
 from ember.paths import cached_sha256, check_name, default_run_folder, name_from
 from ember.policy.gate import Decision, LedgerView, Limits, Prediction, Request, check, month_of, wall_budget_seconds
-from ember.policy.registry import Registry, contents_of, fingerprint_files, holdings, load_registry
+from ember.policy.registry import Registry, contents_of, dataset_contents, fingerprint_files, holdings, load_registry
 from ember.policy.targets import Target, load_targets
 from ember.recipe import LORA_ONLY, Recipe, load_recipe, to_toml
 from ember.remote import stage
@@ -103,7 +103,8 @@ def decide(req: RemoteRequest, action: str, events: Events) -> Decided:
     # A staged dataset is sent whole: what each of its paths holds counts by content too.
     contents |= {p: contents_of([p], digest) for name in sorted(staged) for p in registry[name].paths
                  if p not in contents}
-    registered = {name: contents_of(ds.paths, lambda f: read.get(f) or cached_sha256(f))
+    # What each dataset holds by content: its files as registered, and as they are now.
+    registered = {name: dataset_contents(ds, lambda f: read.get(f) or cached_sha256(f))
                   for name, ds in registry.items()}
     observed = {}
     for name in sorted(staged):

@@ -187,3 +187,78 @@ def test_an_overridden_overlap_is_registered_audited_and_still_counts_as_the_mos
     assert row.reasons[0]["code"] == "overlap" and "'chats' (personal" in row.reasons[0]["message"]
     held = holdings([str(folder / "part-0.jsonl")], registry)
     assert held[str(folder / "part-0.jsonl")] == Holding("part-public", ("chats", "part-public"))
+
+
+def test_registering_a_name_again_with_a_looser_permission_needs_the_override_and_is_audited(tmp_path, monkeypatch):
+    """Re-registering a personal dataset's own name as public, to a new target, with no end or as
+    another owner skipped the overlap check (same name) and went through silently; the same
+    permission again (a refreshed fingerprint) or a stricter one needs nothing."""
+    monkeypatch.chdir(tmp_path)
+    folder, _ = corpus(tmp_path)
+    reg, ledger = tmp_path / "registry.toml", tmp_path / "ledger.db"
+    register(reg, "chats", [folder], "bob", "private", "personal", [], "2030-01-31")
+    before = reg.read_text()
+    for change, args in (("classification personal -> public", ("bob", "personal", "public", [], "2030-01-31")),
+                         ("may now go to lab", ("bob", "personal", "personal", ["lab"], "2030-01-31")),
+                         ("expires 2030-01-31 -> never", ("bob", "personal", "personal", [], "")),
+                         ("owner bob -> alice", ("alice", "personal", "personal", [], "2030-01-31"))):
+        owner, _, classification, targets, expires = args
+        with pytest.raises(EmberError) as e:
+            register(reg, "chats", [folder], owner, "private", classification, targets, expires, ledger=ledger)
+        assert f"'chats' is registered in {reg} with a stricter permission: {change}" in str(e.value)
+        assert "--override" in str(e.value) and reg.read_text() == before
+    (folder / "part-2.jsonl").write_text('{"text": "c"}\n')
+    register(reg, "chats", [folder], "bob", "private", "personal", [], "2029-12-31")  # renewed, stricter
+    register(reg, "chats", [folder], "alice", "CC0-1.0", "public", ["lab"], "", override=True, ledger=ledger)
+    assert load_registry(reg)["chats"].classification == "public"
+    con = store.connect(ledger)
+    chain, problems = audit.check_log(con)
+    con.close()
+    assert problems == [] and [(r.action, r.decision) for r in chain] == [("register", "override")]
+    assert [r["code"] for r in chain[0].reasons] == ["loosened"] * 4, chain[0].reasons
+    assert [d["classification"] for d in chain[0].datasets] == ["public", "personal"]
+
+
+def test_the_registry_is_read_once_when_the_project_and_the_machine_share_it(tmp_path, monkeypatch):
+    """Run from inside $EMBER_HOME, ./datasets.toml and ./targets.toml are the machine's own: every
+    dataset and target was 'also registered in' itself, and every registry command failed."""
+    folder, _ = corpus(tmp_path)
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "targets.toml").write_text(TARGET)
+    register(Path("datasets.toml"), "c", [folder], "a", "l", "public", [], "")
+    assert list(load_registry()) == ["c"]
+    assert list(load_targets(BACKENDS)) == ["hpc"]
+
+
+def test_a_registry_inside_the_dataset_it_registers_is_refused(tmp_path, monkeypatch):
+    """`cd corpus; ember data register corpus .` fingerprinted the folder, then wrote
+    datasets.toml into it: the registration was stale at once and `ember data verify` failed."""
+    folder, _ = corpus(tmp_path)
+    monkeypatch.chdir(folder)
+    with pytest.raises(EmberError, match="the registry file is inside the dataset"):
+        register(Path("datasets.toml"), "corpus", [Path(".")], "a", "l", "public", [], "")
+    assert not (folder / "datasets.toml").exists()
+
+
+def test_verify_names_the_files_that_changed_came_or_went(tmp_path):
+    folder, one = corpus(tmp_path)
+    reg = tmp_path / "datasets.toml"
+    register(reg, "mixed", [folder, one], "alice", "CC0-1.0", "public", [], "")
+    assert "0/folder/part-0.jsonl" in reg.read_text()  # each file's hash as registered, sha256sum's way
+    (folder / "part-0.jsonl").write_text('{"text": "A"}\n')
+    (folder / "part-1.jsonl").unlink()
+    (folder / "part-9.jsonl").write_text("{}\n")
+    problem = verify(load_registry(reg)["mixed"])
+    assert "1 changed: 0/folder/part-0.jsonl; 1 added: 0/folder/part-9.jsonl; 1 gone: 0/folder/part-1.jsonl" in problem
+    reg.write_text(reg.read_text().replace('/part-0.jsonl"', '/part-5.jsonl"'))  # edited by hand
+    with pytest.raises(EmberError, match="do not make the registered fingerprint"):
+        load_registry(reg)
+
+
+def test_an_unquoted_date_says_to_quote_it(tmp_path):
+    reg = tmp_path / "datasets.toml"
+    reg.write_text('[datasets.c]\npaths = ["/x"]\nfingerprint = "sha256:' + "0" * 64 + '"\nowner = "a"\n'
+                   'licence = "l"\nclassification = "public"\nexpires = 2020-01-01\n')
+    with pytest.raises(EmberError, match='expires = 2020-01-01: must be a string; quote it: "2020-01-01"'):
+        load_registry(reg)

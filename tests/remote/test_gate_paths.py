@@ -198,3 +198,34 @@ def test_a_file_changed_after_the_decision_is_not_sent_with_the_gates_digests(tm
         refused = str(e)
     assert refused is not None and "changed while it was staged" in refused, refused
     assert not [p for p in job.rglob("*") if p.is_file() and p.read_bytes() == secret]
+
+
+def test_a_copy_of_a_personal_file_is_refused_after_the_original_changed_or_went(tmp_path, monkeypatch):
+    """Bob's file is registered as personal; Alice copies it into her public folder (registered
+    while Bob's file still had those bytes would be refused: the copy is known by content). Then
+    Bob appends a line to his file, or moves it away: the copy is still what was registered as
+    personal, and the gate refuses it. (It was allowed: content identity read Bob's file as it is
+    now, not as it was registered.)"""
+    monkeypatch.chdir(tmp_path)
+    reg, targets = tmp_path / "datasets.toml", tmp_path / "targets.toml"
+    targets.write_text(target_toml("lab", "slurm", "/scratch/ember"))
+    private = tmp_path / "bob" / "notes.jsonl"
+    private.parent.mkdir()
+    private.write_text('{"text": "bob: medical record 1, phone 555-0101"}\n')
+    register(reg, "bob", [private], "bob", "private", "personal", [], "")
+    public = tmp_path / "alice"
+    public.mkdir()
+    (public / "a.jsonl").write_bytes(GENESIS.read_bytes())
+    (public / "notes.jsonl").write_bytes(private.read_bytes())
+    with private.open("a") as f:
+        f.write('{"text": "bob: record 2"}\n')
+    register(reg, "alice", [public], "alice", "CC0-1.0", "public", ["lab"], "", override=True,
+             ledger=tmp_path / "ledger.db")  # the overlap is found (by content, as registered); overridden
+    recipe = write_recipe(tmp_path / "project", data={"files": [str(public / "notes.jsonl")]})
+    req = RemoteRequest(recipe, "lab", LIMITS, registry=reg, targets=targets, ledger=tmp_path / "ledger.db")
+    for moment in ("bob's file changed", "bob's file moved away"):
+        d = decide(req, "check", Events()).decision
+        assert not d.allowed and {"classification", "dataset-target"} <= set(d.codes), (moment, d.reasons)
+        assert "bob" in {u.name for u in d.datasets}, moment
+        if private.exists():
+            private.rename(tmp_path / "bob-archive.jsonl")
