@@ -135,6 +135,23 @@ class Learning:
                 f"in rows of seq_len {self.seq_len} ({self.how()}; they held {self.before:,} learned tokens, "
                 f"{self.emptied or 0} records lost all of theirs). {self._remedy()}. Nothing was trained.")
 
+    def eval_refusal(self) -> str | None:
+        """Why this held-out split cannot evaluate anything (no learned token left in its rows),
+        or None: refused before training, as a training split with nothing to learn is. Every
+        evaluation would be a loss over no token, and [eval] patience and keep_best could never act."""
+        if self.learned > 0:
+            return None
+        if self.before == 0:
+            return (f"[eval] nothing to evaluate: none of the {self.records} held-out records has a learned token: "
+                    f"every assistant turn (completion) in them is context only (weight 0). Give the turns to "
+                    f"evaluate weight 1, or set [data] train_on = \"all\". Nothing was trained.")
+        lost = (f"all {self.records} longer than seq_len {self.seq_len}, and long_records = \"drop\" leaves "
+                f"them out" if self.dropped == self.records else
+                f"{self.emptied or 0} of them lost all of theirs: {self.how()}")
+        return (f"[eval] nothing to evaluate: none of the {self.records} held-out records keeps a learned token in "
+                f"rows of seq_len {self.seq_len} (they held {self.before:,} learned tokens; {lost}). "
+                f"{self._remedy()}. Nothing was trained.")
+
     def warning(self) -> str | None:
         """A warning when more than WARN_SHARE of the records lose all their learned tokens."""
         if not self.emptied or self.emptied <= WARN_SHARE * self.records:

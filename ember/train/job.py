@@ -222,7 +222,7 @@ def start_attempt(job: Job, resumed: bool, restored_at: float, launch: LaunchSpe
 def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
     """What the data became (format, packing, counts, long records, the tokens learned after
     the cut and the packing), for run.json; said once. Refuses a training split with no learned
-    token left; warns when many records lose all of theirs (ember.data.truncation)."""
+    token left, and a held-out split with none to evaluate; warns when many records lose all of theirs (ember.data.truncation)."""
     info = store_info(tokens_path)
     packing, rule = resolve_packing(recipe.data, tokens_path)
     d = recipe.data
@@ -236,6 +236,8 @@ def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, A
     if (refused := train.refusal()) is not None:
         raise EmberError(refused)
     held = learning(eval_path, d.seq_len, packing, rule) if (eval_path := eval_tokens(tokens_path)) else None
+    if held is not None and (refused := held.eval_refusal()) is not None:
+        raise EmberError(refused)
     how = "detected" if d.format == DataFormat.AUTO else "[data] format"
     if mixed := [Path(f).name for f, fmt in info.get("files", {}).items() if fmt != info.get("format")]:
         how += f"; the completion records of {', '.join(mixed)} as one-turn conversations"

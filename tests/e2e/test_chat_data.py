@@ -245,22 +245,48 @@ def test_steps_without_a_learned_token_are_guarded_faults(tmp_path):
     assert "completed" not in nothing.stdout and not (tmp_path / "nothing" / "final").exists()
 
 
-def test_a_held_out_loss_over_no_tokens_is_no_figure(tmp_path):
-    held = long_chats(tmp_path, n=6, name="held.jsonl")  # every held-out record loses its answer
-    recipe = long_recipe(tmp_path, {"files": [str(chat_file(tmp_path))], "long_records": "truncate"},
-                         eval={"files": [str(held)], "every_steps": 2})
+@pytest.mark.parametrize("rule", ["truncate", "drop"])
+def test_a_held_out_split_with_nothing_to_evaluate_refuses_before_its_first_step(tmp_path, rule):
+    """Every held-out record loses its answer (truncate) or is left out (drop): the training
+    split learns, the held-out one has no learned token. With "truncate" the run trained to its
+    end, each evaluation 'no tokens', [eval] patience never able to act, and said completed; with
+    "drop" it began training, then failed on 'the held-out documents hold 856 tokens, fewer than
+    one sequence of seq_len' (untrue, and its remedy, a lower seq_len, drops more). Both are now
+    refused before the first step, as a training split with nothing to learn is, saying why."""
+    held = long_chats(tmp_path, n=6, name="held.jsonl")
+    recipe = long_recipe(tmp_path, {"files": [str(chat_file(tmp_path))], "long_records": rule},
+                         eval={"files": [str(held)], "every_steps": 2, "patience": 1})
     out = tmp_path / "out"
     done = run_ember("run", recipe, "--out", out)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 2: held-out loss: no tokens" in done.stderr and "perplexity 1.00" not in done.stderr
-    assert "6 held out for evaluation (0 tokens learned)" in done.stderr
-    evaluated = [r for r in metric_rows(out) if "eval_tokens" in r]
-    assert [r["step"] for r in evaluated] == [2, 4]
-    assert all(r["eval_tokens"] == 0 and "eval_loss" not in r and "eval_perplexity" not in r for r in evaluated)
-    kept = json.loads((out / "eval" / "step-000000004.json").read_text())
-    assert kept["tokens"] == 0 and "loss" not in kept and "perplexity" not in kept
-    report = run_ember("report", out)
-    assert report.returncode == 0 and "held-out loss" not in report.stdout, report.stdout + report.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    why = {"truncate": "6 of them lost all of theirs: long_records = \"truncate\" keeps the first 64 tokens of each",
+           "drop": "all 6 longer than seq_len 64, and long_records = \"drop\" leaves them out"}[rule]
+    assert ("[eval] nothing to evaluate: none of the 6 held-out records keeps a learned token in rows of seq_len 64 "
+            f"(they held ") in done.stderr and why in done.stderr, done.stderr[-3000:]
+    assert "Raise [data] seq_len" in done.stderr and "fewer than one sequence" not in done.stderr
+    assert not (out / "metrics.jsonl").exists() or not metric_rows(out)  # not one step
+    assert not (out / "final").exists()
+
+
+def test_an_eval_file_that_is_a_training_file_or_a_copy_of_one_is_refused(tmp_path):
+    """[eval] files naming a [data] file (or a copy of it) ran, said 'N held out for evaluation'
+    and reported a 'held-out loss' over what it trained on, which early stopping and keep_best
+    then followed."""
+    data = chat_file(tmp_path)
+    copy = tmp_path / "copy" / "held.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    for held, how in ((data, "the same file as"), (copy, "a copy of")):
+        recipe = chat_recipe(tmp_path / how.replace(" ", "-"), steps=2)
+        done = run_ember("run", recipe, "--out", tmp_path / how.replace(" ", "-") / "out",
+                         "--set", f"data.files=['{data}']", "--set", f"eval.files=['{held}']")
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert f"[eval] files: {held} is {how} [data] files' {data}: a held-out loss over the data" in done.stderr
+    different = long_chats(tmp_path, n=6, short=6, name="other.jsonl")  # a file of its own is fine
+    recipe = chat_recipe(tmp_path / "fine", steps=2)
+    done = run_ember("run", recipe, "--out", tmp_path / "fine" / "out", "--set", f"eval.files=['{different}']",
+                     "--set", "eval.holdout=0")
+    assert done.returncode == 0 and "6 held out for evaluation" in done.stderr, done.stderr[-3000:]
 
 
 def test_tool_calls_and_completion_records_train_in_one_chat_run(tmp_path):
