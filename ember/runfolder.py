@@ -61,15 +61,22 @@ def make_folder(path: Path) -> None:
             why = "which loops back on itself" if e.errno == errno.ELOOP else "which is not there"
             raise EmberError(f"--out {path}: a symbolic link to {os.readlink(path)}, {why}; mount or "
                              f"create what it points to, or choose another --out") from None
-    if path.exists() and not path.is_dir():
-        raise EmberError(f"--out {path}: exists and is not a folder; choose a new folder")
+    if (problem := unusable(path)) is not None:
+        raise EmberError(f"--out {path}: {problem}; choose a new folder")
     if path.is_dir():
-        if not is_run_folder(path) and any(p.name not in (LOCK_FILE, CONSOLE_LOG, LAUNCH_FILE) for p in path.iterdir()):
-            raise EmberError(f"--out {path}: exists and is not an ember run folder (no {RUN_FILE}); "
-                             f"choose a new folder")
         return
     path.mkdir(parents=True)
     fsync_dir(path.parent)  # the run folder itself survives a power cut
+
+
+def unusable(path: Path) -> str | None:
+    """Why `path` cannot be a run folder (a file; a folder of other things), or None."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a folder"
+    if path.is_dir() and not is_run_folder(path) and any(p.name not in (LOCK_FILE, CONSOLE_LOG, LAUNCH_FILE)
+                                                         for p in path.iterdir()):
+        return f"exists and is not an ember run folder (no {RUN_FILE})"
+    return None
 
 
 def folder_identity(path: Path) -> dict[str, int]:

@@ -13,6 +13,9 @@ ember.sched.dispatch and the hand's verbs in ember.sched.job_control):
     preempting ──exited──> queued      preempted: checkpointed at a step boundary, exit 75
     preempting ──exited──> cancelled   when the job was being cancelled
     queued ──cancel──> cancelled
+    queued ──its run folder refused at its start──> failed   (the folder now resolves outside
+                                                           [service] allowed: a link put there, or
+                                                           the owner narrowed the list)
     starting | running | soft-paused | preempting ──exit 0──> completed
     starting | running | soft-paused ──gave up──> failed   (the supervisor restarted crashes with
                                                            backoff, then gave up; or a bad recipe)
@@ -103,7 +106,7 @@ class Machine:
 
 
 LOCAL = Machine("job", {
-    S.QUEUED: (S.STARTING, S.CANCELLED),
+    S.QUEUED: (S.STARTING, S.CANCELLED, S.FAILED),
     S.STARTING: (S.RUNNING, S.PREEMPTING, S.COMPLETED, S.FAILED, S.QUEUED),
     S.RUNNING: (S.SOFT_PAUSED, S.PREEMPTING, S.COMPLETED, S.FAILED, S.QUEUED),
     S.SOFT_PAUSED: (S.RUNNING, S.PREEMPTING, S.COMPLETED, S.FAILED, S.QUEUED),

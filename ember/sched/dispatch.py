@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from ember.errors import EmberError
 from ember.events import Events
 from ember.ledger.job_rows import JobRow
 from ember.sched import owner_rules as owner
@@ -27,6 +28,7 @@ from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
 from ember.sched.job_view import completed, failure_cause, last_outcome, last_step_time
 from ember.ledger.job_states import LIVE
+from ember.paths import default_run_folder, home
 from ember.sched.owner_watch import OwnerWatch
 from ember.hardware import Device
 from ember.sched.scheduler import (PREEMPT_KILL_SECONDS, Act, Move, Scheduler, Steering, capacity, ended, follow,
@@ -133,8 +135,24 @@ class Dispatcher:
         for job_id, devices in decision.start.items():
             self.start(self.jobs.get(job_id), devices)
 
+    def check_folder(self, job: JobRow) -> None:
+        """Refused when the job's run folder resolves outside [service] allowed now (the owner
+        narrowed the list, or a link was put in its place since it was submitted); a folder in
+        $EMBER_HOME/runs (the default, ember's own) must still resolve inside it."""
+        if Path(job.out).parent == home().runs.resolve():
+            default_run_folder(Path(job.out).name)
+        else:
+            self.watch.allowed(job.out, "run folder")
+
     def start(self, job: JobRow, devices: tuple[int, ...]) -> None:
-        """Start the job's process on `devices` and mark it starting."""
+        """Start the job's process on `devices` and mark it starting; a job whose run folder is
+        refused now fails with the reason instead (it would write outside the allowed folders)."""
+        try:
+            self.check_folder(job)
+        except EmberError as e:
+            self.jobs.move(job, "failed", "its run folder was refused at its start", cause=str(e))
+            self.events.warn(f"job {job.name}: not started: {e}")
+            return
         on = tuple(d for d in self.scheduler.devices if d.index in devices)
         p = self.processes.start(job, on)
         self.jobs.move(job, "starting", f"admitted on device(s) {list(devices)}", pid=p.pid,

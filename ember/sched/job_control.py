@@ -36,6 +36,7 @@ from ember.events import Events
 from ember.ledger.job_rows import JobRow
 from ember.ledger.job_states import LIVE, LOCAL_FINAL as FINAL
 from ember.paths import check_job_name, default_run_folder
+from ember.runfolder import unusable
 from ember.sched.dispatch import Dispatcher
 from ember.sched.job_processes import JobProcesses
 from ember.sched.job_queue import JobQueue
@@ -61,6 +62,8 @@ class JobControl:
             check_job_name(name)
         recipe_path = self.watch.allowed(recipe, "recipe")
         chosen = self.watch.allowed(out, "run folder") if out else None  # refused before the plan, too
+        if chosen is not None and (problem := unusable(chosen)) is not None:
+            raise BadInput(f"run folder {chosen}: {problem}; choose a new folder")
         if not recipe_path.is_file():
             raise BadInput(f"recipe {recipe_path}: no such file")
         if not -1000 <= priority <= 1000:
@@ -155,8 +158,11 @@ class JobControl:
         """Queue a failed or cancelled job again: the same run, resumed from its run folder's last
         checkpoint (from the start if it never trained)."""
         with self.lock:
-            # The recipe is checked again: the owner may have narrowed [service] allowed since.
-            job = self.jobs.requeue(self.find(ref), lambda path: self.watch.allowed(path, "recipe"))
+            # The recipe and the run folder are checked again: the owner may have narrowed
+            # [service] allowed since, or a link may have been put in the folder's place.
+            job = self.find(ref)
+            self.dispatch.check_folder(job)
+            job = self.jobs.requeue(job, lambda path: self.watch.allowed(path, "recipe"))
         self.events.info(f"job {job.name}: requeued by hand ({job.state})")
         return job
 

@@ -49,7 +49,9 @@ class JobProcesses:
         if not path.exists():
             return b"", 0
         with open(path, "rb") as f:
-            f.seek(max(0, offset))
+            size = os.fstat(f.fileno()).st_size
+            at = min(max(0, offset), size)  # past the end: nothing yet (a seek past the file system's largest
+            f.seek(at)                       # file size fails), and the offset stays where it was asked
             data = f.read(1 << 20)
         return data, max(0, offset) + len(data)
 

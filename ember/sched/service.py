@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from ember.errors import Unavailable
+from ember.errors import Conflict, Unavailable
 from ember.events import Events
 from ember.ledger.database import default_path
 from ember.ledger.job_rows import JobRow
@@ -115,6 +115,12 @@ class Service:
                 live = self.jobs.live()
                 if not live:
                     return {"freed_after_seconds": time.time() - t0, "until": self.yield_until}
+                until = self.yielding.until
+                if until is None or time.time() >= until:  # ended (or released) before they left: they train on
+                    raise Conflict(f"the yield ended ({'released' if until is None else 'its time was up'}) "
+                                   f"{time.time() - t0:.1f} s after it began, before every job had left the devices "
+                                   f"({', '.join(j.name for j in live)} still on them, and training again): "
+                                   f"ask for a yield long enough for a job to checkpoint and exit")
             time.sleep(0.01)
         raise Unavailable(f"jobs still on the devices after {timeout:.0f} s: {', '.join(j.name for j in live)}; "
                           f"the yield holds: ask again to wait more")

@@ -198,28 +198,21 @@ def test_a_txt_file_listed_twice_with_a_held_out_share_is_two_whole_copies(tmp_p
         assert documents(twice, split) == documents(once, split) * 2
 
 
-def test_a_file_in_both_data_and_eval_files_still_trains_on_its_share(tmp_path, monkeypatch):
-    """A file named in [eval] files too took the eval files' share (all) for its [data] listing:
-    with [eval] holdout = 0.1, every record was held out and training had 0 tokens."""
-    records = [{"text": f"document {i}"} for i in range(100)]
-    f = tmp_path / "d.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+def test_a_file_in_both_data_and_eval_files_is_refused(tmp_path, monkeypatch):
+    """A file named in [eval] files too: first it took the eval files' share (all) for its [data]
+    listing, so with [eval] holdout = 0.1 every record was held out and training had 0 tokens;
+    then it trained on its share while the eval split held the whole file again, its training
+    records included: a 'held-out' loss over what the model trains on. Now refused, for a .jsonl
+    file and a .txt file (whose blocks are shared out) alike, before anything is tokenized."""
     monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
-    cfg = DataConfig(files=[str(f)])
-    store = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.1, files=[str(f)])).parent.parent
-    held = [r["text"] for r in records if sources.held_out(r, 0, 0.1)]
-    assert 0 < len(held) < 30
-    assert documents(store, "train") == [r["text"] for r in records if r["text"] not in held]
-    assert sorted(documents(store, "eval")) == sorted(held + [r["text"] for r in records])
-    # A .txt file so named: its blocks train and are held out as alone, and [eval] reads it whole
-    # (its [eval] listing took the blocks too: both splits doubled, the whole text nowhere).
-    text = "".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000))
-    (tmp_path / "book.txt").write_text(text)
-    alone = build(tmp_path / "h2", monkeypatch, [tmp_path / "book.txt"], holdout=0.05)
-    cfg = DataConfig(files=[str(tmp_path / "book.txt")])
-    both = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.05, files=cfg.files)).parent.parent
-    assert documents(both, "train") == documents(alone, "train")
-    assert sorted(documents(both, "eval")) == sorted(documents(alone, "eval") + [text])
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100)))
+    (tmp_path / "book.txt").write_text("".join(f"line {i}: {'some words ' * (i % 5 + 1)}\n" for i in range(4000)))
+    for name in ("d.jsonl", "book.txt"):
+        cfg = DataConfig(files=[str(tmp_path / name)])
+        with pytest.raises(EmberError, match=f"\\[eval\\] files: .*{name} is the same file as \\[data\\] files'"):
+            tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), ev=EvalConfig(holdout=0.1, files=cfg.files))
+    assert not (tmp_path / "h" / "cache" / "tokens").exists() or not any((tmp_path / "h" / "cache" / "tokens").iterdir())
 
 
 def test_a_held_out_share_that_holds_out_no_record_is_refused_with_the_reason(tmp_path, monkeypatch):

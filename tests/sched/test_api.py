@@ -805,3 +805,93 @@ def test_ember_queue_shows_a_cause_with_brackets_as_it_is(announced_stub, capsys
     monkeypatch.setenv("COLUMNS", "400")  # one line a row
     assert main(["queue"]) == 0
     assert cause in capsys.readouterr().out
+
+
+def test_a_yield_that_ends_before_a_job_leaves_answers_at_once_not_after_the_timeout(service, tmp_path):
+    """`POST /api/yield {"seconds": 0.01}` while a job ran hung for the whole timeout (600 s), then
+    answered a 503 saying 'the yield holds', though it had ended at once and the job trained on:
+    the wait never looked at the yield. A job slow to checkpoint against `ember yield --for 5s`
+    took the same path. It now answers 409 as soon as the yield has ended with a job still on the
+    devices. (The job here is a process of this test's that ignores SIGTERM: a job that has not
+    yet reached its checkpoint.)"""
+    import signal
+    import subprocess
+    import sys
+    from ember.errors import Conflict
+    from ember.sched import process
+    slow = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert slow.stdout.readline().strip() == "ready"
+        job = rows.insert(service.con, "slow", "/x.toml", str(tmp_path / "allowed" / "run"), [], 0, {"memory": 1},
+                          "queued")
+        assert rows.set_state(service.con, job.id, "queued", "starting", "admitted",
+                              {"pid": slow.pid, "pid_start": process.start_time(slow.pid)})
+        assert rows.set_state(service.con, job.id, "starting", "running", "stepped", {})
+        with pytest.raises(Conflict, match=r"the yield ended \(its time was up\).*slow still on them") as e:
+            service.yield_devices(0.3, timeout=60)  # before the fix: Unavailable, 60 s later
+        print(e.value)
+        assert slow.poll() is None  # the job was asked (SIGTERM) and is still there
+        service.release_yield()
+        with pytest.raises(Conflict, match=r"the yield ended \(released\)"):  # released by another client meanwhile
+            import threading
+            threading.Timer(0.5, service.release_yield).start()
+            service.yield_devices(None, timeout=60)
+    finally:
+        os.killpg(slow.pid, signal.SIGKILL)  # ours: its own group
+        slow.wait()
+
+
+def test_a_log_offset_past_the_largest_file_is_an_empty_answer_not_a_500(service, tmp_path):
+    """`GET /api/jobs/J/logs?offset=17592186040321` (past ext4's largest file) was a 500
+    ('internal error (OSError)'): the seek failed. An offset past the end reads nothing."""
+    job = rows.insert(service.con, "j", "/x.toml", str(tmp_path / "allowed" / "run"), [], 0, {"memory": 1}, "queued")
+    log = service.log_path(job)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"step 1\n")
+    c = client(service)
+    for offset in (7, 2**44 + 1, 2**63 - 1):
+        r = c.get(f"/api/jobs/j/logs?offset={offset}", headers=AUTH)
+        assert r.status_code == 200 and r.content == b"", (offset, r.status_code, r.text[:300])
+        assert r.headers["X-Ember-Offset"] == str(offset)
+    assert c.get("/api/jobs/j/logs?offset=0", headers=AUTH).content == b"step 1\n"
+
+
+def test_a_file_given_as_the_run_folder_is_refused_at_submit(service, tmp_path):
+    """A file as the job's `out` was queued (201), then failed: 'exists and is not a folder'."""
+    recipe = write_recipe(tmp_path / "allowed")
+    r = client(service).post("/api/jobs", json={"recipe": str(recipe), "out": str(recipe)}, headers=AUTH)
+    assert r.status_code == 400 and "exists and is not a folder" in r.json()["error"]["message"], r.text
+    assert rows.all_jobs(service.con) == []
+
+
+def test_a_run_folder_is_checked_again_at_requeue(service, tmp_path):
+    """A job requeued after the owner narrowed [service] allowed trained in the folder a new
+    submit there was refused (the recipe was checked again, the folder not)."""
+    recipe = write_recipe(tmp_path / "allowed")
+    other = tmp_path / "other"
+    other.mkdir()
+    job = finished(service, "c", "cancelled", other / "c", recipe=str(recipe))
+    r = client(service).post("/api/jobs/c/requeue", headers=AUTH)
+    assert r.status_code == 403 and "outside the folders the owner allowed" in r.json()["error"]["message"], r.text
+    assert rows.get(service.con, job.id).state == "cancelled"
+
+
+def test_a_link_put_in_place_of_a_queued_jobs_run_folder_fails_it_at_its_start(service, tmp_path):
+    """A link put at the folder's path after submit sent the whole run outside every allowed
+    folder. The job now fails at its start with the reason, before any process."""
+    recipe = write_recipe(tmp_path / "allowed")
+    other = tmp_path / "other"
+    other.mkdir()
+    out = tmp_path / "allowed" / "e"
+    queued = rows.insert(service.con, "e", str(recipe), str(out), [], 0, {"memory": 1}, "queued")
+    out.symlink_to(other)
+    service.dispatch.start(queued, (0,))
+    try:
+        failed = rows.get(service.con, queued.id)
+        assert failed.state == "failed" and failed.pid is None, failed
+        assert "outside the folders the owner allowed" in failed.cause
+        assert list(other.iterdir()) == []
+    finally:
+        service.processes.kill(rows.get(service.con, queued.id))  # before the fix: the run it started

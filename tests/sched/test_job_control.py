@@ -50,7 +50,7 @@ class Hand:
         self.control = JobControl(self.jobs, self.processes, self.dispatch, watch, threading.RLock(), events)
 
     def queued(self, name: str, recipe: Path | None = None, request: dict = NEVER_FITS):
-        return self.jobs.add(name, recipe or self.tmp / "allowed" / "r.toml", self.tmp / "runs" / name, [], 0,
+        return self.jobs.add(name, recipe or self.tmp / "allowed" / "r.toml", self.tmp / "allowed" / "runs" / name, [], 0,
                              request)
 
     def running(self, name: str):
@@ -193,7 +193,7 @@ def test_requeue_queues_a_failed_job_again_and_refuses_what_it_cannot_take_back(
     hand.finished("done", "completed")
     refused(Conflict, "^job done is completed: only a failed or cancelled job is requeued$",
             hand.control.requeue, "done")
-    outside = hand.jobs.add("outside", tmp_path / "elsewhere.toml", tmp_path / "runs" / "outside", [], 0,
+    outside = hand.jobs.add("outside", tmp_path / "elsewhere.toml", tmp_path / "allowed" / "runs" / "outside", [], 0,
                             NEVER_FITS)
     hand.jobs.move(outside, "cancelled", "cancelled by hand")
     # The owner may have narrowed [service] allowed since it was queued: checked again.
@@ -209,7 +209,7 @@ def test_purge_removes_finished_jobs_and_their_files_and_refuses_an_unfinished_o
         hand.processes.log_path(job).parent.mkdir(parents=True, exist_ok=True)
         hand.processes.log_path(job).write_text("its output\n")
         hand.processes.ask(job, "user", None)  # its control folder
-    (tmp_path / "runs" / "done").mkdir(parents=True)
+    (tmp_path / "allowed" / "runs" / "done").mkdir(parents=True)
 
     assert {j.name for j in hand.control.purge([], None, None, True)} == {"done", "broke"}  # a dry run
     refused(Conflict, "^job training is running: only finished jobs .* nothing was removed. `ember cancel training`",
@@ -222,7 +222,7 @@ def test_purge_removes_finished_jobs_and_their_files_and_refuses_an_unfinished_o
     gone = hand.control.purge([], ["completed"], None, False)
     assert [j.name for j in gone] == ["done"] and hand.said == ["purged 1 finished job(s): done"]
     assert not hand.processes.log_path(done).exists() and not home().job_control(done.id).exists()
-    assert (tmp_path / "runs" / "done").is_dir()  # its run folder stays
+    assert (tmp_path / "allowed" / "runs" / "done").is_dir()  # its run folder stays
     assert hand.processes.log_path(broke).exists() and home().job_control(broke.id).is_dir()
     assert [j.name for j in hand.control.purge(["broke"], None, None, False)] == ["broke"]
     assert [j.name for j in hand.jobs.jobs()] == ["training"]
