@@ -262,7 +262,7 @@ def test_a_held_out_split_with_nothing_to_evaluate_refuses_before_its_first_step
     why = {"truncate": "6 of them lost all of theirs: long_records = \"truncate\" keeps the first 64 tokens of each",
            "drop": "all 6 longer than seq_len 64, and long_records = \"drop\" leaves them out"}[rule]
     assert ("[eval] nothing to evaluate: none of the 6 held-out records keeps a learned token in rows of seq_len 64 "
-            f"(they held ") in done.stderr and why in done.stderr, done.stderr[-3000:]
+            "(they held ") in done.stderr and why in done.stderr, done.stderr[-3000:]
     assert "Raise [data] seq_len" in done.stderr and "fewer than one sequence" not in done.stderr
     assert not (out / "metrics.jsonl").exists() or not metric_rows(out)  # not one step
     assert not (out / "final").exists()
