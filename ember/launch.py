@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ember import faults
 from ember.ckpt.store import CheckpointStore
 from ember.data.sources import data_file_hashes
-from ember.errors import EXIT_ERROR, EXIT_OK, EmberError
+from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EmberError
 from ember.events import Events
 from ember.launchspec import ENV as LAUNCH_ENV
 from ember.launchspec import LaunchSpec, PlannedMemory
@@ -42,6 +42,7 @@ from ember.world import launched, lost_peer, tell_launcher
 if TYPE_CHECKING:
     from ember.doctor.preflight import Check
     from ember.plan.planner import MemoryPlan
+    from ember.train.signals import StopRequest
 
 @dataclass
 class RunRequest:
@@ -56,6 +57,7 @@ class RunRequest:
     supervised_child: bool = False         # this process is the child of a supervisor
     topology: Topology = field(default_factory=Topology)  # ranks and nodes (--nproc, --nnodes)
     recipe: Recipe | None = None           # recipe_file as the command already loaded it
+    stop: StopRequest | None = None        # installed by the command as it began: a signal during start-up
     serving: Callable[[Any], Any] | None = None  # [serve] coserve's server, given by the command (ember.web.coserve.start)
 
     def child_argv(self) -> list[str]:
@@ -89,7 +91,10 @@ class RunOutcome:
 
 def run(req: RunRequest, events: Events) -> RunOutcome:
     """Train the recipe into the run folder, resuming it; see the module docstring. Torch is
-    imported only where this process trains (or starts ranks): a supervisor never imports it."""
+    imported only where this process trains (or starts ranks): a supervisor never imports it.
+    A stop signal before the training starts (req.stop, installed by the command as it began)
+    ends it with exit 75 before a child, a rank or a step: nothing was trained, nothing is lost."""
+    faults.point("run.start")
     spec = inherited_launch_spec(req.out)  # launched by a supervisor, the service or a rank launcher
     recipe = spec.build_recipe() if spec else req.recipe or load_recipe(req.recipe_file, req.overrides, events.warn)
     restarts = recipe.train.restarts if req.restarts is None else req.restarts
@@ -117,6 +122,8 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
         failed = [c.name for c in outcome.checks if not (c.ok or c.warn_only)]
         if failed:
             raise PreflightFailed(outcome.checks, failed)
+    if req.stop is not None and req.stop.requested and (launcher or restarts and not req.supervised_child):
+        return stopped_before_training(req, events, outcome)
     if restarts and not req.supervised_child:
         make_folder(req.out)
         lock = acquire(req.out / LOCK_FILE, f"--out {req.out}")  # held across every restart
@@ -124,11 +131,19 @@ def run(req: RunRequest, events: Events) -> RunOutcome:
             hand_down(req.out, LaunchSpec.create(req.out, recipe, req.recipe_file, req.overrides, plan,
                                                  restarts=restarts))
         outcome.code = supervise(req.child_argv(), restarts, recipe.train.restart_backoff_seconds, events,
-                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock)
+                                 lambda: CheckpointStore.newest_step(req.out / "checkpoints"), lock, req.stop)
         return outcome
     if launcher:
         return launch_ranks(req, events, outcome, recipe, spec, plan)
     return train_here(req, recipe, events, outcome, spec)
+
+
+def stopped_before_training(req: RunRequest, events: Events, outcome: RunOutcome) -> RunOutcome:
+    """A stop signal came before a child or a rank was started: exit 75, nothing trained."""
+    events.info(f"{req.stop.signal_name if req.stop else 'a stop signal'} before training began: nothing was "
+                f"trained; run the same command to start it")
+    outcome.code = EXIT_INTERRUPTED
+    return outcome
 
 
 def hand_down(out: Path, spec: LaunchSpec) -> None:
@@ -169,7 +184,7 @@ def train_here(req: RunRequest, recipe: Recipe, events: Events, outcome: RunOutc
     # Before the model loads: a signal then stops it at the first step. A rank says nothing on a
     # signal: the ranks agree at the step boundary, and what they did is said then (it may be
     # the agent tearing the group down after another rank died: no checkpoint then).
-    stop = StopRequest(events, quiet=launched()).install()
+    stop = req.stop or StopRequest(events, quiet=launched()).install()
     try:
         job = prepare(recipe, req.out, req.allow_recipe_change, events, req.recipe_file, req.ledger,
                       req.restart_from_scratch, spec)

@@ -27,7 +27,7 @@ from ember.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from ember.events import Events
 from ember.lock import Lock
 from ember.proc import dies_with_us
-from ember.train.signals import STOP_SIGNALS
+from ember.train.signals import STOP_SIGNALS, StopRequest
 
 WINDOW_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -67,12 +67,18 @@ def quick_crashes(runs: list[ChildRun]) -> int:
 
 
 def supervise(child_argv: list[str], restarts: int, base_backoff: float, events: Events,
-              progress: Callable[[], int] = lambda: 0, lock: Lock | None = None) -> int:
+              progress: Callable[[], int] = lambda: 0, lock: Lock | None = None,
+              stop: StopRequest | None = None) -> int:
     """`progress()`: the newest committed checkpoint's step, to tell progress from a crash loop.
-    `lock`: the run folder's, handed to each child (ember.lock)."""
+    `lock`: the run folder's, handed to each child (ember.lock). `stop`: the command's own stop
+    handlers, installed before this began: a signal they caught means no child is started. A
+    child that dies of the stop signal it was sent (before its own handlers were in place) was
+    stopped, not crashed: exit 75, as a child that checkpointed."""
     runs: list[ChildRun] = []
     child: subprocess.Popen | None = None
-    stopping = False
+    stopping = stop is not None and stop.requested
+    if stopping:
+        return EXIT_INTERRUPTED
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -83,6 +89,9 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
     previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
+            if stopping:  # asked to stop before this child started (during a back-off, say)
+                code = EXIT_INTERRUPTED
+                break
             start, before = time.time(), progress()
             # SIGTERM when the supervisor dies, even by SIGKILL: the child checkpoints and exits 75
             with lock.handed_down() if lock is not None else contextlib.nullcontext({}) as passed:
@@ -91,6 +100,8 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
             code = child.wait()
             runs.append(ChildRun(start, time.time(), code, progress() > before))
             if code in (EXIT_OK, EXIT_INTERRUPTED) or stopping:
+                if stopping and code < 0:  # it died of the signal forwarded to it: stopped, resumable
+                    code = EXIT_INTERRUPTED
                 break
             recent = [r for r in runs if r.returncode not in (EXIT_OK, EXIT_INTERRUPTED)
                       and r.end > time.time() - WINDOW_SECONDS]

@@ -225,8 +225,14 @@ RESUME_HINT = "; committed checkpoints are intact: fix the cause and run the sam
 def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub mid-run
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet fork warnings with workers
+    from ember.cli.render import stderr_events
+    from ember.train.signals import StopRequest
+    from ember.world import launched
+    # First, before the imports and the plan (seconds on a busy machine): a stop signal during
+    # start-up stops the run (exit 75) instead of killing it (143), or breaking an import (Ctrl-C).
+    stop = StopRequest(stderr_events(), quiet=launched()).install()
     from ember.cli.plan import print_checks
-    from ember.cli.render import keep_output_in, stderr_events
+    from ember.cli.render import keep_output_in
     from ember.launch import PreflightFailed, RunRequest, fast_exit, run
     from ember.ranks import Topology
     from ember.runfolder import CONSOLE_LOG
@@ -235,6 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                      args.preflight, False if args.no_ledger else args.ledger, args.restart_from_scratch,
                      args.no_supervise, Topology(args.nproc, args.nnodes, args.node_rank, args.rdzv))
     req.serving = start_coserving  # used when the recipe says [serve] coserve
+    req.stop = stop
     out = surviving_console()
     try:
         outcome = run(req, stderr_events())

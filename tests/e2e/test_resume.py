@@ -154,6 +154,49 @@ def test_a_stop_signal_during_start_up_stops_the_run_before_its_first_step(tmp_p
     assert_same_result(out, base)
 
 
+@pytest.mark.parametrize("restarts", ["0", "2"])
+def test_a_stop_signal_as_the_command_begins_exits_75_not_143(tmp_path, restarts):
+    """SIGTERM in the first seconds of `ember run` (before its imports and its memory plan: ~7 s
+    on a busy machine) killed it, exit 143 with nothing said; with --restarts the supervisor died
+    of it. The command's stop handlers are now the first thing it installs: exit 75, nothing
+    trained, and the same command then runs the whole run. (The signal is sent by the run itself
+    at the fault point `run.start`, the top of ember.launch.run, once: the supervisor's.)"""
+    recipe = write_recipe(tmp_path)
+    out = tmp_path / "run"
+    env = {"EMBER_FAULT": "run.start", "EMBER_FAULT_SIGNAL": "SIGTERM", "EMBER_FAULT_ONCE": str(tmp_path / "once")}
+    stopped = run_ember("run", recipe, "--out", out, "--restarts", restarts, env=env)
+    assert stopped.returncode == 75, (stopped.returncode, stopped.stderr[-2000:])
+    assert "SIGTERM before training began: nothing was trained" in stopped.stderr or restarts == "0", stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text(), "it trained"
+    done = run_ember("run", recipe, "--out", out, "--restarts", restarts)
+    assert done.returncode == 0 and len(losses(out)) == 24, done.stderr[-2000:]
+
+
+def test_a_supervised_child_killed_by_the_stop_signal_it_was_sent_is_stopped_not_crashed(tmp_path):
+    """A child that dies of the signal its supervisor forwards (it had no handler yet) made the
+    supervisor exit with -15, i.e. 241, a code nobody documents: it was stopped, and is resumable."""
+    import os
+    import sys
+    import threading
+    from ember.events import Events
+    from ember.supervise import supervise
+    ready = tmp_path / "ready"
+    child = [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"]
+    said = []
+
+    def stop_when_ready() -> None:
+        for _ in range(6000):  # 60 s
+            if ready.exists():
+                os.kill(os.getpid(), signal.SIGTERM)  # this process: supervise() forwards it to the child
+                return
+            threading.Event().wait(0.01)
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    code = supervise(child, 2, 0.1, Events(lambda e: said.append(e.message)))
+    assert code == 75, (code, said)
+    assert "killed by SIGTERM" in said[-1]
+
+
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_a_stop_signal_after_the_last_step_leaves_the_run_completed(sig, tmp_path):
     """A scheduler's warning that lands as a completed run exits (its last step and final weights
