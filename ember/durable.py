@@ -12,6 +12,7 @@ data?) stays SHA-256 (`sha256_file`), where a collision would matter."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -185,11 +186,18 @@ def write_durable(path: Path, text: str) -> None:
     # Named by process and thread: two threads of one service writing the same file at once (two
     # submits of one recipe) each rename their own.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no temp file left behind per try, and the error names the file
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if e.filename is None:
+            e.filename = str(path)
+        raise
     fsync_dir(path.parent)
 
 

@@ -220,10 +220,14 @@ def default_run_folder(name: str) -> Path:
 
 
 def cached_sha256(path: Path) -> str:
-    """SHA-256 of a file, remembered by (path, size, mtime) so large model files hash once."""
+    """SHA-256 of a file, remembered by (path, size, mtime, inode, ctime) so large model files
+    hash once. The inode and the change time are in the key because the others can be kept by a
+    replacement: `cp -p`, `rsync -a` or `tar x` of other bytes of the same size set the old mtime,
+    and were read as the old file (its cached tokens trained, a changed dataset's resume allowed);
+    no tool can set a file's ctime."""
     path = path.resolve()
     st = path.stat()
-    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
     cache_file = home().sha256_cache
     try:
         cache = json.loads(cache_file.read_text())

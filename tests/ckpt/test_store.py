@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -178,3 +179,18 @@ def test_a_manifest_nested_past_the_recursion_limit_is_damage_not_a_traceback(tm
     warnings = []
     assert store.load_latest(warnings.append).step == 1
     assert "step-000000002 is damaged" in warnings[0]
+
+
+def test_a_small_file_written_on_a_full_disk_leaves_no_temp_file_and_names_itself(small_disk):
+    """write_durable (run.json, the launch spec, the ledger's side files) left its temp file
+    behind when the disk was full, one more per try, in the run folder; the error said only
+    '[Errno 28] No space left on device', without the file."""
+    from ember.durable import write_durable
+    folder = small_disk("64k")
+    (folder / "filler").write_bytes(b"\0" * (60 << 10))
+    target = folder / "run.json"
+    for _ in range(3):
+        with pytest.raises(OSError) as e:
+            write_durable(target, "x" * (32 << 10))
+        assert e.value.errno == errno.ENOSPC and str(target) in str(e.value), e.value
+    assert sorted(p.name for p in folder.iterdir()) == ["filler"]

@@ -252,3 +252,27 @@ def test_a_txt_file_trains_on_its_line_ends_as_written_whatever_its_size_or_held
     assert documents(whole, "train") == [text]
     monkeypatch.setattr(sources, "LARGE_TEXT_BYTES", 100)
     assert documents(build(tmp_path / "h2", monkeypatch, [tmp_path / "w.txt"]), "train") == [text]
+
+
+def test_a_file_replaced_by_other_bytes_of_its_size_and_mtime_is_hashed_again(tmp_path, monkeypatch):
+    """The content-hash cache was keyed on (path, size, mtime): other bytes of the same size put
+    in place by `cp -p`, `rsync -a` or `tar x` (which keep the mtime) were taken for the old file,
+    so a run trained on the old file's cached tokens and a resume over changed data was allowed."""
+    import os
+    import shutil
+    from ember.durable import sha256_file
+    from ember.paths import cached_sha256
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
+    f, other = tmp_path / "d.jsonl", tmp_path / "other.jsonl"
+    f.write_text('{"text": "alpha"}\n')
+    other.write_text('{"text": "omega"}\n')  # the same size
+    os.utime(other, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    before = cached_sha256(f)
+    shutil.copy2(other, f)  # cp -p: other's bytes, and its (= f's old) mtime
+    assert f.stat().st_mtime_ns == other.stat().st_mtime_ns and f.stat().st_size == other.stat().st_size
+    assert cached_sha256(f) == sha256_file(f) != before
+    third = tmp_path / "third.jsonl"
+    third.write_text('{"text": "sigma"}\n')
+    os.utime(third, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    os.replace(third, f)  # rsync's way: a new file renamed over it, the same mtime
+    assert cached_sha256(f) == sha256_file(f) and "sigma" in f.read_text()
