@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from ember.scratch import for_this_process
 from ember.data.formats import _field, read_records
 from ember.data.tokenizer import Tokenizer
 from ember.data.sources import held_out, source_sha256  # noqa: F401  (held_out re-exported: the split rule)
-from ember.data.tokenize import build
+from ember.data.tokenize import build, damaged
 from ember.data.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
@@ -79,6 +80,10 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
                          f"{ev.holdout}\0{ev.seed}\0{eval_ids}\0{tokenizer.fingerprint(rendering=True)}"
                          .encode()).hexdigest()[:32]
     store = home().token_cache(key)
+    if (store / "info.json").is_file() and (problem := damaged(store)) is not None:
+        # A cache: what was lost is tokenized again (the same tokens: the data's and the tokenizer's)
+        (events or Events()).warn(f"token cache {store} is damaged ({problem}): tokenizing the data again")
+        shutil.rmtree(store, ignore_errors=True)
     if not (store / "info.json").is_file():
         if events is not None:
             events.stage(f"tokenizing {len(cfg.files) + len(ev.files)} data file(s) once into {store.parent}",

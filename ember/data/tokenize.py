@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ember import faults
+from ember.durable import fsync_dir, fsync_file
 from ember.errors import EmberError
 from ember.events import Events
 from ember.lock import acquire
@@ -397,14 +398,46 @@ def assemble(shards: list[Shard], work: Path, store: Path, fmt: DataFormat, form
             fh.write(np.asarray([at], dtype="<i8").tobytes())
         info[name] = {"documents": docs, "tokens": tokens, "targets": learned}
     (tmp / "info.json").write_text(json.dumps(info, indent=1))  # the store is complete when it is there
+    # Its bytes on disk before the name that says it is complete: renamed first, a power cut could
+    # leave a store whose files are short or zeros (a run then failed on it, or trained on zeros).
+    for f in sorted(tmp.rglob("*")):
+        (fsync_dir if f.is_dir() else fsync_file)(f)
+    fsync_dir(tmp)
     try:
-        os.rename(tmp, store)  # a cache: atomic, rebuilt if lost, so no fsync
+        os.rename(tmp, store)
     except OSError:
         if (store / "info.json").is_file():  # another process finished it first
             shutil.rmtree(tmp, ignore_errors=True)
         else:  # a folder without the marker (an older build's): not a store, replaced
             shutil.rmtree(store)
             os.rename(tmp, store)
+    fsync_dir(store.parent)
+
+
+def damaged(store: Path) -> str | None:
+    """What is wrong with a complete token store (its files against the counts in info.json), or
+    None: a store cut short, or files lost or put there by hand, is found before a run reads it.
+    (Every byte is not read: a store of the right sizes with other bytes is not found.)"""
+    try:
+        info = json.loads((store / "info.json").read_text())
+        for name in SPLITS:
+            if name not in info:
+                continue
+            c, folder = info[name], store / name
+            tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+            if len(tokens) != c["tokens"]:
+                return f"{name}/tokens.npy holds {len(tokens)} tokens, info.json {c['tokens']}"
+            docs = np.load(folder / "docs.npy", mmap_mode="r")
+            if len(docs) != c["documents"] + 1 or int(docs[0]) != 0 or int(docs[-1]) != c["tokens"] \
+                    or bool(np.any(np.diff(docs) < 0)):
+                return f"{name}/docs.npy does not mark {c['documents']} documents over {c['tokens']} tokens"
+            if c["targets"] < c["tokens"]:
+                targets = np.load(folder / "targets.npy", mmap_mode="r")
+                if len(targets) != c["tokens"]:
+                    return f"{name}/targets.npy holds {len(targets)} marks for {c['tokens']} tokens"
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _npy(path: Path, descr: str, n: int) -> BinaryIO:

@@ -276,3 +276,38 @@ def test_a_file_replaced_by_other_bytes_of_its_size_and_mtime_is_hashed_again(tm
     os.utime(third, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
     os.replace(third, f)  # rsync's way: a new file renamed over it, the same mtime
     assert cached_sha256(f) == sha256_file(f) and "sigma" in f.read_text()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "docs zeroed", "targets gone"])
+def test_a_damaged_token_store_is_found_and_tokenized_again(tmp_path, monkeypatch, damage):
+    """A token store was trusted as soon as its info.json was there, and its files were renamed
+    into place unsynced: one cut short (a power cut after the rename, or a hand) failed every later
+    run on the data with numpy's traceback (EOFError, 'mmap length is greater than file size'),
+    and one of zeros trained on zeros. A store whose files disagree with its counts is now found,
+    said, and tokenized again: the same tokens as before."""
+    from ember.events import Events
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "h"))
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                                  {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                         for i in range(40)))
+    cfg = DataConfig(files=[str(f)])
+    path = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK))
+    folder = path.parent
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert set(before) == {"tokens.npy", "docs.npy", "targets.npy"}
+    if damage == "cut short":
+        with open(folder / "tokens.npy", "r+b") as fh:
+            fh.truncate(len(before["tokens.npy"]) // 2)
+    elif damage == "docs zeroed":
+        (folder / "docs.npy").write_bytes(before["docs.npy"][:128] + bytes(len(before["docs.npy"]) - 128))
+    else:
+        (folder / "targets.npy").unlink()
+    said = []
+    again = tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), Events(lambda e: said.append(e.message)))
+    assert again == path and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert any(m.startswith(f"token cache {folder.parent} is damaged (") and m.endswith("tokenizing the data again")
+               for m in said), said
+    said.clear()
+    tokenize(cfg, TOK, data_fingerprint(cfg.files, TOK), Events(lambda e: said.append(e.message)))
+    assert not any("damaged" in m for m in said)  # sound now: read as it is
