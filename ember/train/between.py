@@ -64,11 +64,9 @@ class Between:
         self.pauses = PausePoint(None if job.world.distributed else from_environment(), lambda: stop.requested,
                                  lambda: release_cached_memory(job.device))
         self.active = not job.world.distributed and job.recipe.train.grad_accum > 1
-        self.paused = 0.0  # seconds the step in progress was soft-paused: the bucket `paused`, not the step's
 
     def begin(self) -> None:
         """A step starts: remember its RNG states (a stop between its micro-batches rewinds to them)."""
-        self.paused = 0.0
         if self.active:  # tens of microseconds a step; nothing to rewind with one micro-batch a step
             self.job.state.capture_rng(self.job.device)
 
@@ -82,7 +80,6 @@ class Between:
         held = self.pauses.check()
         self.record.pause(held, micro_batch=done)
         if held is not None:  # its seconds are the ledger's pause event: no part of the step's time or phases
-            self.paused += held.end - held.start
             self.job.timer.skip(held.end - held.start)
         if not self.stop.requested:
             return False

@@ -112,12 +112,11 @@ def train(job: Job, stop: StopRequest | None = None, halt: Callable[[], bool] = 
     early = out_of_patience(state, r.eval.patience)  # resumed from the checkpoint where it ran out
     try:
         while state.step < r.train.max_steps and not stopping and not early:
-            t0 = time.perf_counter()
             between.begin()
             result = train_step(job, data, between)
             # A soft pause between its micro-batches is the ledger's pause event (bucket `paused`):
             # counted in the step too, it was counted twice, and tokens/s and p99 took it for work.
-            seconds = time.perf_counter() - t0 - between.paused
+            seconds = job.timer.seconds()
             if result is None:  # a stop between micro-batches undid the step: save the state before it
                 stopping = True
                 if saved < state.step:
