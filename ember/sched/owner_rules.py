@@ -51,7 +51,7 @@ class ServiceRules:
     port: int = setting(8765, "Port the service listens on (0: any free port; `--port` overrides).",
                         min=0, max=65535)
     allowed: list[str] = setting(lambda: ["~"], "Folders recipes (and run folders) must lie under, "
-                                 "resolved through links; checked at each submit.", factory=True)
+                                 "resolved through links; checked at each submit, requeue and job start.", factory=True)
     max_body_bytes: int = setting(1 << 20, "Largest request body accepted, in bytes; a larger one is "
                                   "answered 413 as soon as it passes the limit.", min=1024)
     open_on_loopback: bool = setting(False, "Bound to loopback, answer reading requests (pages, "
