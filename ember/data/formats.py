@@ -143,16 +143,25 @@ def check(record: Any, fmt: DataFormat, text_field: str, where: str) -> None:
 def encode(record: Any, fmt: DataFormat, tokenizer: Any, text_field: str, train_on: str, where: str) -> Encoded:
     """One record's tokens and the ones the loss learns (see the module docstring)."""
     eos = tokenizer.eos_id
+    specials = getattr(tokenizer, "special_texts", ())
     if fmt == DataFormat.TEXT:
-        ids = tokenizer.encode_batch([_field(record, text_field, where)])[0] + [eos]
+        text = _field(record, text_field, where)
+        no_special_text(text, specials, where, text_field)
+        ids = tokenizer.encode_batch([text])[0] + [eos]
         return Encoded(ids, [True] * len(ids))
     if fmt == DataFormat.COMPLETION:
         prompt, completion = _field(record, "prompt", where), _field(record, "completion", where)
+        no_special_text(prompt, specials, where, "prompt")
+        no_special_text(completion, specials, where, "completion")
         p, c = tokenizer.encode_batch([prompt, completion])
         return Encoded(p + c + [eos], [train_on == "all"] * len(p) + [True] * (len(c) + 1))
     if fmt != DataFormat.CHAT:
         raise EmberError(f"[data] format = '{fmt}': use one of auto, {', '.join(FORMATS)}")
     conv = conversation(record, where)
+    for i, m in enumerate(conv.messages):
+        no_special_text(m.get("content") or "", specials, where, f"messages[{i}].content")
+        for call in m.get("tool_calls") or []:
+            no_special_text(json.dumps(call.get("function", {})), specials, where, f"messages[{i}].tool_calls")
     try:
         text, spans = tokenizer.render_chat(conv.messages, conv.tools)
     except EmberError as e:
@@ -175,6 +184,17 @@ def encode(record: Any, fmt: DataFormat, tokenizer: Any, text_field: str, train_
         last = conv.messages[-1]["role"] == "assistant" and conv.learned[-1]
         ids, targets = ids + [eos], targets + [train_on == "all" or last]
     return Encoded(ids, targets)
+
+
+def no_special_text(text: str, specials: tuple[str, ...], where: str, field: str) -> None:
+    """Refuse a record whose text holds a special token's text: the tokenizer reads it as that
+    token wherever it stands (an end of turn in the middle of an answer: the rest of it never
+    learned, and the model taught to stop there), and no warning would say so."""
+    found = next((s for s in specials if s in text), None)
+    if found is not None:
+        raise EmberError(f"{where}: {field} holds {found!r}, a special token of the tokenizer: it would be "
+                         f"read as that token, not as text (an end of turn or of document ends the learned "
+                         f"text there); remove it or write it otherwise")
 
 
 def run_format(formats: dict[str, DataFormat]) -> DataFormat:

@@ -44,8 +44,9 @@ from ember.data.tokenize import build, damaged
 from ember.data.truncation import pieces
 
 TOKEN_DTYPE = np.uint32
-STORE_VERSION = 5  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
-#                   4: a .txt file's held-out share in blocks; 5: a .txt file's line ends as written, no BOM)
+STORE_VERSION = 6  # the store's layout and encoding, in the cache key (3: one end of turn per chat turn;
+#                   4: a .txt file's held-out share in blocks; 5: a .txt file's line ends as written, no BOM;
+#                   6: a record holding a special token's text is refused: a store of one read it as the token)
 
 
 def read_documents(path: Path, text_field: str) -> list[str]:

@@ -37,6 +37,7 @@ class TextEncoder:
 
     def __init__(self, backend: Any, eos_id: int):
         self.backend, self.eos_id = backend, eos_id
+        self.special_texts = special_texts_of(backend)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """The ids of each text, without special tokens (the ids transformers' tokenizer call gives)."""
@@ -46,11 +47,19 @@ class TextEncoder:
         return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
+def special_texts_of(backend: Any) -> tuple[str, ...]:
+    """The texts a fast tokenizer reads as one special token wherever they appear in a text
+    (<|im_end|>, <|endoftext|>, ...), longest first."""
+    added = backend.get_added_tokens_decoder().values() if hasattr(backend, "get_added_tokens_decoder") else []
+    return tuple(sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True))
+
+
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0-255; 256 ends a document."""
 
     eos_id = BYTE_EOS
     vocab_size = BYTE_VOCAB
+    special_texts: tuple[str, ...] = ()  # its template's markers are plain bytes
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
@@ -107,6 +116,9 @@ class HFTokenizer:
             raise EmberError(f"tokenizer of {tok.name_or_path} has no end-of-sequence token; "
                              f"ember needs one to separate packed documents")
         self.eos_id = tok.eos_token_id
+        backend = getattr(tok, "backend_tokenizer", None)
+        self.special_texts = special_texts_of(backend) if backend is not None else \
+            tuple(sorted(set(tok.all_special_tokens), key=len, reverse=True))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         fast = self.text_encoder()

@@ -25,9 +25,8 @@ another's file. It counts as every dataset that holds it, by path (after realpat
 (its SHA-256 among a dataset's files'): the gate applies each one's permission, and the most
 restrictive classification (`holdings`). Registering a dataset that overlaps one of another
 classification is refused, naming both, unless `--override` asks for it; the override is a row of
-the audit log (`register`). So is registering a name again with a looser permission than it had
-(a less restrictive classification, a target it could not go to, a later or no expiry, another
-owner): the same `--override`, the same audit row.
+the audit log (`register`). So is registering a name again as less than it was (a less
+restrictive classification, or another owner): the same `--override`, the same audit row.
 """
 
 from __future__ import annotations
@@ -316,8 +315,8 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
              allowed_targets: list[str], expires: str, *, override: bool = False,
              ledger: Path | None = None) -> Dataset:
     """Add or replace `name` in registry file `file`, fingerprinting its files now. An overlap
-    with a dataset of another classification, or a looser permission for a name registered
-    before, is refused, or with `override` appended to the audit log in `ledger` (default
+    with a dataset of another classification, or a name registered again with a less restrictive
+    classification or another owner, is refused, or with `override` appended to the audit log in `ledger` (default
     $EMBER_HOME/ledger.db) and registered."""
     if not NAME.match(name):
         raise EmberError(f"dataset name {name!r}: letters, digits, '_', '.' and '-'")
@@ -352,9 +351,9 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
     if (found or looser) and not override:
         was = others.get(name)
         raise EmberError("\n".join([o.message(name, classification) for o in found]
-                                   + [f"'{name}' is registered in {was.source if was else file} with a stricter "
-                                      f"permission: {change}" for change in looser])
-                         + "\nnothing was registered: keep the classification, targets, expiry and owner it had, "
+                                   + [f"'{name}' is registered in {was.source if was else file} as it would no "
+                                      f"longer be: {change}" for change in looser])
+                         + "\nnothing was registered: keep the classification and owner it had, "
                          "leave the shared files out, or pass --override to register it anyway (audited; the gate "
                          "still treats each shared file as the most restrictive dataset that holds it)")
     ds.name, ds.source = name, str(file)
@@ -369,16 +368,13 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
 
 
 def loosened(old: Dataset, new: Dataset) -> list[str]:
-    """How `new` permits more than `old` did (pure): a less restrictive classification, a target
-    it could not go to, a later or no end, another owner answering for it."""
+    """What `new` changes of `old` that the overlap check guards (pure): a less restrictive
+    classification (the data, copies included, would count as less than it was registered), or
+    another owner answering for it. Targets and an expiry are the owner's to grant: the gate
+    still holds each target to its allowed classifications."""
     out = []
     if CLASSIFICATIONS.index(new.classification) < CLASSIFICATIONS.index(old.classification):
         out.append(f"classification {old.classification} -> {new.classification}")
-    added = sorted(set(new.allowed_targets) - set(old.allowed_targets))
-    if added:
-        out.append(f"may now go to {', '.join(added)}")
-    if old.expires and (not new.expires or new.expires > old.expires):
-        out.append(f"expires {old.expires} -> {new.expires or 'never'}")
     if new.owner != old.owner:
         out.append(f"owner {old.owner} -> {new.owner}")
     return out
@@ -397,8 +393,8 @@ def _others(file: Path, entries: Registry) -> Registry:
 
 def _audit_override(ds: Dataset, found: list[Overlap], looser: list[str], was: Dataset | None,
                     ledger: Path | None) -> None:
-    """The override, as a row of the gate's audit log: who registered which overlap, or which
-    looser permission over what the name had."""
+    """The override, as a row of the gate's audit log: who registered which overlap, or what the
+    name lost of what it was."""
     con = ledger_store.connect(ledger)
     try:
         audit.append(con, {

@@ -4,6 +4,7 @@ documents apart; the held-out split."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +384,25 @@ def test_a_held_out_split_shorter_than_a_row_is_named_as_the_held_out_split(tmp_
     with pytest.raises(EmberError, match=r"^\[eval\] the held-out documents hold \d+ tokens, fewer than one "
                                          r"sequence of seq_len = 512; .*\[eval\] holdout.*\[eval\] files"):
         PackedBatches(eval_tokens(path), 512, 4, 0, DataCursor())
+
+
+def test_a_record_holding_a_special_tokens_text_is_refused_naming_it(smollm2):
+    """An assistant turn 'use <|im_end|> to end; then more text' learned only 'use <|im_end|>':
+    the tokenizer read the text as SmolLM2's end of turn, the rest of the turn was never learned
+    and the model was taught to stop mid-answer, without a word. The same text in a plain-text or
+    completion record was read as the token too. Each is now a bad record, named with its field."""
+    from ember.data.tokenizer import HFTokenizer
+    tok = HFTokenizer(smollm2)
+    cases = [({"messages": [{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "use <|im_end|> to end; then more text"}]},
+              "chat", "f.jsonl:3: messages[1].content holds '<|im_end|>'"),
+             ({"text": "a file's end: <|endoftext|> and on"}, "text", "f.jsonl:3: text holds '<|endoftext|>'"),
+             ({"prompt": "say <|im_start|>", "completion": "no"}, "completion", "f.jsonl:3: prompt holds '<|im_start|>'")]
+    for record, fmt, says in cases:
+        with pytest.raises(EmberError, match=re.escape(says) + ".*read as that token, not as text"):
+            encode(record, fmt, tok, "text", "assistant", "f.jsonl:3")
+    fine = encode({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "use im_end"}]},
+                  "chat", tok, "text", "assistant", "f.jsonl:4")
+    assert tok.decode([t for t, m in zip(fine.ids, fine.targets) if m]) == "use im_end<|im_end|>"
+    assert "<|im_end|>" in tok.special_texts and "<|endoftext|>" in tok.special_texts
+    assert tok.text_encoder().special_texts == tok.special_texts  # what a tokenizing worker gets
