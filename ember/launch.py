@@ -271,8 +271,11 @@ def completed_step(out: Path, recipe: Recipe) -> int | None:
     if done is None:
         return None
     same = run.record.get("recipe_digest") == recipe.digest() or not run.material_changes(recipe)
-    # Changed data is not "completed": the run goes on to refuse it, saying what changed.
-    same_data = run.record.get("data_files") == data_file_hashes(recipe.data.files)
+    # Changed data is not "completed": the run goes on to refuse it, saying what changed. Data
+    # moved or deleted since is no change: the run completed on it (a pipeline that cleans up
+    # its data and runs the same command again is told so, not failed for a missing file).
+    recorded, now = run.record.get("data_files") or {}, data_file_hashes(recipe.data.files)
+    same_data = set(now) <= set(recorded) and all(recorded[f] == h for f, h in now.items())
     return done if same and same_data else None
 
 

@@ -49,7 +49,8 @@ SERVE_FILE = "serve.json"  # co-serving's address and token, while the run serve
 
 
 def new_run_id(path: Path) -> str:
-    return f"{path.name}-{secrets.token_hex(3)}"
+    """The folder's name and 6 hex digits: 'demo-1a2b3c' (`--out .` named by the folder it is)."""
+    return f"{path.resolve().name or 'run'}-{secrets.token_hex(3)}"
 
 
 def make_folder(path: Path) -> None:

@@ -4,6 +4,8 @@ by name, and nothing in the folder is rewritten."""
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,13 @@ def test_final_weights_are_replaced_whatever_an_earlier_killed_replacement_left(
         run.lock.release()
     assert (final / "w").read_text() == "2"
     assert not list(out.glob(".del-final*")) and not list(out.glob(".tmp-final*"))
+
+
+def test_a_run_in_the_current_folder_is_named_by_it(tmp_path, monkeypatch):
+    """`ember run r.toml --out .` gave the run the id '-e54b86' (the name of '.'), which `ember
+    report` and `compare` took for an option unless written after `--`."""
+    from ember.runfolder import new_run_id
+    (tmp_path / "demo").mkdir()
+    monkeypatch.chdir(tmp_path / "demo")
+    assert re.fullmatch(r"demo-[0-9a-f]{6}", new_run_id(Path("."))), new_run_id(Path("."))
+    assert re.fullmatch(r"run-[0-9a-f]{6}", new_run_id(Path("/")))

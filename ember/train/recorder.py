@@ -172,9 +172,9 @@ class RunRecorder:
         job, step = self.job, self.job.state.step
         job.ledger.finish("interrupted", cause)
         newest = CheckpointStore.newest_step(job.store.root)
-        job.events.info(f"{cause}: newest committed checkpoint is step {newest} (stopped "
-                        f"at step {step}); run the same command to resume", step=step,
-                        newest_checkpoint=newest)
+        held = f"newest committed checkpoint is step {newest}" if newest else "no checkpoint committed yet"
+        job.events.info(f"{cause}: {held} (stopped at step {step}); run the same command to "
+                        f"{'resume' if newest else 'start again'}", step=step, newest_checkpoint=newest)
 
     def final_saved(self, started: float) -> None:
         """The ledger event of the final weights' save, begun at `started`."""

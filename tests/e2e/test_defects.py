@@ -218,6 +218,25 @@ def test_rerunning_a_completed_run_adds_no_attempt(tmp_path):
     assert report_json(out, ledger)["goodput"]["goodput"] == goodput
 
 
+
+def test_a_completed_run_is_completed_after_its_data_is_moved_away(tmp_path):
+    """The same command over a completed run whose data was since moved or deleted loaded the
+    model and failed ('[data] files: ... does not exist'): missing files were read as changed
+    data. It answers 'already completed' and exits 0; other bytes in their place are still a change."""
+    data = tmp_path / "data.jsonl"
+    shutil.copyfile(GENESIS, data)
+    recipe = write_recipe(tmp_path, data={"files": [str(data)]}, train={"max_steps": 2}, checkpoint={"every_steps": 0})
+    out = tmp_path / "o"
+    assert_ok(run_ember("run", recipe, "--out", out, "--no-ledger"))
+    data.rename(tmp_path / "archived.jsonl")
+    again = run_ember("run", recipe, "--out", out, "--no-ledger")
+    assert_ok(again)
+    assert "already completed 2 steps" in again.stdout, again.stdout + again.stderr
+    data.write_text('{"text": "other words"}\n')
+    changed = run_ember("run", recipe, "--out", out, "--no-ledger")
+    assert changed.returncode != 0 and "already completed" not in changed.stdout, changed.stdout + changed.stderr
+
+
 # 6 ----------------------------------------------------------------------------------------------
 
 def test_a_failed_start_is_not_an_interruption(tmp_path):

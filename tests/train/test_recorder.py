@@ -63,7 +63,9 @@ def test_each_step_is_a_metrics_line_a_progress_event_and_phase_totals(job, tmp_
     assert [k for (k,) in con.execute("SELECT kind FROM events ORDER BY id")] == ["startup"]
     assert dict(con.execute("SELECT phase, seconds FROM step_phases")) == {"data": 0.5, "forward": 1.0}
     assert con.execute("SELECT outcome, detail FROM attempts").fetchall() == [("interrupted", "SIGTERM")]
-    assert any("SIGTERM: newest committed checkpoint is step 0 (stopped at step 2)" in e.message for e in job.seen)
+    # No checkpoint yet: said so (it said 'newest committed checkpoint is step 0', which there is not)
+    assert any("SIGTERM: no checkpoint committed yet (stopped at step 2); run the same command to start again"
+               in e.message for e in job.seen), [e.message for e in job.seen]
 
 
 def test_a_rank_that_does_not_write_the_run_folder_records_nothing_there(job):
