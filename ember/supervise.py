@@ -76,9 +76,7 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
     stopped, not crashed: exit 75, as a child that checkpointed."""
     runs: list[ChildRun] = []
     child: subprocess.Popen | None = None
-    stopping = stop is not None and stop.requested
-    if stopping:
-        return EXIT_INTERRUPTED
+    stopping = stop is not None and stop.requested  # no child is started then (the loop's first check)
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -117,7 +115,8 @@ def supervise(child_argv: list[str], restarts: int, base_backoff: float, events:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    events.info("supervised attempts:\n" + "\n".join(f"  {i}: {r.end - r.start:7.1f} s  {r.cause}"
-                                                      for i, r in enumerate(runs, 1)))
+    if runs:
+        events.info("supervised attempts:\n" + "\n".join(f"  {i}: {r.end - r.start:7.1f} s  {r.cause}"
+                                                          for i, r in enumerate(runs, 1)))
     return code
 

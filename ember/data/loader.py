@@ -75,8 +75,9 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
     absent when every token is learned), and `info.json` with the counts. Built streaming, by
     shards in [data] tokenize_workers processes, resumable (ember.data.tokenize)."""
     ev = ev or EvalConfig()
-    trained_on(cfg.files, ev.files)
-    eval_ids = "\0".join(f"{f}:{source_sha256(Path(f))}" for f in ev.files if Path(f).exists())
+    held = {f: source_sha256(Path(f)) for f in ev.files if Path(f).exists()}
+    trained_on(cfg.files, held)
+    eval_ids = "\0".join(f"{f}:{h}" for f, h in held.items())
     key = hashlib.sha256(f"{fingerprint}\0{cfg.text_field}\0{cfg.format}\0{cfg.train_on}\0{STORE_VERSION}\0"
                          f"{ev.holdout}\0{ev.seed}\0{eval_ids}\0{tokenizer.fingerprint(rendering=True)}"
                          .encode()).hexdigest()[:32]
@@ -103,16 +104,16 @@ def tokenize(cfg: DataConfig, tokenizer: Tokenizer, fingerprint: str, events: Ev
     return store / "train" / "tokens.npy"
 
 
-def trained_on(files: list[str], held: list[str]) -> None:
-    """Refuse an [eval] file that is a [data] file, or a copy of one: its held-out loss would be
-    over what the model trains on, and early stopping and keep_best would follow it."""
+def trained_on(files: list[str], held: dict[str, str]) -> None:
+    """Refuse an [eval] file (`held`: each with its SHA-256) that is a [data] file, or a copy of
+    one: its held-out loss would be over what the model trains on, and early stopping and
+    keep_best would follow it."""
     by_path = {os.path.realpath(f): f for f in files}
     by_content = {source_sha256(Path(f)): f for f in files if Path(f).exists()}
-    for f in held:
-        same = by_path.get(os.path.realpath(f))
-        how = "the same file as"
-        if same is None and Path(f).exists():
-            same, how = by_content.get(source_sha256(Path(f))), "a copy of"
+    for f, digest in held.items():
+        same, how = by_path.get(os.path.realpath(f)), "the same file as"
+        if same is None:
+            same, how = by_content.get(digest), "a copy of"
         if same is not None:
             raise EmberError(f"[eval] files: {f} is {how} [data] files' {same}: a held-out loss over the data the "
                              f"model trains on says nothing of what it learned. Name a file kept out of [data] "

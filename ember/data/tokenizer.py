@@ -35,9 +35,8 @@ class TextEncoder:
     Light to send to a worker process: unpickling it imports `tokenizers` alone, not
     transformers and torch (about 2.5 CPU-seconds a spawned worker saves)."""
 
-    def __init__(self, backend: Any, eos_id: int):
-        self.backend, self.eos_id = backend, eos_id
-        self.special_texts = special_texts_of(backend)
+    def __init__(self, backend: Any, eos_id: int, special_texts: tuple[str, ...]):
+        self.backend, self.eos_id, self.special_texts = backend, eos_id, special_texts
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """The ids of each text, without special tokens (the ids transformers' tokenizer call gives)."""
@@ -133,7 +132,7 @@ class HFTokenizer:
         worker process), or this tokenizer when its backend truncates or pads."""
         backend = getattr(self.tok, "backend_tokenizer", None)
         if backend is not None and backend.truncation is None and backend.padding is None:
-            return TextEncoder(backend, self.eos_id)
+            return TextEncoder(backend, self.eos_id, self.special_texts)
         return self
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:

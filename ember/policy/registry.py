@@ -316,8 +316,8 @@ def register(file: Path, name: str, paths: list[Path], owner: str, licence: str,
              ledger: Path | None = None) -> Dataset:
     """Add or replace `name` in registry file `file`, fingerprinting its files now. An overlap
     with a dataset of another classification, or a name registered again with a less restrictive
-    classification or another owner, is refused, or with `override` appended to the audit log in `ledger` (default
-    $EMBER_HOME/ledger.db) and registered."""
+    classification or another owner, is refused, or with `override` appended to the audit log in
+    `ledger` (default $EMBER_HOME/ledger.db) and registered."""
     if not NAME.match(name):
         raise EmberError(f"dataset name {name!r}: letters, digits, '_', '.' and '-'")
     if classification not in CLASSIFICATIONS:

@@ -222,7 +222,8 @@ def start_attempt(job: Job, resumed: bool, restored_at: float, launch: LaunchSpe
 def data_notes(recipe: Recipe, tokens_path: Path, events: Events) -> dict[str, Any]:
     """What the data became (format, packing, counts, long records, the tokens learned after
     the cut and the packing), for run.json; said once. Refuses a training split with no learned
-    token left, and a held-out split with none to evaluate; warns when many records lose all of theirs (ember.data.truncation)."""
+    token left, and a held-out split with none to evaluate; warns when many records lose all of
+    theirs (ember.data.truncation)."""
     info = store_info(tokens_path)
     packing, rule = resolve_packing(recipe.data, tokens_path)
     d = recipe.data
